@@ -1,0 +1,20 @@
+"""Tests that take a `device` argument run on the CPU (Triton interpreter) and, marked `gpu`, on
+CUDA/ROCm GPUs; a GPU case with more ranks than GPUs present is skipped."""
+
+import pytest
+import torch
+
+
+def pytest_generate_tests(metafunc):
+    if "device" in metafunc.fixturenames:
+        metafunc.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+
+
+@pytest.fixture(autouse=True)
+def _skip_without_gpus(request):
+    params = getattr(getattr(request.node, "callspec", None), "params", {})
+    if params.get("device") == "cuda":
+        need = params.get("world", 1)
+        have = torch.cuda.device_count()
+        if have < need:
+            pytest.skip(f"needs {need} GPUs, found {have}")

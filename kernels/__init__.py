@@ -1,0 +1,1 @@
+"""Triton kernels (imported as tp_overlap_plugin.kernels)."""

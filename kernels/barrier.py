@@ -1,0 +1,19 @@
+"""A whole-group barrier as one tiny kernel: capturable in CUDA graphs because the epoch it waits
+for lives in device memory and the kernel itself advances it."""
+
+import triton
+import triton.language as tl
+
+from tp_overlap_plugin.kernels import rma
+
+
+@triton.jit
+def barrier_kernel(flags_ptr, epoch_ptr, rank, world, heap_bases, error_ptr, max_spins):
+    epoch = tl.load(epoch_ptr) + 1
+    tl.store(epoch_ptr, epoch)
+    rma.barrier(flags_ptr, epoch, rank, world, heap_bases, error_ptr, max_spins)
+
+
+def launch_barrier(heap, flags, epoch):
+    barrier_kernel[(1,)](flags, epoch, heap.rank, heap.world_size, heap.heap_bases, heap.error,
+                         heap.spin_limit, num_warps=1)

@@ -1,0 +1,110 @@
+"""Device-side remote memory access over the symmetric heap. Every kernel that talks to a peer
+goes through these helpers.
+
+One argument order everywhere: the local pointer first, then the value (if any), then `rank` (me),
+`peer`, `heap_bases`, then options.
+
+Flags are int64 monotonic epochs with exactly one writer per slot. They are never reset: a waiter
+compares against the epoch it expects, so CUDA-graph replays (which advance the epoch in device
+memory) and the Triton interpreter (whose atomics are not atomic across processes) are both correct.
+
+Every spin is bounded. A wait that gives up records (rank, peer, flag offset, expected, seen) in the
+heap's error slot and returns False; later waits on the same rank see the slot and give up at once,
+so a dead peer costs one spin limit, not one per flag. The host turns the slot into an exception
+(SymmetricHeap.check).
+"""
+
+import triton
+import triton.language as tl
+
+# error-slot words, mirrored in tp_overlap_plugin/heap.py
+_ERR_CODE = 0
+_ERR_RANK = 1
+_ERR_PEER = 2
+_ERR_FLAG_OFFSET = 3
+_ERR_EXPECTED = 4
+_ERR_SEEN = 5
+
+
+@triton.jit
+def translate(ptr, rank, peer, heap_bases):
+    """`ptr` in my heap -> the same offset in `peer`'s heap, as mapped in this process.
+    Translate a scalar base pointer and add tensor offsets afterwards: it is one subtraction."""
+    my_base = tl.load(heap_bases + rank)
+    peer_base = tl.load(heap_bases + peer)
+    offset = ptr.to(tl.uint64) - my_base.to(tl.uint64)
+    return (peer_base.to(tl.pointer_type(tl.int8)) + offset).to(ptr.dtype, bitcast=True)
+
+
+@triton.jit
+def load(ptr, rank, peer, heap_bases, mask=None, other=None):
+    return tl.load(translate(ptr, rank, peer, heap_bases), mask=mask, other=other)
+
+
+@triton.jit
+def store(ptr, value, rank, peer, heap_bases, mask=None):
+    tl.store(translate(ptr, rank, peer, heap_bases), value, mask=mask)
+
+
+@triton.jit
+def atomic_add(ptr, value, rank, peer, heap_bases, mask=None, sem: tl.constexpr = "acq_rel",
+               scope: tl.constexpr = "sys"):
+    return tl.atomic_add(translate(ptr, rank, peer, heap_bases), value, mask=mask, sem=sem, scope=scope)
+
+
+@triton.jit
+def atomic_xchg(ptr, value, rank, peer, heap_bases, mask=None, sem: tl.constexpr = "acq_rel",
+                scope: tl.constexpr = "sys"):
+    return tl.atomic_xchg(translate(ptr, rank, peer, heap_bases), value, mask=mask, sem=sem, scope=scope)
+
+
+@triton.jit
+def atomic_cas(ptr, compare, value, rank, peer, heap_bases, sem: tl.constexpr = "acq_rel",
+               scope: tl.constexpr = "sys"):
+    return tl.atomic_cas(translate(ptr, rank, peer, heap_bases), compare, value, sem=sem, scope=scope)
+
+
+@triton.jit
+def signal_set(flag_ptr, value, rank, peer, heap_bases):
+    """Publish `value` into `peer`'s copy of the flag after all of this program's earlier stores.
+    The CTA barrier orders every thread's stores before the one releasing atomic (cumulativity)."""
+    tl.debug_barrier()
+    tl.atomic_xchg(translate(flag_ptr, rank, peer, heap_bases), value, sem="release", scope="sys")
+
+
+@triton.jit
+def signal_wait(flag_ptr, expected, rank, peer, heap_bases, error_ptr, max_spins):
+    """Wait until my flag (written by `peer`) reaches `expected`; False if it gave up.
+    Polls with volatile loads (cheapest round trip measured) and acquires once at the end."""
+    seen = tl.load(flag_ptr, volatile=True)
+    failed = tl.load(error_ptr, volatile=True)
+    spins = 0
+    while (seen < expected) & (failed == 0) & (spins < max_spins):
+        seen = tl.load(flag_ptr, volatile=True)
+        failed = tl.load(error_ptr, volatile=True)
+        spins += 1
+    ok = seen >= expected
+    if ok:
+        tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    else:
+        if tl.atomic_cas(error_ptr, 0, -1, sem="acq_rel", scope="gpu") == 0:
+            my_base = tl.load(heap_bases + rank)
+            tl.store(error_ptr + _ERR_RANK, rank)
+            tl.store(error_ptr + _ERR_PEER, peer)
+            tl.store(error_ptr + _ERR_FLAG_OFFSET, flag_ptr.to(tl.int64) - my_base)
+            tl.store(error_ptr + _ERR_EXPECTED, expected)
+            tl.store(error_ptr + _ERR_SEEN, seen)
+            tl.atomic_xchg(error_ptr, 1, sem="release", scope="gpu")
+    tl.debug_barrier()
+    return ok
+
+
+@triton.jit
+def barrier(flags_ptr, epoch, rank, world, heap_bases, error_ptr, max_spins):
+    """All `world` ranks meet at `epoch`. flags_ptr[s] in my heap is written only by rank s."""
+    for peer in range(world):
+        signal_set(flags_ptr + rank, epoch, rank, peer, heap_bases)
+    ok = True
+    for peer in range(world):
+        ok = ok & signal_wait(flags_ptr + peer, epoch, rank, peer, heap_bases, error_ptr, max_spins)
+    return ok

@@ -1,0 +1,1 @@
+"""Light serving engine (imported as tp_overlap_plugin.serving)."""

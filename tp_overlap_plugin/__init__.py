@@ -1,0 +1,1 @@
+"""tp-overlap: overlapped tensor-parallel layers over a symmetric heap."""

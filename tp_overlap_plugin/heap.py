@@ -1,0 +1,409 @@
+"""The symmetric heap: one region of `heap_size` bytes per rank, mapped into every rank.
+
+Every rank carves tensors from its region with the same sequence of `alloc` calls, so a tensor lives
+at the same offset in every rank's heap. A kernel reaches a peer's copy by translating a local
+pointer through `heap_bases` (kernels/rma.py): rank r's heap is mapped at `heap_bases[r]` in this
+process.
+
+Backends, chosen by device type (override with `backend=` or TP_OVERLAP_HEAP_BACKEND):
+  * "torch"  - torch symmetric memory (CUDA; ROCm where torch supports it).
+  * "ipc"    - cudaMalloc/hipMalloc + IPC handles through ctypes; the ROCm fallback.
+  * "shm"    - a /dev/shm file per rank mmap'd by all ranks; the Triton interpreter on the CPU
+               dereferences these addresses directly.
+
+The first bytes of every heap hold a control block: an error slot that bounded spin-waits fill in
+when they give up (`check()` turns it into a RankTimeoutError) and the flags of the host barrier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import mmap
+import os
+import uuid
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+ALIGN = 256
+DEFAULT_HEAP_SIZE = 256 << 20
+HEAP_SIZE_SETTING = "heap_size (TP_OVERLAP_HEAP_SIZE, or tp_overlap.heap_size in the engine config)"
+SHM_PREFIX = "tp_overlap-"
+
+# Error-slot layout (int64 words). Written only by a kernel whose spin-wait gave up.
+ERR_CODE, ERR_RANK, ERR_PEER, ERR_FLAG_OFFSET, ERR_EXPECTED, ERR_SEEN = range(6)
+ERR_WORDS = 8
+ERR_TIMEOUT = 1
+
+
+class HeapExhaustedError(MemoryError):
+    pass
+
+
+class RankTimeoutError(RuntimeError):
+    """A bounded spin-wait gave up: a peer never set the flag it was waiting for."""
+
+
+def default_backend(device: torch.device) -> str:
+    env = os.environ.get("TP_OVERLAP_HEAP_BACKEND")
+    if env:
+        return env
+    if device.type == "cpu":
+        return "shm"
+    if torch.version.hip is not None:
+        # torch's ROCm symmetric memory goes through VMM/DMA-BUF and had a double-hipMemMap bug
+        # until mid-2026; plain hipMalloc + IPC handles map XGMI peers directly.
+        return "ipc"
+    return "torch"
+
+
+def default_heap_size() -> int:
+    return int(os.environ.get("TP_OVERLAP_HEAP_SIZE", DEFAULT_HEAP_SIZE))
+
+
+def default_spin_limit(device: torch.device) -> int:
+    env = os.environ.get("TP_OVERLAP_SPIN_LIMIT")
+    if env:
+        return int(env)
+    # The interpreter spends ~0.1 ms per poll; a GPU ~0.5 us. Both give up after roughly 20 s.
+    return 200_000 if device.type == "cpu" else 40_000_000
+
+
+@dataclass(frozen=True)
+class Allocation:
+    name: str
+    offset: int
+    nbytes: int
+
+
+class SymmetricHeap:
+    """One rank's view of the symmetric heap. Collective: every rank constructs it together."""
+
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device | str,
+                 heap_size: int | None = None, backend: str | None = None,
+                 spin_limit: int | None = None):
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.heap_size = int(heap_size if heap_size is not None else default_heap_size())
+        if self.heap_size < 64 << 10 or self.heap_size % ALIGN:
+            raise ValueError(f"heap_size must be a multiple of {ALIGN} bytes and at least 64 KiB, "
+                             f"got {self.heap_size}")
+        self.backend_name = backend or default_backend(self.device)
+        self.spin_limit = spin_limit if spin_limit is not None else default_spin_limit(self.device)
+        backend_cls = _BACKENDS.get(self.backend_name)
+        if backend_cls is None:
+            raise ValueError(f"unknown heap backend {self.backend_name!r}; choose from {sorted(_BACKENDS)}")
+        self._backend = backend_cls(self)
+        self.buffer, self.peer_buffers = self._backend.map()
+        self.heap_bases = torch.tensor([b.data_ptr() for b in self.peer_buffers], dtype=torch.int64,
+                                       device=self.device)
+        self._offset = 0
+        self._allocations: list[Allocation] = []
+        self._closed = False
+        self.error = self.alloc((ERR_WORDS,), torch.int64, name="error_slot")
+        self.error.zero_()
+        self._barrier_flags = self.alloc((self.world_size,), torch.int64, name="host_barrier.flags")
+        self._barrier_flags.zero_()
+        self._barrier_epoch = self.alloc((1,), torch.int64, name="host_barrier.epoch")
+        self._barrier_epoch.zero_()
+        # Control block must be zeroed everywhere before any peer may write into it.
+        dist.barrier(group=self.group)
+
+    # ---- allocation -------------------------------------------------------------------------
+
+    @property
+    def used(self) -> int:
+        return self._offset
+
+    @property
+    def free(self) -> int:
+        return self.heap_size - self._offset
+
+    def alloc(self, shape, dtype: torch.dtype, name: str = "tensor") -> torch.Tensor:
+        """Carve a tensor at the next ALIGN-aligned offset. Every rank must make the same calls."""
+        self._check_open()
+        shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,)))
+        if any(s < 0 for s in shape):
+            raise ValueError(f"negative dimension in shape {shape}")
+        numel = 1
+        for s in shape:
+            numel *= s
+        elsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * elsize
+        start = -(-self._offset // ALIGN) * ALIGN
+        if start + nbytes > self.heap_size:
+            raise HeapExhaustedError(
+                f"symmetric heap exhausted allocating {name!r}: requested {nbytes} bytes, "
+                f"{max(self.heap_size - start, 0)} of {self.heap_size} bytes free; raise {HEAP_SIZE_SETTING}")
+        self._offset = start + nbytes
+        self._allocations.append(Allocation(name, start, nbytes))
+        return self.buffer[start:start + nbytes].view(dtype).view(shape)
+
+    @contextlib.contextmanager
+    def scope(self):
+        """Allocations made inside are released on exit, so per-step scratch reuses the space."""
+        mark, count = self._offset, len(self._allocations)
+        try:
+            yield self
+        finally:
+            self._offset = mark
+            del self._allocations[count:]
+
+    def offset_of(self, t: torch.Tensor) -> int:
+        off = t.data_ptr() - self.buffer.data_ptr()
+        if not 0 <= off < self.heap_size:
+            raise ValueError("tensor does not live in this symmetric heap")
+        return off
+
+    def peer_view(self, t: torch.Tensor, peer: int) -> torch.Tensor:
+        """The same tensor in `peer`'s heap, as a tensor of this process (host-side access)."""
+        off = self.offset_of(t)
+        nbytes = t.numel() * t.element_size()
+        return self.peer_buffers[peer][off:off + nbytes].view(t.dtype).view(t.shape)
+
+    def describe_offset(self, off: int) -> str:
+        for a in reversed(self._allocations):
+            if a.offset <= off < a.offset + max(a.nbytes, 1):
+                return f"{a.name}+{off - a.offset}B"
+        return f"heap offset {off}"
+
+    # ---- errors and host synchronisation ------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise if a kernel of this rank gave up waiting on a peer. Synchronises with the device."""
+        err = self.error.tolist()
+        if err[ERR_CODE] == 0:
+            return
+        raise RankTimeoutError(
+            f"rank {err[ERR_RANK]} gave up after {self.spin_limit} spins waiting for rank "
+            f"{err[ERR_PEER]} to set flag {self.describe_offset(err[ERR_FLAG_OFFSET])} to epoch "
+            f"{err[ERR_EXPECTED]} (saw {err[ERR_SEEN]}); the peer crashed, hung, or the ranks "
+            f"issued different collectives. The heap is unusable now; restart the group.")
+
+    def barrier(self) -> None:
+        """Device-side barrier across the heap's ranks (the same kernel graphs capture)."""
+        from tp_overlap_plugin.kernels.barrier import launch_barrier
+        launch_barrier(self, self._barrier_flags, self._barrier_epoch)
+        if self.device.type == "cpu":
+            self.check()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._backend.close()
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("symmetric heap is closed")
+
+    def __repr__(self):
+        return (f"SymmetricHeap(rank={self.rank}/{self.world_size}, device={self.device}, "
+                f"backend={self.backend_name}, used={self.used}/{self.heap_size})")
+
+
+# ---- backends ---------------------------------------------------------------------------------
+
+
+class _ShmBackend:
+    """A /dev/shm file per rank. Files are unlinked as soon as every rank has mapped them, so a
+    crash after setup leaves nothing behind; before that, an atexit hook and the harness clean up."""
+
+    def __init__(self, heap: SymmetricHeap):
+        self.heap = heap
+        self.maps: list[mmap.mmap] = []
+        self.paths: list[str] = []
+
+    def map(self):
+        h = self.heap
+        token = [uuid.uuid4().hex[:12] if h.rank == 0 else None]
+        dist.broadcast_object_list(token, src=dist.get_global_rank(h.group, 0), group=h.group)
+        path = f"/dev/shm/{SHM_PREFIX}{os.getpid()}-{token[0]}-r{h.rank}"
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        _register_unlink(path)
+        try:
+            os.ftruncate(fd, h.heap_size)
+        finally:
+            os.close(fd)
+        paths = [None] * h.world_size
+        dist.all_gather_object(paths, path, group=h.group)
+        buffers = []
+        for p in paths:
+            fd = os.open(p, os.O_RDWR)
+            try:
+                m = mmap.mmap(fd, h.heap_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            self.maps.append(m)
+            buffers.append(torch.frombuffer(m, dtype=torch.uint8))
+        dist.barrier(group=h.group)
+        _unlink_now(path)
+        return buffers[h.rank], buffers
+
+    def close(self):
+        # Tensors created by frombuffer pin the mmaps; dropping our references is enough.
+        self.maps.clear()
+
+
+class _TorchSymmBackend:
+    def __init__(self, heap: SymmetricHeap):
+        self.heap = heap
+
+    def map(self):
+        import torch.distributed._symmetric_memory as symm_mem
+        h = self.heap
+        group_name = h.group.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            try:
+                symm_mem.enable_symm_mem_for_group(group_name)
+            except Exception:  # already enabled, or not needed by this torch
+                pass
+        with torch.cuda.device(h.device):
+            self.local = symm_mem.empty(h.heap_size, dtype=torch.uint8, device=h.device)
+            self.handle = symm_mem.rendezvous(self.local, group_name)
+        peers = [self.handle.get_buffer(r, (h.heap_size,), torch.uint8) if r != h.rank else self.local
+                 for r in range(h.world_size)]
+        return self.local, peers
+
+    def close(self):
+        pass
+
+
+class _IpcBackend:
+    """Runtime malloc + IPC handles through ctypes (libamdhip64 on ROCm, libcudart on CUDA).
+
+    The heap must come from the runtime's own malloc (IPC on memory from torch's caching allocator
+    failed here), and peers' handles are opened on the local device: opening them under the
+    peer's device guard gave addresses the kernel faulted on."""
+
+    HANDLE_BYTES = 64
+
+    def __init__(self, heap: SymmetricHeap):
+        self.heap = heap
+        self.hip = torch.version.hip is not None
+        self.lib = _load_runtime(self.hip)
+        self.prefix = "hip" if self.hip else "cuda"
+        self.local_ptr = ctypes.c_void_p()
+        self.opened: list[int] = []
+
+    def _call(self, fn, *args):
+        rc = getattr(self.lib, self.prefix + fn)(*args)
+        if rc != 0:
+            raise RuntimeError(f"{self.prefix}{fn} failed with error code {rc}")
+
+    def map(self):
+        h = self.heap
+        with torch.cuda.device(h.device):
+            self._call("Malloc", ctypes.byref(self.local_ptr), ctypes.c_size_t(h.heap_size))
+            handle = (ctypes.c_byte * self.HANDLE_BYTES)()
+            self._call("IpcGetMemHandle", ctypes.byref(handle), self.local_ptr)
+            handles = [None] * h.world_size
+            dist.all_gather_object(handles, bytes(handle), group=h.group)
+            ptrs = []
+            for r, hb in enumerate(handles):
+                if r == h.rank:
+                    ptrs.append(self.local_ptr.value)
+                    continue
+                peer_ptr = ctypes.c_void_p()
+                peer_handle = (ctypes.c_byte * self.HANDLE_BYTES).from_buffer_copy(hb)
+                self._call("IpcOpenMemHandle", ctypes.byref(peer_ptr), peer_handle,
+                           ctypes.c_uint(1))  # LazyEnablePeerAccess
+                self.opened.append(peer_ptr.value)
+                ptrs.append(peer_ptr.value)
+        buffers = [_wrap_device_pointer(p, h.heap_size, h.device, owner=self) for p in ptrs]
+        return buffers[h.rank], buffers
+
+    def close(self):
+        with torch.cuda.device(self.heap.device):
+            torch.cuda.synchronize()
+            for p in self.opened:
+                getattr(self.lib, self.prefix + "IpcCloseMemHandle")(ctypes.c_void_p(p))
+            self.opened.clear()
+            if self.local_ptr.value:
+                getattr(self.lib, self.prefix + "Free")(self.local_ptr)
+                self.local_ptr = ctypes.c_void_p()
+
+
+_BACKENDS = {"shm": _ShmBackend, "torch": _TorchSymmBackend, "ipc": _IpcBackend}
+
+
+def _load_runtime(hip: bool):
+    names = (["libamdhip64.so", "libamdhip64.so.6", "libamdhip64.so.7"] if hip else
+             ["libcudart.so", "libcudart.so.13", "libcudart.so.12"])
+    found = ctypes.util.find_library("amdhip64" if hip else "cudart")
+    if found:
+        names.insert(0, found)
+    if not hip:
+        # pip wheels of the CUDA runtime sit beside torch rather than on the loader path
+        try:
+            import nvidia.cuda_runtime as ncr  # type: ignore
+            for d in ncr.__path__:
+                for sub in ("lib", ""):
+                    libdir = os.path.join(d, sub)
+                    if os.path.isdir(libdir):
+                        names += [os.path.join(libdir, f) for f in sorted(os.listdir(libdir))
+                                  if f.startswith("libcudart.so")]
+        except ImportError:
+            pass
+    errors = []
+    for n in names:
+        try:
+            return ctypes.CDLL(n)
+        except OSError as e:
+            errors.append(f"{n}: {e}")
+    raise RuntimeError("heap backend 'ipc' could not load the GPU runtime: " + "; ".join(errors))
+
+
+class _DeviceArray:
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+def _wrap_device_pointer(ptr: int, nbytes: int, device: torch.device, owner) -> torch.Tensor:
+    t = torch.as_tensor(_DeviceArray(ptr, nbytes), device=device)
+    # keep the backend (which frees the memory) alive as long as any view exists
+    weakref.finalize(t, lambda o: None, owner)
+    return t
+
+
+# ---- /dev/shm hygiene -------------------------------------------------------------------------
+
+_pending_unlinks: set[str] = set()
+
+
+def _unlink_now(path: str) -> None:
+    _pending_unlinks.discard(path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _unlink_all() -> None:
+    for p in list(_pending_unlinks):
+        _unlink_now(p)
+
+
+def _register_unlink(path: str) -> None:
+    if not _pending_unlinks:
+        import atexit
+        atexit.register(_unlink_all)
+    _pending_unlinks.add(path)
+
+
+def remove_stale_shm(pids) -> list[str]:
+    """Remove heap files created by the given (dead) processes; the harness calls this."""
+    removed = []
+    pids = {str(p) for p in pids}
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(SHM_PREFIX) and name[len(SHM_PREFIX):].split("-", 1)[0] in pids:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join("/dev/shm", name))
+                removed.append(name)
+    return removed
