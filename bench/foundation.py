@@ -45,7 +45,7 @@ def _remote_copy_kernel(src_ptr, dst_ptr, n, rank, peer, heap_bases, PULL: tl.co
 def _bench_rank(ctx, quick):
     h, W = ctx.heap, ctx.world_size
     peer = (ctx.rank + 1) % W
-    n = COPY_BYTES // 16
+    n = COPY_BYTES // 8
     heap_buf = h.alloc((n,), torch.int64, name="bench.copy").view(torch.float64)
     heap_buf.normal_()
     local = torch.empty_like(heap_buf)

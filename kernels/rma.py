@@ -18,12 +18,17 @@ import triton
 import triton.language as tl
 
 # error-slot words, mirrored in tp_overlap_plugin/heap.py
-_ERR_CODE = 0
-_ERR_RANK = 1
-_ERR_PEER = 2
-_ERR_FLAG_OFFSET = 3
-_ERR_EXPECTED = 4
-_ERR_SEEN = 5
+_ERR_CODE = tl.constexpr(0)
+_ERR_RANK = tl.constexpr(1)
+_ERR_PEER = tl.constexpr(2)
+_ERR_FLAG_OFFSET = tl.constexpr(3)
+_ERR_EXPECTED = tl.constexpr(4)
+_ERR_SEEN = tl.constexpr(5)
+
+# Defaults of constexpr parameters must be constexpr objects: Triton 3.6 passes a plain str
+# default through unwrapped and fails to compile the call.
+_ACQ_REL = tl.constexpr("acq_rel")
+_SYS = tl.constexpr("sys")
 
 
 @triton.jit
@@ -47,21 +52,23 @@ def store(ptr, value, rank, peer, heap_bases, mask=None):
 
 
 @triton.jit
-def atomic_add(ptr, value, rank, peer, heap_bases, mask=None, sem: tl.constexpr = "acq_rel",
-               scope: tl.constexpr = "sys"):
+def atomic_add(ptr, value, rank, peer, heap_bases, mask=None, sem: tl.constexpr = _ACQ_REL,
+               scope: tl.constexpr = _SYS):
     return tl.atomic_add(translate(ptr, rank, peer, heap_bases), value, mask=mask, sem=sem, scope=scope)
 
 
 @triton.jit
-def atomic_xchg(ptr, value, rank, peer, heap_bases, mask=None, sem: tl.constexpr = "acq_rel",
-                scope: tl.constexpr = "sys"):
+def atomic_xchg(ptr, value, rank, peer, heap_bases, mask=None, sem: tl.constexpr = _ACQ_REL,
+                scope: tl.constexpr = _SYS):
     return tl.atomic_xchg(translate(ptr, rank, peer, heap_bases), value, mask=mask, sem=sem, scope=scope)
 
 
 @triton.jit
-def atomic_cas(ptr, compare, value, rank, peer, heap_bases, sem: tl.constexpr = "acq_rel",
-               scope: tl.constexpr = "sys"):
-    return tl.atomic_cas(translate(ptr, rank, peer, heap_bases), compare, value, sem=sem, scope=scope)
+def atomic_cas(ptr, compare, value, rank, peer, heap_bases, sem: tl.constexpr = _ACQ_REL,
+               scope: tl.constexpr = _SYS):
+    ty = ptr.dtype.element_ty
+    return tl.atomic_cas(translate(ptr, rank, peer, heap_bases), tl.cast(compare, ty), tl.cast(value, ty),
+                         sem=sem, scope=scope)
 
 
 @triton.jit
@@ -87,7 +94,8 @@ def signal_wait(flag_ptr, expected, rank, peer, heap_bases, error_ptr, max_spins
     if ok:
         tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     else:
-        if tl.atomic_cas(error_ptr, 0, -1, sem="acq_rel", scope="gpu") == 0:
+        claim = tl.atomic_cas(error_ptr, tl.cast(0, tl.int64), tl.cast(-1, tl.int64), sem="acq_rel", scope="gpu")
+        if claim == 0:
             my_base = tl.load(heap_bases + rank)
             tl.store(error_ptr + _ERR_RANK, rank)
             tl.store(error_ptr + _ERR_PEER, peer)
