@@ -1,4 +1,4 @@
-"""One-shot all-reduce over the heap vs a float64 sum, on real rank processes."""
+"""One-shot and two-shot all-reduce over the heap vs a float64 sum, on real rank processes."""
 
 import pytest
 import torch
@@ -23,10 +23,11 @@ def _all_reduce_cases(ctx, seed, repeats):
     for dtype in DTYPES:
         for numel in SIZES:
             for rep in range(repeats):
-                x = _inputs(seed + rep, ctx.world_size, numel, dtype)[ctx.rank].to(ctx.device)
-                y = torch.full_like(x, float("nan"))  # poisoned: every element must be written
-                comm(x, out=y)
-                out.append((dtype, numel, rep, y))
+                for algorithm in ("one_shot", "two_shot"):  # interleaved: they share chunk epochs
+                    x = _inputs(seed + rep, ctx.world_size, numel, dtype)[ctx.rank].to(ctx.device)
+                    y = torch.full_like(x, float("nan"))  # poisoned: every element must be written
+                    comm(x, out=y, algorithm=algorithm)
+                    out.append((dtype, numel, rep, y))
     ctx.heap.check()
     out = [(dt, n, rep, y.cpu()) for dt, n, rep, y in out]
     # not covered by the kernel: must fall back to torch.distributed, never answer wrongly
@@ -44,7 +45,7 @@ def _all_reduce_cases(ctx, seed, repeats):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_one_shot_all_reduce_matches_float64_sum(world, device):
+def test_all_reduce_matches_float64_sum(world, device):
     seed, repeats = int(torch.randint(0, 2**30, ())), (2 if device == "cpu" else 10)
     results = run_ranks(_all_reduce_cases, world, (seed, repeats), device=device, heap_size=1 << 20,
                         timeout=240)
@@ -61,5 +62,6 @@ def test_one_shot_all_reduce_matches_float64_sum(world, device):
         assert torch.equal(ints, torch.arange(5, dtype=torch.int32) * W * (W + 1) // 2)
         assert torch.equal(strided, sum(torch.arange(0, 10, 2, dtype=torch.float32) + q for q in range(W)))
         assert counts["all_reduce.one_shot"] == len(DTYPES) * len(SIZES) * repeats
+        assert counts["all_reduce.two_shot"] == len(DTYPES) * len(SIZES) * repeats
         assert counts["all_reduce.fallback"] == 3
         assert "but the heap is on" in bad_device

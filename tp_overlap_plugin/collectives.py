@@ -8,10 +8,14 @@ import triton
 
 from tp_overlap_plugin import stats
 from tp_overlap_plugin.heap import SymmetricHeap
-from tp_overlap_plugin.kernels.allreduce import CHUNK_BYTES, one_shot_all_reduce_kernel
+from tp_overlap_plugin.kernels.allreduce import CHUNK_BYTES, one_shot_all_reduce_kernel, two_shot_all_reduce_kernel
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEFAULT_MAX_BYTES = 8 << 20
+# Messages at least this large take the two-shot kernel (bench/results/foundation-*: measured
+# crossover on H200x2 in CUDA graphs).
+DEFAULT_TWO_SHOT_BYTES = 256 << 10
+ALGORITHMS = ("auto", "one_shot", "two_shot")
 
 
 def _num_programs(device: torch.device) -> int:
@@ -31,18 +35,21 @@ class HeapAllReduce:
     """
 
     def __init__(self, heap: SymmetricHeap, max_bytes: int = DEFAULT_MAX_BYTES,
-                 device_group: dist.ProcessGroup | None = None):
+                 device_group: dist.ProcessGroup | None = None, two_shot_bytes: int = DEFAULT_TWO_SHOT_BYTES):
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self.heap = heap
         self.device_group = device_group if device_group is not None else dist.group.WORLD
         self.max_bytes = -(-max_bytes // CHUNK_BYTES) * CHUNK_BYTES
         chunks = self.max_bytes // CHUNK_BYTES
+        self.two_shot_bytes = two_shot_bytes
         self.stage = heap.alloc((self.max_bytes,), torch.uint8, name="all_reduce.stage")
+        self.result = heap.alloc((self.max_bytes,), torch.uint8, name="all_reduce.result")
         self.ready = heap.alloc((chunks, heap.world_size), torch.int64, name="all_reduce.ready")
         self.done = heap.alloc((chunks, heap.world_size), torch.int64, name="all_reduce.done")
+        self.reduced = heap.alloc((chunks,), torch.int64, name="all_reduce.reduced")
         self.epochs = heap.alloc((chunks,), torch.int64, name="all_reduce.epochs")
-        for t in (self.ready, self.done, self.epochs):
+        for t in (self.ready, self.done, self.reduced, self.epochs):
             t.zero_()
         self.num_programs = _num_programs(heap.device)
         # no peer may raise a flag in my heap before I have zeroed it
@@ -52,7 +59,9 @@ class HeapAllReduce:
         return (x.dtype in KERNEL_DTYPES and x.is_contiguous()
                 and x.numel() * x.element_size() <= self.max_bytes)
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, algorithm: str = "auto") -> torch.Tensor:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"all_reduce algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         if x.device != self.heap.device:
             raise ValueError(f"all_reduce input is on {x.device}, but the heap is on {self.heap.device}")
         if out is None:
@@ -68,13 +77,22 @@ class HeapAllReduce:
             out.copy_(x)
             dist.all_reduce(out, group=self.device_group)
             return out
-        stats.record("all_reduce.one_shot")
+        nbytes = x.numel() * x.element_size()
+        if algorithm == "auto":
+            algorithm = "two_shot" if nbytes >= self.two_shot_bytes else "one_shot"
+        stats.record(f"all_reduce.{algorithm}")
         block = CHUNK_BYTES // x.element_size()
         grid = (min(triton.cdiv(x.numel(), block), self.num_programs),)
         h = self.heap
-        one_shot_all_reduce_kernel[grid](
-            x, out, self.stage.view(x.dtype), self.ready, self.done, self.epochs, x.numel(),
-            h.rank, h.world_size, h.heap_bases, h.error, h.spin_limit, BLOCK=block, num_warps=4)
+        common = dict(rank=h.rank, world=h.world_size, heap_bases=h.heap_bases, error_ptr=h.error,
+                      max_spins=h.spin_limit, BLOCK=block, num_warps=4)
+        if algorithm == "one_shot":
+            one_shot_all_reduce_kernel[grid](x, out, self.stage.view(x.dtype), self.ready, self.done,
+                                             self.epochs, x.numel(), **common)
+        else:
+            two_shot_all_reduce_kernel[grid](x, out, self.stage.view(x.dtype), self.result.view(x.dtype),
+                                             self.ready, self.done, self.reduced, self.epochs, x.numel(),
+                                             **common)
         if h.device.type == "cpu":
             h.check()
         return out

@@ -1,0 +1,298 @@
+"""AG-GEMM / GEMM-RS / all-reduce benchmark on GPUs, one command, every kernel warm on every rank:
+
+    python bench/overlap.py --tp 2 [--out bench/results] [--quick]
+
+Per Llama TP shape: cuBLAS GEMM alone, NCCL comm alone, sequential (NCCL + cuBLAS), torch
+symmetric-memory fused op, our Triton GEMM alone, ours overlapped; ratios vs sequential and vs the
+floor max(cuBLAS, NCCL). Then an M sweep on the 8B shapes (the dispatch table), a tile-config sweep
+of our GEMM, and the all-reduce sweep 8 KB-64 MB (one-shot, two-shot, NCCL, torch; eager and in a
+CUDA graph). Times are the max over ranks of each rank's median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import environment, graph_time_per_call_ms, md_table, time_per_call_ms, write_results  # noqa: E402
+
+from tp_overlap_plugin.collectives import HeapAllReduce  # noqa: E402
+from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
+from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter, TileConfig, gemm  # noqa: E402
+
+# (model, layer, op, K, N) for TP=W: column-parallel N and row-parallel K are divided by W.
+LLAMA = {
+    "8B": dict(hidden=4096, inter=14336, q=4096, kv=1024),
+    "70B": dict(hidden=8192, inter=28672, q=8192, kv=1024),
+}
+
+
+def llama_shapes(world: int):
+    out = []
+    for name, d in LLAMA.items():
+        out += [(name, "qkv", "ag", d["hidden"], (d["q"] + 2 * d["kv"]) // world),
+                (name, "o_proj", "rs", d["q"] // world, d["hidden"]),
+                (name, "gate_up", "ag", d["hidden"], 2 * d["inter"] // world),
+                (name, "down", "rs", d["inter"] // world, d["hidden"])]
+    return out
+
+
+CONFIGS = [TileConfig(128, 256, 64, 8, 8, 3), TileConfig(128, 256, 64, 8, 8, 4), TileConfig(128, 128, 64, 8, 4, 4),
+           TileConfig(128, 128, 64, 8, 8, 3), TileConfig(256, 128, 64, 8, 8, 3), TileConfig(128, 128, 128, 8, 8, 2)]
+AR_SIZES = [8 << 10, 32 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20, 32 << 20, 64 << 20]
+
+
+def _torch_fused(ctx):
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+        return ctx.device_group.group_name
+    except Exception:
+        return None
+
+
+def _measure_shape(ctx, op, m, k, n, gname, results, key, calls):
+    """Times every variant of one (op, M, K, N) on this rank; fills results[key]."""
+    W, dev, h = ctx.world_size, ctx.device, ctx.heap
+    rows = m // W
+    gen = torch.Generator(device=dev).manual_seed(1234 + ctx.rank)
+    row = {"op": op, "M": m, "K": k, "N": n}
+    with h.scope():
+        if op == "ag":
+            a_shard = torch.randn(rows, k, device=dev, dtype=torch.bfloat16, generator=gen)
+            b = torch.randn(k, n, device=dev, dtype=torch.bfloat16, generator=gen) / k ** 0.5
+            a_full = torch.empty(m, k, device=dev, dtype=torch.bfloat16)
+            fused = AllGatherGemm(h, rows, k)
+            variants = {
+                "cublas": lambda: torch.matmul(a_full, b),
+                "nccl": lambda: dist.all_gather_into_tensor(a_full, a_shard, group=ctx.device_group),
+                "sequential": lambda: (dist.all_gather_into_tensor(a_full, a_shard, group=ctx.device_group),
+                                       torch.matmul(a_full, b)),
+                "triton_gemm": lambda: gemm(a_full, b),
+                "ours": lambda: fused(a_shard, b),
+            }
+            if gname:
+                variants["torch_fused"] = lambda: torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [b], 0, gname)
+            dist.all_gather_into_tensor(a_full, a_shard, group=ctx.device_group)
+            ref = torch.matmul(a_full, b).float()
+        else:
+            a = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen)
+            b = torch.randn(k, n, device=dev, dtype=torch.bfloat16, generator=gen) / k ** 0.5
+            full = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+            shard = torch.empty(rows, n, device=dev, dtype=torch.bfloat16)
+            fused = GemmReduceScatter(h, rows, n)
+            variants = {
+                "cublas": lambda: torch.matmul(a, b, out=full),
+                "nccl": lambda: dist.reduce_scatter_tensor(shard, full, group=ctx.device_group),
+                "sequential": lambda: (torch.matmul(a, b, out=full),
+                                       dist.reduce_scatter_tensor(shard, full, group=ctx.device_group)),
+                "triton_gemm": lambda: gemm(a, b),
+                "ours": lambda: fused(a, b),
+            }
+            if gname:
+                variants["torch_fused"] = lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, gname)
+            ref = torch.matmul(a, b).float()
+            dist.all_reduce(ref, group=ctx.device_group)
+            ref = ref[ctx.rank * rows:(ctx.rank + 1) * rows]
+        got = variants["ours"]().float()
+        torch.cuda.synchronize()
+        row["ours_rel_err"] = ((got - ref).norm() / ref.norm()).item()
+        for name, fn in variants.items():
+            try:
+                fn()
+                torch.cuda.synchronize()
+                row[name] = time_per_call_ms(fn, calls=calls, samples=9, group=ctx.group)
+            except Exception as e:
+                row[name + "_error"] = repr(e)[:300]
+        h.check()
+    results[key] = row
+
+
+def _bench_rank(ctx, quick):
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+    gname = _torch_fused(ctx)
+    W = ctx.world_size
+    out = {"shapes": {}, "sweep": {}, "configs": [], "all_reduce": [], "errors": []}
+    ms = [2048] if quick else [2048, 8192]
+    for model, layer, op, k, n in llama_shapes(W):
+        for m in ms:
+            try:
+                _measure_shape(ctx, op, m, k, n, gname, out["shapes"], f"{model}/{layer}/{m}", 5)
+            except Exception:
+                out["errors"].append(f"{model}/{layer}/{m}: {traceback.format_exc()[-800:]}")
+    sweep_ms = [W, 16, 128, 512, 2048, 8192] if quick else [W, 16, 64, 256, 1024, 4096, 16384]
+    for model, layer, op, k, n in llama_shapes(W):
+        if model != "8B":
+            continue
+        for m in sweep_ms:
+            if f"{model}/{layer}/{m}" in out["shapes"]:
+                out["sweep"][f"{layer}/{m}"] = out["shapes"][f"{model}/{layer}/{m}"]
+                continue
+            try:
+                _measure_shape(ctx, op, m, k, n, gname, out["sweep"], f"{layer}/{m}", 10 if m <= 1024 else 5)
+            except Exception:
+                out["errors"].append(f"sweep {layer}/{m}: {traceback.format_exc()[-800:]}")
+    # tile configs of our GEMM on the largest 8B shapes
+    for (m, k, n) in [(8192, 4096, 2 * 14336 // W), (8192, 14336 // W, 4096)]:
+        a = torch.randn(m, k, device=ctx.device, dtype=torch.bfloat16)
+        b = torch.randn(k, n, device=ctx.device, dtype=torch.bfloat16)
+        entry = {"M": m, "K": k, "N": n, "cublas": time_per_call_ms(lambda: a @ b, calls=5, samples=7, group=ctx.group)}
+        for cfg in CONFIGS:
+            try:
+                gemm(a, b, config=cfg)
+                entry[str(cfg)] = time_per_call_ms(lambda: gemm(a, b, config=cfg), calls=5, samples=7, group=ctx.group)
+            except Exception as e:
+                entry[str(cfg) + "_error"] = repr(e)[:200]
+        out["configs"].append(entry)
+    out["all_reduce"] = _all_reduce_sweep(ctx, gname, AR_SIZES[:5] if quick else AR_SIZES)
+    return out
+
+
+def _all_reduce_sweep(ctx, gname, sizes):
+    h = ctx.heap
+    rows = []
+    with h.scope():
+        comm = HeapAllReduce(h, max_bytes=max(sizes))
+        symm = None
+        if gname:
+            import torch.distributed._symmetric_memory as symm_mem
+            symm = symm_mem.empty(max(sizes) // 2, dtype=torch.bfloat16, device=ctx.device)
+            symm_mem.rendezvous(symm, gname)
+        for nbytes in sizes:
+            x = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=ctx.device)
+            y = torch.empty_like(x)
+            nccl_buf = x.clone()
+            ref = x.float()
+            dist.all_reduce(ref, group=ctx.device_group)
+            row = {"bytes": nbytes}
+            ops = {"one_shot": lambda: comm(x, out=y, algorithm="one_shot"),
+                   "two_shot": lambda: comm(x, out=y, algorithm="two_shot"),
+                   "nccl": lambda: dist.all_reduce(nccl_buf, group=ctx.device_group)}
+            if symm is not None:
+                inp = symm[: x.numel()]
+                inp.copy_(x)
+                ops["torch_one_shot"] = lambda: torch.ops.symm_mem.one_shot_all_reduce(inp, "sum", gname)
+                ops["torch_two_shot"] = lambda: torch.ops.symm_mem.two_shot_all_reduce_(inp, "sum", gname)
+            for alg in ("one_shot", "two_shot"):
+                ops[alg]()
+                torch.cuda.synchronize()
+                row[f"{alg}_rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
+            for name, op in ops.items():
+                try:
+                    op()
+                    torch.cuda.synchronize()
+                    row[f"{name}_eager_us"] = 1e3 * time_per_call_ms(op, calls=20, samples=9, group=ctx.group)
+                    row[f"{name}_graph_us"] = 1e3 * graph_time_per_call_ms(op, calls=20, samples=9, group=ctx.group)
+                except Exception as e:
+                    row[f"{name}_error"] = repr(e)[:200]
+            rows.append(row)
+        h.check()
+    return rows
+
+
+def _combine(per_rank):
+    """Max over ranks of each timing (the op ends when the slowest rank ends)."""
+    def merge(rows):
+        out = dict(rows[0])
+        for key, v in out.items():
+            if isinstance(v, float) and not key.endswith("rel_err"):
+                out[key] = max(r.get(key, v) for r in rows)
+        return out
+    r0 = per_rank[0]
+    res = {"shapes": {k: merge([r["shapes"][k] for r in per_rank]) for k in r0["shapes"]},
+           "sweep": {k: merge([r["sweep"][k] for r in per_rank]) for k in r0["sweep"]},
+           "configs": [merge([r["configs"][i] for r in per_rank]) for i in range(len(r0["configs"]))],
+           "all_reduce": [merge([r["all_reduce"][i] for r in per_rank]) for i in range(len(r0["all_reduce"]))],
+           "errors": sum((r["errors"] for r in per_rank), [])}
+    for row in list(res["shapes"].values()) + list(res["sweep"].values()):
+        if "cublas" in row and "nccl" in row:
+            row["floor"] = max(row["cublas"], row["nccl"])
+            if "ours" in row:
+                row["ours_vs_sequential"] = row["sequential"] / row["ours"]
+                row["ours_vs_floor"] = row["ours"] / row["floor"]
+                row["comm_hidden"] = max(0.0, min(1.0, (row["sequential"] - row["ours"]) / row["nccl"]))
+    return res
+
+
+def _markdown(res):
+    md = "## Llama TP shapes (ms)\n\n"
+    hdr = ["shape", "op", "M", "K", "N", "cuBLAS", "NCCL", "sequential", "torch fused", "our GEMM", "ours",
+           "floor", "seq/ours", "ours/floor", "comm hidden", "GEMM ours/cuBLAS"]
+    rows = []
+    for key, r in res["shapes"].items():
+        rows.append([key, r["op"], r["M"], r["K"], r["N"], r.get("cublas", float("nan")), r.get("nccl", float("nan")),
+                     r.get("sequential", float("nan")), r.get("torch_fused", float("nan")),
+                     r.get("triton_gemm", float("nan")), r.get("ours", float("nan")), r.get("floor", float("nan")),
+                     r.get("ours_vs_sequential", float("nan")), r.get("ours_vs_floor", float("nan")),
+                     r.get("comm_hidden", float("nan")), r.get("triton_gemm", float("nan")) / r.get("cublas", float("nan"))])
+    md += md_table(hdr, rows)
+    md += "\n## M sweep, Llama-3-8B shapes (ms): the dispatch table\n\n"
+    rows = [[k, r.get("sequential", float("nan")), r.get("torch_fused", float("nan")), r.get("ours", float("nan")),
+             r.get("ours_vs_sequential", float("nan")), "overlap" if r.get("ours_vs_sequential", 0) > 1.0 else "stock"]
+            for k, r in res["sweep"].items()]
+    md += md_table(["layer/M", "sequential", "torch fused", "ours", "seq/ours", "winner"], rows)
+    md += "\n## Our GEMM tile configs (ms)\n\n"
+    for e in res["configs"]:
+        md += f"M={e['M']} K={e['K']} N={e['N']}: cuBLAS {e['cublas']:.3f}; " + "; ".join(
+            f"{k} {v:.3f}" for k, v in e.items() if k.startswith("TileConfig") and isinstance(v, float)) + "\n\n"
+    md += "\n## All-reduce, bf16, µs per op (CUDA graph | eager)\n\n"
+    names = ["one_shot", "two_shot", "nccl", "torch_one_shot", "torch_two_shot"]
+    rows = []
+    for r in res["all_reduce"]:
+        best = min(r.get("one_shot_graph_us", 1e9), r.get("two_shot_graph_us", 1e9))
+        rows.append([f"{r['bytes'] >> 10} KB", *[r.get(f"{n}_graph_us", float("nan")) for n in names],
+                     best / r.get("nccl_graph_us", float("nan")),
+                     *[r.get(f"{n}_eager_us", float("nan")) for n in names]])
+    md += md_table(["size", *[f"graph {n}" for n in names], "best ours/NCCL (graph)", *[f"eager {n}" for n in names]], rows)
+    if res["errors"]:
+        md += "\n## Errors\n\n" + "\n".join(f"- {e.splitlines()[-1]}" for e in res["errors"]) + "\n"
+    return md
+
+
+def _plot(res, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    keys = list(res["shapes"])
+    names = ["sequential", "torch_fused", "ours", "floor"]
+    fig, ax = plt.subplots(figsize=(max(8, len(keys) * 0.9), 4.5))
+    width = 0.2
+    for i, name in enumerate(names):
+        vals = [res["shapes"][k].get(name, 0) / res["shapes"][k].get("sequential", 1) for k in keys]
+        ax.bar([x + i * width for x in range(len(keys))], vals, width, label=name)
+    ax.set_xticks([x + 1.5 * width for x in range(len(keys))], keys, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("time / sequential (lower is better)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--timeout", type=float, default=590)
+    args = p.parse_args(argv)
+    per_rank = run_ranks(_bench_rank, args.tp, (args.quick,), device="cuda", heap_size=1400 << 20, timeout=args.timeout)
+    res = _combine(per_rank)
+    env = environment()
+    env["tp"] = args.tp
+    md = _markdown(res)
+    paths = write_results(args.out, f"overlap-tp{args.tp}", {"environment": env, **res}, md)
+    png = _plot(res, paths[0].replace(".json", ".png"))
+    print(md)
+    print("wrote", *paths, png or "")
+
+
+if __name__ == "__main__":
+    main()
