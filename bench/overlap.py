@@ -12,8 +12,10 @@ CUDA graph). Times are the max over ranks of each rank's median.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -56,12 +58,16 @@ def _torch_fused(ctx):
         return None
 
 
-def _measure_shape(ctx, op, m, k, n, gname, results, key, calls):
-    """Times every variant of one (op, M, K, N) on this rank; fills results[key]."""
+def _measure_shape(ctx, op, m, k, n, gname, results, key, calls, torch_fused=False):
+    """Times every variant of one (op, M, K, N) on this rank; fills results[key]. torch's fused ops
+    run in a separate pass (torch_fused=True) so that a failure there cannot cost our numbers."""
     W, dev, h = ctx.world_size, ctx.device, ctx.heap
     rows = m // W
     gen = torch.Generator(device=dev).manual_seed(1234 + ctx.rank)
-    row = {"op": op, "M": m, "K": k, "N": n}
+    row = results.setdefault(key, {"op": op, "M": m, "K": k, "N": n})
+    t0 = time.perf_counter()
+    if ctx.rank == 0:
+        print(f"[bench] {key} {'torch_fused' if torch_fused else ''}", file=sys.stderr, flush=True)
     with h.scope():
         if op == "ag":
             a_shard = torch.randn(rows, k, device=dev, dtype=torch.bfloat16, generator=gen)
@@ -76,8 +82,8 @@ def _measure_shape(ctx, op, m, k, n, gname, results, key, calls):
                 "triton_gemm": lambda: gemm(a_full, b),
                 "ours": lambda: fused(a_shard, b),
             }
-            if gname:
-                variants["torch_fused"] = lambda: torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [b], 0, gname)
+            if gname and torch_fused:
+                variants = {"torch_fused": lambda: torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [b], 0, gname)}
             dist.all_gather_into_tensor(a_full, a_shard, group=ctx.device_group)
             ref = torch.matmul(a_full, b).float()
         else:
@@ -94,23 +100,31 @@ def _measure_shape(ctx, op, m, k, n, gname, results, key, calls):
                 "triton_gemm": lambda: gemm(a, b),
                 "ours": lambda: fused(a, b),
             }
-            if gname:
-                variants["torch_fused"] = lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, gname)
+            if gname and torch_fused:
+                variants = {"torch_fused": lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, gname)}
             ref = torch.matmul(a, b).float()
             dist.all_reduce(ref, group=ctx.device_group)
             ref = ref[ctx.rank * rows:(ctx.rank + 1) * rows]
-        got = variants["ours"]().float()
-        torch.cuda.synchronize()
-        row["ours_rel_err"] = ((got - ref).norm() / ref.norm()).item()
+        if "ours" in variants:
+            got = variants["ours"]().float()
+            torch.cuda.synchronize()
+            row["ours_rel_err"] = ((got - ref).norm() / ref.norm()).item()
         for name, fn in variants.items():
             try:
+                t1 = time.perf_counter()
                 fn()
                 torch.cuda.synchronize()
-                row[name] = time_per_call_ms(fn, calls=calls, samples=9, group=ctx.group)
+                t2 = time.perf_counter()
+                row[name] = time_per_call_ms(fn, calls=calls, samples=7, group=ctx.group)
+                if ctx.rank == 0:
+                    print(f"    {name}: first call {t2 - t1:.1f} s, timing {time.perf_counter() - t2:.1f} s, "
+                          f"{row[name]:.3f} ms", file=sys.stderr, flush=True)
             except Exception as e:
                 row[name + "_error"] = repr(e)[:300]
+        torch.cuda.synchronize()
         h.check()
-    results[key] = row
+        dist.barrier(group=ctx.group)  # no peer kernel may still touch this scope's heap space
+    row["bench_seconds"] = time.perf_counter() - t0
 
 
 def _bench_rank(ctx, quick):
@@ -118,38 +132,53 @@ def _bench_rank(ctx, quick):
     gname = _torch_fused(ctx)
     W = ctx.world_size
     out = {"shapes": {}, "sweep": {}, "configs": [], "all_reduce": [], "errors": []}
-    ms = [2048] if quick else [2048, 8192]
-    for model, layer, op, k, n in llama_shapes(W):
-        for m in ms:
-            try:
-                _measure_shape(ctx, op, m, k, n, gname, out["shapes"], f"{model}/{layer}/{m}", 5)
-            except Exception:
-                out["errors"].append(f"{model}/{layer}/{m}: {traceback.format_exc()[-800:]}")
-    sweep_ms = [W, 16, 128, 512, 2048, 8192] if quick else [W, 16, 64, 256, 1024, 4096, 16384]
-    for model, layer, op, k, n in llama_shapes(W):
-        if model != "8B":
-            continue
-        for m in sweep_ms:
-            if f"{model}/{layer}/{m}" in out["shapes"]:
-                out["sweep"][f"{layer}/{m}"] = out["shapes"][f"{model}/{layer}/{m}"]
-                continue
-            try:
-                _measure_shape(ctx, op, m, k, n, gname, out["sweep"], f"{layer}/{m}", 10 if m <= 1024 else 5)
-            except Exception:
-                out["errors"].append(f"sweep {layer}/{m}: {traceback.format_exc()[-800:]}")
-    # tile configs of our GEMM on the largest 8B shapes
-    for (m, k, n) in [(8192, 4096, 2 * 14336 // W), (8192, 14336 // W, 4096)]:
-        a = torch.randn(m, k, device=ctx.device, dtype=torch.bfloat16)
-        b = torch.randn(k, n, device=ctx.device, dtype=torch.bfloat16)
-        entry = {"M": m, "K": k, "N": n, "cublas": time_per_call_ms(lambda: a @ b, calls=5, samples=7, group=ctx.group)}
-        for cfg in CONFIGS:
-            try:
+    ms = [8192] if quick else [2048, 8192]
+    sweep_ms = [W, 64, 512, 2048] if quick else [W, 16, 64, 256, 1024, 4096, 16384]
+    shapes = [(f"{model}/{layer}/{m}", op, m, k, n) for model, layer, op, k, n in llama_shapes(W) for m in ms
+              if not quick or layer in ("gate_up", "down") or model == "8B"]
+    sweep = [(f"{layer}/{m}", op, m, k, n) for model, layer, op, k, n in llama_shapes(W) if model == "8B"
+             for m in sweep_ms if not quick or layer in ("gate_up", "down")]
+    partial = os.environ.get("BENCH_PARTIAL") if ctx.rank == 0 else None
+
+    def checkpoint():
+        # rank 0's numbers so far, in case the run is cut off
+        if partial:
+            with open(partial, "w") as f:
+                json.dump(out, f)
+
+    def phase_shapes(torch_fused):
+        for key, op, m, k, n in shapes:
+            _measure_shape(ctx, op, m, k, n, gname, out["shapes"], key, 5, torch_fused)
+            checkpoint()
+        for key, op, m, k, n in sweep:
+            _measure_shape(ctx, op, m, k, n, gname, out["sweep"], key, 10 if m <= 1024 else 5, torch_fused)
+            checkpoint()
+
+    def phase_configs():
+        for (m, k, n) in [(8192, 4096, 2 * 14336 // W), (8192, 14336 // W, 4096)]:
+            a = torch.randn(m, k, device=ctx.device, dtype=torch.bfloat16)
+            b = torch.randn(k, n, device=ctx.device, dtype=torch.bfloat16)
+            entry = {"M": m, "K": k, "N": n,
+                     "cublas": time_per_call_ms(lambda: a @ b, calls=5, samples=7, group=ctx.group)}
+            out["configs"].append(entry)
+            for cfg in (CONFIGS[:3] if quick else CONFIGS):
                 gemm(a, b, config=cfg)
+                torch.cuda.synchronize()
                 entry[str(cfg)] = time_per_call_ms(lambda: gemm(a, b, config=cfg), calls=5, samples=7, group=ctx.group)
-            except Exception as e:
-                entry[str(cfg) + "_error"] = repr(e)[:200]
-        out["configs"].append(entry)
-    out["all_reduce"] = _all_reduce_sweep(ctx, gname, AR_SIZES[:5] if quick else AR_SIZES)
+                checkpoint()
+
+    def phase_all_reduce():
+        out["all_reduce"] = _all_reduce_sweep(ctx, gname, AR_SIZES[:6] if quick else AR_SIZES)
+        checkpoint()
+
+    # A CUDA error is sticky: after the first failed phase, return what was measured.
+    for name, phase in [("shapes", lambda: phase_shapes(False)), ("all_reduce", phase_all_reduce),
+                        ("configs", phase_configs), ("torch_fused", lambda: phase_shapes(True))]:
+        try:
+            phase()
+        except Exception:
+            out["errors"].append(f"phase {name}: {traceback.format_exc()[-1500:]}")
+            break
     return out
 
 
@@ -204,15 +233,20 @@ def _combine(per_rank):
                 out[key] = max(r.get(key, v) for r in rows)
         return out
     r0 = per_rank[0]
-    res = {"shapes": {k: merge([r["shapes"][k] for r in per_rank]) for k in r0["shapes"]},
-           "sweep": {k: merge([r["sweep"][k] for r in per_rank]) for k in r0["sweep"]},
-           "configs": [merge([r["configs"][i] for r in per_rank]) for i in range(len(r0["configs"]))],
-           "all_reduce": [merge([r["all_reduce"][i] for r in per_rank]) for i in range(len(r0["all_reduce"]))],
+    def common(section):
+        return [k for k in r0[section] if all(k in r[section] for r in per_rank)]
+
+    def common_list(section):
+        return range(min(len(r[section]) for r in per_rank))
+    res = {"shapes": {k: merge([r["shapes"][k] for r in per_rank]) for k in common("shapes")},
+           "sweep": {k: merge([r["sweep"][k] for r in per_rank]) for k in common("sweep")},
+           "configs": [merge([r["configs"][i] for r in per_rank]) for i in common_list("configs")],
+           "all_reduce": [merge([r["all_reduce"][i] for r in per_rank]) for i in common_list("all_reduce")],
            "errors": sum((r["errors"] for r in per_rank), [])}
     for row in list(res["shapes"].values()) + list(res["sweep"].values()):
-        if "cublas" in row and "nccl" in row:
+        if all(isinstance(row.get(k), float) for k in ("cublas", "nccl", "sequential")):
             row["floor"] = max(row["cublas"], row["nccl"])
-            if "ours" in row:
+            if isinstance(row.get("ours"), float):
                 row["ours_vs_sequential"] = row["sequential"] / row["ours"]
                 row["ours_vs_floor"] = row["ours"] / row["floor"]
                 row["comm_hidden"] = max(0.0, min(1.0, (row["sequential"] - row["ours"]) / row["nccl"]))
@@ -283,7 +317,15 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true")
     p.add_argument("--timeout", type=float, default=590)
     args = p.parse_args(argv)
-    per_rank = run_ranks(_bench_rank, args.tp, (args.quick,), device="cuda", heap_size=1400 << 20, timeout=args.timeout)
+    partial = os.path.join(args.out, "overlap-partial-rank0.json")
+    os.environ["BENCH_PARTIAL"] = partial
+    try:
+        per_rank = run_ranks(_bench_rank, args.tp, (args.quick,), device="cuda", heap_size=1400 << 20,
+                             timeout=args.timeout)
+    except Exception as e:  # cut off: report rank 0's numbers so far, and say so
+        with open(partial) as f:
+            per_rank = [json.load(f)]
+        per_rank[0]["errors"].append(f"run cut off, rank 0 only: {str(e)[-300:]}")
     res = _combine(per_rank)
     env = environment()
     env["tp"] = args.tp

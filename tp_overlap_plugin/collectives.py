@@ -12,9 +12,6 @@ from tp_overlap_plugin.kernels.allreduce import CHUNK_BYTES, one_shot_all_reduce
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEFAULT_MAX_BYTES = 8 << 20
-# Messages at least this large take the two-shot kernel (bench/results/foundation-*: measured
-# crossover on H200x2 in CUDA graphs).
-DEFAULT_TWO_SHOT_BYTES = 256 << 10
 ALGORITHMS = ("auto", "one_shot", "two_shot")
 
 
@@ -28,6 +25,9 @@ class HeapAllReduce:
     """Sum a tensor across the heap's ranks: `out = comm(x)`. Collective: every rank calls it with
     the same shape and dtype, in the same order.
 
+    `algorithm="auto"` takes one-shot, the path measured faster than NCCL in CUDA graphs up to
+    2 MB (bench/results/foundation-*); two-shot runs when asked for, or above `two_shot_bytes`.
+
     Messages the kernel does not cover (another dtype, non-contiguous, over `max_bytes`) go
     through torch.distributed on `device_group` instead; `stats` records which path ran. On the
     CPU the heap's error slot is checked after every call; on a GPU that would cost a device sync
@@ -35,7 +35,7 @@ class HeapAllReduce:
     """
 
     def __init__(self, heap: SymmetricHeap, max_bytes: int = DEFAULT_MAX_BYTES,
-                 device_group: dist.ProcessGroup | None = None, two_shot_bytes: int = DEFAULT_TWO_SHOT_BYTES):
+                 device_group: dist.ProcessGroup | None = None, two_shot_bytes: int | None = None):
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self.heap = heap
@@ -53,6 +53,8 @@ class HeapAllReduce:
             t.zero_()
         self.num_programs = _num_programs(heap.device)
         # no peer may raise a flag in my heap before I have zeroed it
+        if heap.device.type == "cuda":
+            torch.cuda.synchronize(heap.device)
         dist.barrier(group=heap.group)
 
     def kernel_applies(self, x: torch.Tensor) -> bool:
@@ -78,11 +80,17 @@ class HeapAllReduce:
             dist.all_reduce(out, group=self.device_group)
             return out
         nbytes = x.numel() * x.element_size()
-        if algorithm == "auto":
-            algorithm = "two_shot" if nbytes >= self.two_shot_bytes else "one_shot"
-        stats.record(f"all_reduce.{algorithm}")
         block = CHUNK_BYTES // x.element_size()
-        grid = (min(triton.cdiv(x.numel(), block), self.num_programs),)
+        chunks = triton.cdiv(x.numel(), block)
+        if algorithm == "auto":
+            algorithm = ("two_shot" if self.two_shot_bytes is not None and nbytes >= self.two_shot_bytes
+                         else "one_shot")
+        if algorithm == "two_shot" and chunks > self.num_programs and self.heap.device.type != "cpu":
+            # Two-shot is verified on GPUs only where every program owns one chunk (see
+            # bench/notes/allreduce.md: a variant that looped over chunks raced at 8 MB).
+            algorithm = "one_shot"
+        stats.record(f"all_reduce.{algorithm}")
+        grid = (min(chunks, self.num_programs),)
         h = self.heap
         common = dict(rank=h.rank, world=h.world_size, heap_bases=h.heap_bases, error_ptr=h.error,
                       max_spins=h.spin_limit, BLOCK=block, num_warps=4)

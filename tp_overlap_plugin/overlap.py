@@ -142,7 +142,7 @@ class AllGatherGemm:
         self.epoch = torch.zeros(1, dtype=torch.int64, device=heap.device)
         self.calls = 0
         self.stream = torch.cuda.Stream(heap.device) if heap.device.type == "cuda" else None
-        dist.barrier(group=heap.group)
+        _publish(heap)
 
     def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool = False,
                  config: TileConfig | None = None):
@@ -228,7 +228,7 @@ class GemmReduceScatter:
         self.epochs = heap.alloc((self.programs,), torch.int64, name="gemm_rs.epochs")
         self.flags.zero_()
         self.epochs.zero_()
-        dist.barrier(group=heap.group)
+        _publish(heap)
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
         h = self.heap
@@ -253,6 +253,14 @@ class GemmReduceScatter:
         if h.device.type == "cpu":
             h.check()
         return c
+
+
+def _publish(heap: SymmetricHeap) -> None:
+    """Zeroed flags must land before any peer may raise them: finish my device work, then meet.
+    (Also: once every rank has synchronised, no peer kernel still touches this heap space.)"""
+    if heap.device.type == "cuda":
+        torch.cuda.synchronize(heap.device)
+    dist.barrier(group=heap.group)
 
 
 class _nullcontext:
