@@ -39,3 +39,22 @@ def test_logits_and_greedy_match_transformers(checkpoint, tp):
         torch.testing.assert_close(torch.tensor(o.outputs[0].logprobs), torch.tensor(ref_lps),
                                    atol=2e-5, rtol=1e-4)
         assert o.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_gpu_triton_and_cuda_graphs_match_transformers(checkpoint):
+    """On CUDA: Triton attention for prefill, CUDA-graph replay for decode; float32 against HF on CPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    arch, d, prompts, ref = checkpoint
+    cfg = EngineConfig(model=str(d), block_size=4, max_num_batched_tokens=16, max_model_len=128,
+                       dtype="float32", max_num_seqs=8, num_kv_blocks=256, show_progress=False)
+    with LLM(cfg) as llm:
+        assert llm.engine.runner.graphs, "decode CUDA graphs were not captured"
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, prompt_logits=True,
+                                                    logprobs=True, ignore_eos=True))
+    for o, (ref_logits, ref_toks, ref_lps) in zip(outs, ref):
+        torch.testing.assert_close(o.prompt_logits, ref_logits, atol=2e-4, rtol=1e-3)
+        assert o.outputs[0].token_ids == ref_toks
+        torch.testing.assert_close(torch.tensor(o.outputs[0].logprobs), torch.tensor(ref_lps), atol=2e-4, rtol=1e-3)

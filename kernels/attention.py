@@ -26,7 +26,7 @@ def _prefill_kernel(Q, K, V, Out, cu_seqlens_q, context_lens, block_tables,
                     stride_ot, stride_oh, stride_bt, scale,
                     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     pid_m = tl.program_id(0)
     s = tl.program_id(1)
     h = tl.program_id(2)
@@ -42,6 +42,8 @@ def _prefill_kernel(Q, K, V, Out, cu_seqlens_q, context_lens, block_tables,
     d_mask = offs_d < HEAD_DIM
     q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
     q_pos = ctx - q_len + offs_m
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -55,6 +57,8 @@ def _prefill_kernel(Q, K, V, Out, cu_seqlens_q, context_lens, block_tables,
         blk = tl.load(block_tables + s * stride_bt + offs_n // PAGE, mask=n_mask, other=0)
         kv_off = blk.to(tl.int64) * stride_kb + (offs_n % PAGE) * stride_kp + kvh * stride_kh
         k = tl.load(K + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         qk = tl.where(visible, qk, float("-inf"))
@@ -64,6 +68,8 @@ def _prefill_kernel(Q, K, V, Out, cu_seqlens_q, context_lens, block_tables,
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
@@ -146,7 +152,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out.stride(0), out.stride(1), block_tables.stride(0), scale,
         GROUP=group, PAGE=k_cache.shape[1], HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
         # tf32 would cost float32 models their bit-level agreement with the reference.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 or interp else "tf32",
+        # The interpreter keeps bf16 as raw uint16 and its tl.dot multiplies those integers.
+        UPCAST=interp and q.dtype != torch.float32,
     )
     return out
 

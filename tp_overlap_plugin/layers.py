@@ -24,8 +24,9 @@ embedding(vocab_size, hidden)            ids [T] -> residual layout [T_local, hi
 column(input_size, output_sizes, bias)   residual layout [T_local, input] -> [T, sum(output_sizes) / W]
                                          (all tokens, this rank's columns of every sub-matrix)
 row(input_size, output_size, bias)       [T, input / W] -> residual layout [T_local, output]
-lm_head(vocab_size, hidden, tied_to)     (residual layout, rows: LongTensor of token indices in [0, T))
-                                         -> logits [len(rows), vocab_size], full vocabulary, every rank
+lm_head(vocab_size, hidden, tied_to)     (residual layout, rows: LongTensor of token indices in [0, T), or
+                                         None for all T) -> logits [len(rows), vocab_size], full vocabulary,
+                                         every rank
 
 A factory may keep per-step state in itself (for example T as seen by the embedding, or padding of T
 to a multiple of W); all modules of one model share one factory instance, and the embedding is always
@@ -51,7 +52,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -227,8 +228,9 @@ class ParallelLMHead(nn.Module):
         if end > start:
             _copy_into(self.weight[: end - start], loaded[start:end])
 
-    def forward(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        local = nn.functional.linear(hidden.index_select(0, rows), self.weight)
+    def forward(self, hidden: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
+        picked = hidden if rows is None else hidden.index_select(0, rows)
+        local = nn.functional.linear(picked, self.weight)
         return self.tp.all_gather_cat(local, dim=-1)[:, : self.vocab_size]
 
 

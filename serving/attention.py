@@ -1,0 +1,106 @@
+"""Paged attention: per-step metadata, the KV-cache write, and the torch reference path.
+
+Token layout of a step: the first `num_decodes` sequences contribute one token each (decode), the
+remaining sequences contribute a chunk of prompt (or recomputed) tokens. Every sequence's keys and
+values for the tokens of this step are written into the paged cache *before* attention runs, so
+attention always reads keys/values from the cache, and a chunk of a long prompt sees the earlier
+chunks exactly like a decode token sees its history.
+
+On CUDA the Triton kernels in `tp_overlap_plugin.kernels.attention` are used; on CPU the torch
+reference below (which the kernel tests compare against).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class AttnMeta:
+    slot_mapping: torch.Tensor        # [T] int64, flat cache slot of every token of the step
+    num_decodes: int                  # the first num_decodes sequences have exactly one query token
+    cu_seqlens_q: torch.Tensor        # [S+1] int32 offsets of each sequence's tokens in the step
+    context_lens: torch.Tensor        # [S] int32, tokens in the cache for the sequence after this step
+    block_tables: torch.Tensor        # [S, max_blocks] int32
+    max_q_len: int
+    # Python copies for the CPU path, which loops over prefill sequences.
+    q_lens_list: Optional[list[int]] = None
+    context_lens_list: Optional[list[int]] = None
+    use_triton: bool = False
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    # index_copy_ keeps the write a single capturable op for CUDA graphs.
+    nb, bs, h, d = k_cache.shape
+    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, Lq, H, D], k/v [B, Lk, Hkv, D], mask [B, Lq, Lk] (True = visible) -> [B, Lq, H, D]."""
+    b, lq, h, d = q.shape
+    hkv = k.shape[2]
+    g = h // hkv
+    qf = q.float().view(b, lq, hkv, g, d)
+    s = torch.einsum("bqhgd,bkhd->bhgqk", qf, k.float()) * scale
+    s = s.masked_fill(~mask[:, None, None], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    o = torch.einsum("bhgqk,bkhd->bqhgd", p, v.float())
+    return o.reshape(b, lq, h, d).to(q.dtype)
+
+
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """[B, n_blocks] block ids -> [B, n_blocks * block_size, Hkv, D] contiguous history."""
+    x = cache[block_table[:, :n_blocks].long()]
+    b, nb, bs, h, d = x.shape
+    return x.reshape(b, nb * bs, h, d)
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttnMeta, scale: float) -> torch.Tensor:
+    """q [T, H, D] -> [T, H, D]; causal within each sequence, keys from the paged cache."""
+    out = torch.empty_like(q)
+    bs = k_cache.shape[1]
+    q_lens = meta.q_lens_list if meta.q_lens_list is not None else meta.cu_seqlens_q.diff().tolist()
+    ctx = meta.context_lens_list if meta.context_lens_list is not None else meta.context_lens.tolist()
+    nd = meta.num_decodes
+    if nd:
+        n_blocks = -(-max(ctx[:nd]) // bs)
+        k = _gather_kv(k_cache, meta.block_tables[:nd], n_blocks)
+        v = _gather_kv(v_cache, meta.block_tables[:nd], n_blocks)
+        lens = meta.context_lens[:nd].to(q.device).long()
+        mask = (torch.arange(k.shape[1], device=q.device)[None, :] < lens[:, None])[:, None, :]
+        out[:nd] = _attend(q[:nd, None], k, v, mask, scale)[:, 0]
+    start = nd
+    for s in range(nd, len(q_lens)):
+        ql, cl = q_lens[s], ctx[s]
+        n_blocks = -(-cl // bs)
+        k = _gather_kv(k_cache, meta.block_tables[s:s + 1], n_blocks)[:, :cl]
+        v = _gather_kv(v_cache, meta.block_tables[s:s + 1], n_blocks)[:, :cl]
+        # Query i sits at absolute position cl - ql + i and may see keys up to that position.
+        qpos = torch.arange(cl - ql, cl, device=q.device)
+        mask = (torch.arange(cl, device=q.device)[None, :] <= qpos[:, None])[None]
+        out[start:start + ql] = _attend(q[None, start:start + ql], k, v, mask, scale)[0]
+        start += ql
+    return out
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttnMeta, scale: float) -> torch.Tensor:
+    if not meta.use_triton:
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    from tp_overlap_plugin.kernels.attention import paged_decode_attention, paged_prefill_attention
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        paged_decode_attention(q[:nd], k_cache, v_cache, meta.context_lens[:nd], meta.block_tables[:nd],
+                               scale, out=out[:nd])
+    if meta.cu_seqlens_q.numel() - 1 > nd:
+        cu = meta.cu_seqlens_q[nd:] - nd
+        paged_prefill_attention(q[nd:], k_cache, v_cache, cu, meta.context_lens[nd:], meta.block_tables[nd:],
+                                meta.max_q_len, scale, out=out[nd:])
+    return out

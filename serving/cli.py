@@ -1,0 +1,116 @@
+"""`tp-overlap generate`: offline generation from the command line.
+
+    tp-overlap generate --prompt "Hello"                          # embedded demo model, nothing downloaded
+    tp-overlap generate --model /models/Llama-3.1-8B --tp 2 --prompt "Hi" --chat
+    torchrun --nproc-per-node 2 -m tp_overlap_plugin.serving.cli --model ... --tp 2 --prompt "Hi"
+
+`add_engine_args` / `engine_config_from_args` are shared with other subcommands (server, bench).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Optional
+
+from .config import EngineConfig, SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=d.model,
+                   help="'demo' (built in), a local HF model directory, or a shipped config name "
+                        "(llama-3-8b, llama-3-70b, qwen2.5-7b; with --load-format dummy)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    g.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default=d.load_format)
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=d.dtype)
+    g.add_argument("--device", dest="engine_device", choices=["auto", "cpu", "cuda"], default=d.device)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument("--block-size", type=int, default=d.block_size)
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    g.add_argument("--kv-cache-bytes", type=int, default=d.kv_cache_bytes, help="KV cache budget per rank on CPU")
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+
+
+def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(model=a.model, tokenizer=a.tokenizer, tensor_parallel_size=a.tp,
+                        load_format=a.load_format, dtype=a.dtype, device=a.engine_device,
+                        max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+                        max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
+                        gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_bytes=a.kv_cache_bytes,
+                        num_kv_blocks=a.num_kv_blocks, seed=a.seed, enforce_eager=a.enforce_eager)
+
+
+def _add_generate_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    g = p.add_argument_group("sampling")
+    g.add_argument("--prompt", action="append", default=None, help="repeatable; default: one demo prompt")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sample-seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[])
+    g.add_argument("--ignore-eos", action="store_true")
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(a: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from .engine import LLM
+
+    try:
+        cfg = engine_config_from_args(a)
+        sp = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                            min_p=a.min_p, seed=a.sample_seed, stop=a.stop, ignore_eos=a.ignore_eos)
+    except ValidationError as e:
+        print(f"tp-overlap generate: {e}", file=sys.stderr)
+        return 2
+    prompts = a.prompt or ["The tensor-parallel engine says:"]
+    llm = LLM(cfg)
+    if not llm.is_driver:      # a torchrun worker rank: it served rank 0 until shutdown
+        return 0
+    try:
+        t0 = time.perf_counter()
+        if a.chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], sp)
+        else:
+            outs = llm.generate(prompts, sp)
+        dt = time.perf_counter() - t0
+        n = 0
+        for o in outs:
+            c = o.outputs[0]
+            n += len(c.token_ids)
+            print(f"--- prompt: {o.prompt!r}\n{c.text}\n[{len(c.token_ids)} tokens, finish: {c.finish_reason}]")
+        print(f"{n} tokens in {dt:.2f} s ({n / max(dt, 1e-9):.1f} tok/s)", file=sys.stderr)
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def add_generate_subcommand(subparsers) -> argparse.ArgumentParser:
+    """Register `generate` on the `tp-overlap` parser's subparsers; dispatch via args.func(args)."""
+    p = subparsers.add_parser("generate", help="offline generation with the built-in engine")
+    _add_generate_args(p)
+    return p
+
+
+def generate_main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="tp-overlap generate", description="offline generation")
+    _add_generate_args(p)
+    a = p.parse_args(argv)
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(generate_main())

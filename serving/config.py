@@ -1,0 +1,226 @@
+"""Engine, model and sampling configuration."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SHIPPED_CONFIGS = Path(__file__).parent / "model_configs"
+DEMO_MODEL = "demo"
+
+SUPPORTED_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass
+class ModelConfig:
+    """The architecture facts the engine needs, read from an HF config.json."""
+
+    arch: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: Optional[int] = None
+    torch_dtype: Optional[str] = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = next((SUPPORTED_ARCHS[a] for a in archs if a in SUPPORTED_ARCHS), None)
+        if arch is None:
+            mt = cfg.get("model_type")
+            arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(mt)
+        if arch is None:
+            raise ValueError(f"unsupported architecture {archs or cfg.get('model_type')}; "
+                             f"supported: {sorted(SUPPORTED_ARCHS)}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r}; only silu")
+        if cfg.get("use_sliding_window") or (arch == "llama" and cfg.get("sliding_window")):
+            raise ValueError("sliding-window attention is not supported")
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        # Transformers 5 nests rope settings in rope_parameters; older configs use rope_theta + rope_scaling.
+        rope = dict(cfg.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+        scaling = rope or cfg.get("rope_scaling")
+        if scaling:
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            if kind == "default":
+                scaling = None
+            elif kind not in ("llama3", "linear"):
+                raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            arch=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling or None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", False)) or arch == "qwen2",
+            o_bias=bool(cfg.get("attention_bias", False)) and arch in ("llama", "qwen3"),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch == "qwen3",
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        )
+
+    def check_tp(self, world_size: int) -> None:
+        for name, n in (("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads),
+                        ("intermediate_size", self.intermediate_size)):
+            if n % world_size != 0:
+                raise ValueError(f"tensor_parallel_size={world_size} does not divide {name}={n}; "
+                                 f"choose a size that divides the head counts")
+
+
+def resolve_model_dir(model: str) -> Optional[Path]:
+    """A model is 'demo', a directory with config.json, or the name of a config shipped in model_configs/."""
+    if model == DEMO_MODEL:
+        return None
+    p = Path(model).expanduser()
+    if (p / "config.json").is_file():
+        return p
+    shipped = SHIPPED_CONFIGS / model
+    if (shipped / "config.json").is_file():
+        return shipped
+    names = sorted(d.name for d in SHIPPED_CONFIGS.iterdir() if (d / "config.json").is_file())
+    raise FileNotFoundError(f"model {model!r}: no config.json there; use 'demo', a local model directory, "
+                            f"or a shipped config name ({', '.join(names)})")
+
+
+class EngineConfig(BaseModel):
+    """Everything that shapes an engine instance. Validated on construction."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str = Field(DEMO_MODEL, description="'demo', a local HF model directory, or a shipped config name")
+    tokenizer: Optional[str] = Field(None, description="tokenizer directory; default: the model directory")
+    tensor_parallel_size: int = Field(1, ge=1)
+    load_format: Literal["auto", "safetensors", "dummy"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_model_len: Optional[int] = Field(None, ge=2)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step; longer prompts are chunked")
+    block_size: int = Field(16, ge=1, le=1024)
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    kv_cache_bytes: int = Field(256 << 20, ge=1, description="KV cache budget per rank on CPU")
+    num_kv_blocks: Optional[int] = Field(None, ge=1, description="override the computed number of KV blocks")
+    seed: int = 0
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    cuda_graph_batch_sizes: Optional[list[int]] = None
+    dist_timeout_s: float = Field(600.0, gt=0)
+    show_progress: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineConfig":
+        if self.cuda_graph_batch_sizes is not None and any(b < 1 for b in self.cuda_graph_batch_sizes):
+            raise ValueError("cuda_graph_batch_sizes must be positive")
+        return self
+
+    def load_model_config(self) -> ModelConfig:
+        d = resolve_model_dir(self.model)
+        if d is None:
+            from .demo import demo_hf_config
+            return ModelConfig.from_hf(demo_hf_config())
+        with open(d / "config.json") as f:
+            return ModelConfig.from_hf(json.load(f))
+
+    def effective_load_format(self) -> str:
+        d = resolve_model_dir(self.model)
+        if d is None:
+            return "demo"
+        if self.load_format != "auto":
+            return self.load_format
+        if any(d.glob("*.safetensors")):
+            return "safetensors"
+        raise FileNotFoundError(f"no *.safetensors in {d}; pass load_format='dummy' for random weights")
+
+
+class SamplingParams(BaseModel):
+    """Per-request sampling. temperature 0 means greedy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_k: int = Field(0, ge=0, description="0 disables")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: Optional[int] = None
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = Field(False, description="return the log-probability of each chosen token")
+    prompt_logits: bool = Field(False, description="return the raw logits at every prompt position")
+    include_stop_str_in_output: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stop_as_list(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("stop"), str):
+            data = {**data, "stop": [data["stop"]]}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> "SamplingParams":
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative")
+        if not math.isfinite(self.temperature):
+            raise ValueError("temperature must be finite")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def default_device(cfg: EngineConfig) -> str:
+    import torch
+    if cfg.device != "auto":
+        return cfg.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def env_rank_world() -> Optional[tuple[int, int, int]]:
+    """(rank, world_size, local_rank) when launched by torchrun, else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        return r, w, int(os.environ.get("LOCAL_RANK", r))
+    return None

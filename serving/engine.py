@@ -1,0 +1,521 @@
+"""The engine: requests in, tokens out. `LLM` for offline batches, `AsyncLLM` for streaming servers.
+
+Process model: this process is rank 0. With tensor_parallel_size > 1 it spawns the other ranks itself
+(`spawn` start method, a gloo/NCCL group over a local TCP port), unless torch.distributed is already
+initialised or RANK/WORLD_SIZE are set (torchrun, or a test harness): then every rank constructs the
+engine, and on ranks > 0 the constructor serves steps until rank 0 shuts down (`is_driver` is False).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import itertools
+import multiprocessing as mp
+import socket
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional, Sequence as Seq, Union
+
+import torch
+import torch.distributed as dist
+
+from .block_manager import BlockManager
+from .config import EngineConfig, SamplingParams, env_rank_world, resolve_model_dir
+from .runner import ModelRunner, StepInput, init_distributed, worker_main
+from .sampler import sample
+from .scheduler import Scheduler, Sequence, Status
+from .tokenizer import IncrementalDetokenizer, load_tokenizer
+
+Prompt = Union[str, list[int]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: Optional[list[float]]
+    finish_reason: Optional[str]   # "stop" | "length" | "abort" | None while running
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    prompt_logits: Optional[torch.Tensor] = None   # [prompt_len, vocab] when requested, once finished
+    num_preemptions: int = 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LLMEngine:
+    """Single-threaded core: add_request / abort_request / step. Not thread-safe; AsyncLLM serialises."""
+
+    def __init__(self, config: Optional[EngineConfig] = None, **kwargs):
+        cfg = config if config is not None else EngineConfig(**kwargs)
+        self.cfg = cfg
+        self.mcfg = cfg.load_model_config()
+        self.mcfg.check_tp(cfg.tensor_parallel_size)   # fail before any process is spawned
+        self._procs: list = []
+        self._owns_group = False
+        self._closed = False
+        self._broken: Optional[BaseException] = None
+        self.is_driver = True
+        world = cfg.tensor_parallel_size
+        launched = env_rank_world()
+        if dist.is_initialized() or launched:
+            rank = dist.get_rank() if dist.is_initialized() else launched[0]
+            world_env = dist.get_world_size() if dist.is_initialized() else launched[1]
+            if world_env != world:
+                raise ValueError(f"launched with {world_env} ranks but tensor_parallel_size={world}")
+            self._owns_group = not dist.is_initialized()
+            device, group, ctrl = init_distributed(cfg, rank, world, None, launched[2] if launched else None)
+            self.runner = ModelRunner(cfg, rank, world, group, ctrl, device)
+            if rank != 0:
+                self.is_driver = False
+                self.runner.worker_loop()
+                self.shutdown()
+                return
+        elif world > 1:
+            self._spawn_and_join(cfg, world)
+        else:
+            device, group, ctrl = init_distributed(cfg, 0, 1, None)
+            self.runner = ModelRunner(cfg, 0, 1, group, ctrl, device)
+
+        self.device = self.runner.device
+        self.max_model_len = self.runner.max_model_len
+        self.tokenizer = load_tokenizer(resolve_model_dir(cfg.model), cfg.tokenizer)
+        self.eos_ids = set(self.mcfg.eos_token_ids)
+        if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self._ids = itertools.count()
+        # A weak reference, so that registering for exit does not keep every engine (and its KV cache) alive.
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().shutdown())
+
+    def _spawn_and_join(self, cfg: EngineConfig, world: int) -> None:
+        from datetime import timedelta
+
+        ctx = mp.get_context("spawn")
+        host, port = "127.0.0.1", _free_port()
+        self._errq = ctx.Queue()
+        store = dist.TCPStore(host, port, world, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=cfg.dist_timeout_s))
+        cfg_json = cfg.model_dump_json()
+        for r in range(1, world):
+            p = ctx.Process(target=worker_main, args=(cfg_json, r, world, host, port, self._errq), daemon=True)
+            p.start()
+            self._procs.append(p)
+        try:
+            deadline = time.monotonic() + cfg.dist_timeout_s
+            pending = [f"worker_ready/{r}" for r in range(1, world)]
+            while not store.check(pending):
+                dead = [i + 1 for i, p in enumerate(self._procs) if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"worker rank(s) {dead} exited during start-up (a script that starts a TP "
+                                       f"engine needs an `if __name__ == '__main__':` guard: spawned workers "
+                                       f"re-import the main module)")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"workers did not start within dist_timeout_s={cfg.dist_timeout_s}")
+                time.sleep(0.05)
+            device, group, ctrl = init_distributed(cfg, 0, world, store)
+            self._owns_group = True
+            self.runner = ModelRunner(cfg, 0, world, group, ctrl, device)
+        except BaseException as e:
+            msg = self._worker_errors()
+            self._kill_workers()
+            if dist.is_initialized() and self._owns_group:
+                dist.destroy_process_group()
+            raise RuntimeError(f"engine start failed: {e}" + (f"; workers: {msg}" if msg else "")) from e
+
+    def _worker_errors(self) -> str:
+        time.sleep(0.2)
+        errs = []
+        while self._procs and not self._errq.empty():
+            errs.append(self._errq.get_nowait())
+        return "; ".join(errs)
+
+    def _kill_workers(self) -> None:
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._procs = []
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.is_driver and hasattr(self, "runner") and self.runner.world_size > 1 and self._broken is None:
+                self.runner.stop_workers()
+        except Exception:
+            pass   # a dead worker cannot be told to stop; it is killed below
+        finally:
+            self._kill_workers()
+            if self._owns_group and dist.is_initialized():
+                dist.destroy_process_group()
+            if hasattr(self, "runner"):
+                self.runner.release()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def _require_driver(self) -> None:
+        if not self.is_driver:
+            raise RuntimeError("this rank is a worker; only rank 0 accepts requests")
+        if self._closed:
+            raise RuntimeError("the engine has been shut down")
+        if self._broken is not None:
+            raise RuntimeError(f"the engine failed earlier and must be restarted: {self._broken}")
+
+    def make_sequence(self, request_id: Optional[str], prompt: Prompt,
+                      params: Optional[Union[SamplingParams, dict]] = None) -> Sequence:
+        """Validate a request without touching engine state (safe from any thread)."""
+        self._require_driver()
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, dict):
+            params = SamplingParams(**params)
+        elif not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams or dict, not {type(params).__name__}")
+        text: Optional[str] = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer; pass the prompt as token ids")
+            text = prompt
+            ids = self.tokenizer.encode(prompt) if prompt else []
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise TypeError("a prompt is a string or a list of token ids")
+        if not ids:
+            raise ValueError("the prompt is empty; at least one token is required")
+        bad = [t for t in ids if not 0 <= t < self.mcfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.mcfg.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
+                             f"it must be at most {self.max_model_len - 1} to leave room for one output token")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        rid = str(next(self._ids)) if request_id is None else str(request_id)
+        seq = Sequence(rid, text, ids, params)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if self.tokenizer is not None:
+            seq.detok = IncrementalDetokenizer(self.tokenizer, ids)
+        return seq
+
+    def add_sequence(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+
+    def add_request(self, request_id: Optional[str], prompt: Prompt,
+                    params: Optional[Union[SamplingParams, dict]] = None) -> str:
+        seq = self.make_sequence(request_id, prompt, params)
+        self.add_sequence(seq)
+        return seq.request_id
+
+    def abort_request(self, request_id: str) -> Optional[RequestOutput]:
+        """Drop a request now; its KV blocks are free when this returns."""
+        seq = self.scheduler.abort(str(request_id))
+        return None if seq is None else self._output(seq, "", [])
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        self._require_driver()
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        bs = self.cfg.block_size
+        ids, pos, slots, rows = [], [], [], []
+        sample_at: list[tuple[Sequence, int]] = []
+        prompt_rows: list[tuple[Sequence, int, int]] = []   # seq, first row, count
+        t = 0
+        for seq, n in zip(batch.seqs, batch.num_new):
+            c = seq.num_computed
+            ids += seq.tokens[c:c + n]
+            for p in range(c, c + n):
+                pos.append(p)
+                slots.append(seq.block_table[p // bs] * bs + p % bs)
+            if seq.params.prompt_logits:
+                lo, hi = max(c, seq.num_prompt_logits), min(c + n, len(seq.prompt_ids))
+                if hi > lo:
+                    prompt_rows.append((seq, len(rows), hi - lo))
+                    rows += range(t + lo - c, t + hi - c)
+            if c + n == seq.num_tokens:
+                sample_at.append((seq, len(rows)))
+                rows.append(t + n - 1)
+            t += n
+        step = StepInput(ids, pos, slots, list(batch.num_new),
+                         [s.num_computed + n for s, n in zip(batch.seqs, batch.num_new)],
+                         [list(s.block_table) for s in batch.seqs], batch.num_decodes, rows)
+        try:
+            logits = self.runner.execute(step)
+        except Exception as e:
+            # Ranks may now disagree about what was computed; nothing after this can be trusted.
+            workers = self._worker_errors() if self._procs else ""
+            self._broken = e
+            raise RuntimeError(f"model step failed: {e}" + (f"; workers: {workers}" if workers else "")) from e
+
+        bm = self.block_manager
+        for seq, n in zip(batch.seqs, batch.num_new):
+            seq.num_computed += n
+            seq.num_registered, seq.last_key = bm.register(seq.block_table, seq.tokens, seq.num_computed,
+                                                           seq.num_registered, seq.last_key)
+        for seq, r0, cnt in prompt_rows:
+            seq.prompt_logits.append(logits[r0:r0 + cnt].float().cpu())
+            seq.num_prompt_logits += cnt
+        outputs = []
+        if sample_at:
+            seqs = [s for s, _ in sample_at]
+            sel = logits[torch.tensor([r for _, r in sample_at], device=logits.device)]
+            toks, lps = sample(sel, [s.params for s in seqs], [s.generator for s in seqs], self.generator)
+            for seq, tok, lp in zip(seqs, toks, lps):
+                outputs.append(self._append_token(seq, tok, lp))
+        return outputs
+
+    def _append_token(self, seq: Sequence, tok: int, logprob: float) -> RequestOutput:
+        seq.tokens.append(tok)
+        if seq.params.logprobs:
+            seq.logprobs.append(logprob)
+        p = seq.params
+        delta = ""
+        reason = None
+        if not p.ignore_eos and tok in self.eos_ids:
+            reason = "stop"
+        elif tok in p.stop_token_ids:
+            reason = "stop"
+        elif seq.detok is not None:
+            delta = seq.detok.push(tok)
+            if delta and p.stop:
+                # Only the new text and the longest stop string's worth before it can hold a new match.
+                tail = max(len(s) for s in p.stop) + len(delta)
+                start = max(0, len(seq.text) + len(delta) - tail)
+                full = seq.text + delta
+                hits = [(full.find(s, start), s) for s in p.stop]
+                hits = [(i, s) for i, s in hits if i >= 0]
+                if hits:
+                    i, s = min(hits)
+                    cut = i + len(s) if p.include_stop_str_in_output else i
+                    delta = full[len(seq.text):cut] if cut > len(seq.text) else ""
+                    full = full[:cut]
+                    reason = "stop"
+                seq.text = full
+            else:
+                seq.text += delta
+        if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason == "length" and seq.detok is not None:
+            tail = seq.detok.flush()
+            seq.text += tail
+            delta += tail
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        return self._output(seq, delta, [tok])
+
+    def _output(self, seq: Sequence, delta: str, delta_ids: list[int]) -> RequestOutput:
+        done = seq.status is Status.FINISHED
+        pl = None
+        if done and seq.params.prompt_logits and seq.prompt_logits:
+            pl = torch.cat(seq.prompt_logits)
+        comp = CompletionOutput(0, seq.text, list(seq.output_ids),
+                                list(seq.logprobs) if seq.params.logprobs else None, seq.finish_reason)
+        return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_ids), [comp], done, delta,
+                             delta_ids, pl, seq.num_preemptions)
+
+
+class LLM:
+    """Offline batch API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, config: Optional[EngineConfig] = None, **kwargs):
+        self.engine = LLMEngine(config, **kwargs)
+
+    @property
+    def is_driver(self) -> bool:
+        return self.engine.is_driver
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Union[Prompt, Seq[Prompt]],
+                 sampling_params: Union[None, SamplingParams, dict, Seq[SamplingParams]] = None,
+                 ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+            plist = list(sampling_params)
+        else:
+            plist = [sampling_params] * len(prompts)
+        seqs = []
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            try:
+                seqs.append(self.engine.make_sequence(None, p, sp))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from e
+        for s in seqs:
+            self.engine.add_sequence(s)
+        final: dict[str, RequestOutput] = {}
+        try:
+            while len(final) < len(seqs):
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        except BaseException:
+            for s in seqs:
+                if s.request_id not in final:
+                    self.engine.abort_request(s.request_id)
+            raise
+        return [final[s.request_id] for s in seqs]
+
+    def chat(self, conversations, sampling_params=None) -> list[RequestOutput]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+
+class AsyncLLM:
+    """Streaming API for servers. The engine loop runs on a background thread; requests and aborts are
+    handed to it through a queue, so no coroutine ever blocks for the length of a model step.
+
+        engine = AsyncLLM(EngineConfig(...))
+        async for out in engine.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
+            print(out.delta_text)
+        engine.abort("req-1")
+    """
+
+    def __init__(self, config: Optional[EngineConfig] = None, **kwargs):
+        self.engine = LLMEngine(config, **kwargs)
+        if not self.engine.is_driver:
+            return
+        self._cmds: "list[tuple[str, object]]" = []
+        self._cmd_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def is_driver(self) -> bool:
+        return self.engine.is_driver
+
+    def _post(self, cmd: str, arg) -> None:
+        with self._cmd_lock:
+            self._cmds.append((cmd, arg))
+        self._wake.set()
+
+    def _deliver(self, out) -> None:
+        rid = out.request_id if isinstance(out, RequestOutput) else None
+        targets = [self._streams.get(rid)] if rid is not None else list(self._streams.values())
+        for t in targets:
+            if t is not None:
+                loop, q = t
+                try:
+                    loop.call_soon_threadsafe(q.put_nowait, out)
+                except RuntimeError:   # the consumer's event loop is gone
+                    pass
+
+    def _loop(self) -> None:
+        eng = self.engine
+        while not self._stopped:
+            with self._cmd_lock:
+                cmds, self._cmds = self._cmds, []
+            for cmd, arg in cmds:
+                if cmd == "add":
+                    eng.add_sequence(arg)
+                elif cmd == "abort":
+                    out = eng.abort_request(arg)
+                    if out is not None:
+                        self._deliver(out)
+            if not eng.has_unfinished():
+                self._wake.wait(timeout=0.1)
+                self._wake.clear()
+                continue
+            try:
+                outs = eng.step()
+            except BaseException as e:   # a broken engine fails every open stream, never silently
+                self._error = e
+                self._deliver(e)
+                return
+            for out in outs:
+                self._deliver(out)
+
+    async def generate(self, prompt: Prompt, params: Optional[Union[SamplingParams, dict]] = None,
+                       request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+        if self._error is not None:
+            raise RuntimeError(f"the engine loop died: {self._error!r}")
+        if self._stopped:
+            raise RuntimeError("the engine has been shut down")
+        if request_id is not None and str(request_id) in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = self.engine.make_sequence(request_id, prompt, params)   # raises on bad input, here
+        rid = seq.request_id
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = (asyncio.get_running_loop(), q)
+        self._post("add", seq)
+        finished = False
+        try:
+            while True:
+                out = await q.get()
+                if isinstance(out, BaseException):
+                    raise RuntimeError(f"the engine loop died: {out!r}") from out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                # The consumer went away (client disconnect, cancellation): free the blocks.
+                self._post("abort", rid)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; the engine loop frees its blocks before its next step."""
+        self._post("abort", str(request_id))
+
+    def shutdown(self) -> None:
+        if not self.engine.is_driver:
+            return
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=60)
+        self.engine.shutdown()

@@ -1,0 +1,188 @@
+"""Llama-family dense decoder (Llama 2/3, Mistral-style, Qwen2, Qwen3) built from TP layers.
+
+The file only composes modules handed out by a `TPLayers` factory; where the tensors live and where
+communication happens is the factory's business (see tp_overlap_plugin/layers.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from tp_overlap_plugin.layers import TPLayers
+
+from .attention import AttnMeta, paged_attention, write_kv
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype, device):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def load_shard(self, loaded, shard_id=None, *, is_bias=False) -> None:
+        with torch.no_grad():
+            self.weight.copy_(loaded[:].to(self.weight.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back before the weight, the order HF uses, so bf16 matches too.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = cfg.rope_scaling
+    if not sc:
+        return inv
+    kind = sc.get("rope_type", sc.get("type"))
+    factor = float(sc["factor"])
+    if kind == "linear":
+        return inv / factor
+    # Llama 3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
+    old_ctx = float(sc["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(medium, blended, scaled)
+
+
+class Rotary(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, device):
+        super().__init__()
+        inv = rope_inv_freq(cfg).to(device)
+        freqs = torch.outer(torch.arange(max_positions, device=device, dtype=torch.float32), inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D]; rotate-half convention (HF checkpoints are stored for it)."""
+        cos = self.cos.index_select(0, positions).to(x.dtype)[:, None]
+        sin = self.sin.index_select(0, positions).to(x.dtype)[:, None]
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPLayers, rotary: Rotary):
+        super().__init__()
+        w = tp.tp.world_size
+        self.heads = cfg.num_heads // w
+        self.kv_heads = cfg.num_kv_heads // w
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        hd = cfg.head_dim
+        self.qkv_proj = tp.column(cfg.hidden_size, [cfg.num_heads * hd, cfg.num_kv_heads * hd,
+                                                    cfg.num_kv_heads * hd], bias=cfg.qkv_bias)
+        self.o_proj = tp.row(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
+        self.rotary = rotary
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, tp.dtype, tp.device)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, tp.dtype, tp.device)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, positions, x, meta: AttnMeta, kv_cache: tuple[torch.Tensor, torch.Tensor]):
+        qkv = self.qkv_proj(x)
+        t = qkv.shape[0]
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(t, self.heads, self.head_dim)
+        k = k.reshape(t, self.kv_heads, self.head_dim)
+        v = v.reshape(t, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q), self.rotary(positions, k)
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPLayers):
+        super().__init__()
+        self.gate_up_proj = tp.column(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias)
+        self.down_proj = tp.row(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPLayers, rotary: Rotary):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp.dtype, tp.device)
+        self.self_attn = Attention(cfg, tp, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp.dtype, tp.device)
+        self.mlp = MLP(cfg, tp)
+
+    def forward(self, positions, residual, meta, kv_cache):
+        residual = residual + self.self_attn(positions, self.input_layernorm(residual), meta, kv_cache)
+        return residual + self.mlp(self.post_attention_layernorm(residual))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPLayers, max_positions: int):
+        super().__init__()
+        cfg.check_tp(tp.tp.world_size)
+        self.cfg = cfg
+        self.embed_tokens = tp.embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = Rotary(cfg, max_positions, tp.device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp.dtype, tp.device)
+        self.lm_head = tp.lm_head(cfg.vocab_size, cfg.hidden_size,
+                                  tied_to=self.embed_tokens if cfg.tie_word_embeddings else None)
+
+    def forward(self, input_ids, positions, meta: AttnMeta, kv_caches: list) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, kv_caches):
+            h = layer(positions, h, meta, cache)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
+        return self.lm_head(hidden, rows)
+
+    def checkpoint_params(self) -> dict[str, tuple[nn.Module, Optional[int], bool, tuple[int, ...]]]:
+        """HF checkpoint name -> (module, shard id within a merged matrix, is_bias, full shape)."""
+        c = self.cfg
+        hd, h = c.head_dim, c.hidden_size
+        out: dict = {"model.embed_tokens.weight": (self.embed_tokens, None, False, (c.vocab_size, h)),
+                     "model.norm.weight": (self.norm, None, False, (h,))}
+        if not c.tie_word_embeddings:
+            out["lm_head.weight"] = (self.lm_head, None, False, (c.vocab_size, h))
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a = layer.self_attn
+            sizes = {"q_proj": c.num_heads * hd, "k_proj": c.num_kv_heads * hd, "v_proj": c.num_kv_heads * hd}
+            for sid, name in enumerate(("q_proj", "k_proj", "v_proj")):
+                out[p + f"self_attn.{name}.weight"] = (a.qkv_proj, sid, False, (sizes[name], h))
+                if c.qkv_bias:
+                    out[p + f"self_attn.{name}.bias"] = (a.qkv_proj, sid, True, (sizes[name],))
+            out[p + "self_attn.o_proj.weight"] = (a.o_proj, None, False, (h, c.num_heads * hd))
+            if c.o_bias:
+                out[p + "self_attn.o_proj.bias"] = (a.o_proj, None, True, (h,))
+            if c.qk_norm:
+                out[p + "self_attn.q_norm.weight"] = (a.q_norm, None, False, (hd,))
+                out[p + "self_attn.k_norm.weight"] = (a.k_norm, None, False, (hd,))
+            for sid, name in enumerate(("gate_proj", "up_proj")):
+                out[p + f"mlp.{name}.weight"] = (layer.mlp.gate_up_proj, sid, False, (c.intermediate_size, h))
+                if c.mlp_bias:
+                    out[p + f"mlp.{name}.bias"] = (layer.mlp.gate_up_proj, sid, True, (c.intermediate_size,))
+            out[p + "mlp.down_proj.weight"] = (layer.mlp.down_proj, None, False, (h, c.intermediate_size))
+            if c.mlp_bias:
+                out[p + "mlp.down_proj.bias"] = (layer.mlp.down_proj, None, True, (h,))
+            out[p + "input_layernorm.weight"] = (layer.input_layernorm, None, False, (h,))
+            out[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm, None, False, (h,))
+        return out

@@ -1,0 +1,310 @@
+"""Model runner: one per rank. Holds the model shard and the KV cache, turns a step into logits.
+
+Rank 0 owns the scheduler; it broadcasts each `StepInput` (plain Python lists) over a gloo group and
+every rank, itself included, builds the same tensors and runs the same forward. Only collectives
+inside the TP layers connect the forwards.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from tp_overlap_plugin.layers import TPGroup, TPLayers
+
+from .attention import AttnMeta
+from .config import EngineConfig, ModelConfig, default_device, resolve_model_dir
+from .model import CausalLM
+from . import weights as W
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StepInput:
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    q_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    num_decodes: int
+    logit_rows: list[int]     # token rows whose logits the step must return
+
+
+def resolve_dtype(cfg: EngineConfig, mcfg: ModelConfig, device: str) -> torch.dtype:
+    if cfg.dtype != "auto":
+        return _DTYPES[cfg.dtype]
+    if device == "cpu":
+        return torch.float32
+    return _DTYPES.get(str(mcfg.torch_dtype).replace("torch.", ""), torch.bfloat16) \
+        if mcfg.torch_dtype in ("bfloat16", "float16") else torch.bfloat16
+
+
+def resolve_max_model_len(cfg: EngineConfig, mcfg: ModelConfig) -> int:
+    if cfg.max_model_len is None:
+        return mcfg.max_position_embeddings
+    if cfg.max_model_len > mcfg.max_position_embeddings:
+        raise ValueError(f"max_model_len={cfg.max_model_len} exceeds the model's max_position_embeddings="
+                         f"{mcfg.max_position_embeddings}")
+    return cfg.max_model_len
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, rank: int, world_size: int, group, ctrl_group, device: torch.device):
+        self.cfg = cfg
+        self.rank, self.world_size = rank, world_size
+        self.group, self.ctrl_group = group, ctrl_group
+        self.device = device
+        self.mcfg = cfg.load_model_config()
+        self.mcfg.check_tp(world_size)
+        self.max_model_len = resolve_max_model_len(cfg, self.mcfg)
+        self.dtype = resolve_dtype(cfg, self.mcfg, device.type)
+        self.block_size = cfg.block_size
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+
+        tp = TPLayers(TPGroup(rank, world_size, group), self.dtype, device)
+        with torch.device(device):
+            self.model = CausalLM(self.mcfg, tp, self.max_model_len).eval()
+        self._load_weights()
+        self.scratch_block = 0          # until the cache exists; the profile run fills its tables fully
+        self.graphs: dict[int, tuple] = {}
+        self.max_graph_bs = 0
+
+        self.num_blocks = self._agree(self._kv_blocks_budget())
+        # One extra physical block that the block manager never hands out: padded CUDA-graph rows write there.
+        self.scratch_block = self.num_blocks
+        kv_heads = self.mcfg.num_kv_heads // world_size
+        shape = (self.num_blocks + 1, self.block_size, kv_heads, self.mcfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=device),
+                           torch.zeros(shape, dtype=self.dtype, device=device))
+                          for _ in range(self.mcfg.num_layers)]
+        self.use_triton = device.type == "cuda"
+        if device.type == "cuda" and not cfg.enforce_eager:
+            self._capture_graphs()
+
+    def release(self) -> None:
+        """Drop the KV cache and graphs (the big allocations) once the engine is shut down."""
+        self.graphs.clear()
+        self.kv_caches = []
+
+    # ---- setup -------------------------------------------------------------------------------
+    def _load_weights(self) -> None:
+        fmt = self.cfg.effective_load_format()
+        show = self.cfg.show_progress and self.rank == 0
+        if fmt == "demo":
+            W.load_demo(self.model)
+        elif fmt == "dummy":
+            W.load_dummy(self.model, self.cfg.seed, self.rank)
+        else:
+            W.load_safetensors(self.model, resolve_model_dir(self.cfg.model), show_progress=show)
+
+    def kv_bytes_per_block(self) -> int:
+        kv_heads = self.mcfg.num_kv_heads // self.world_size
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.mcfg.num_layers * self.block_size * kv_heads * self.mcfg.head_dim * elem
+
+    def _kv_blocks_budget(self) -> int:
+        if self.cfg.num_kv_blocks is not None:
+            return self.cfg.num_kv_blocks
+        per_block = self.kv_bytes_per_block()
+        if self.device.type != "cuda":
+            return self.cfg.kv_cache_bytes // per_block
+        # Measure the activation peak of the largest step before carving the cache out of what is left.
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * self.cfg.gpu_memory_utilization) - used_by_others - peak
+        return max(budget // per_block, 0)
+
+    def _profile_run(self) -> None:
+        n = min(self.cfg.max_num_batched_tokens, self.max_model_len)
+        bs = self.block_size
+        nb = -(-n // bs)
+        shape = (nb, bs, self.mcfg.num_kv_heads // self.world_size, self.mcfg.head_dim)
+        scratch_kv = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                       torch.zeros(shape, dtype=self.dtype, device=self.device))
+                      for _ in range(self.mcfg.num_layers)]
+        step = StepInput(input_ids=[0] * n, positions=list(range(n)), slot_mapping=list(range(n)), q_lens=[n],
+                         context_lens=[n], block_tables=[list(range(nb))], num_decodes=0, logit_rows=[n - 1])
+        self._forward(step, scratch_kv, use_triton=True)
+        del scratch_kv
+
+    def _agree(self, n_blocks: int) -> int:
+        # Rank 0 schedules for every rank, so all ranks must use the smallest pool any of them can hold.
+        if self.world_size > 1:
+            t = torch.tensor([n_blocks], dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.ctrl_group)
+            n_blocks = int(t.item())
+        need = self.max_blocks_per_seq
+        if n_blocks < need:
+            raise ValueError(
+                f"the KV cache holds {n_blocks} blocks of {self.block_size} tokens ({n_blocks * self.block_size} "
+                f"tokens) but one sequence of max_model_len={self.max_model_len} needs {need} blocks; raise "
+                f"kv_cache_bytes / gpu_memory_utilization / num_kv_blocks, or lower max_model_len")
+        return n_blocks
+
+    # ---- step --------------------------------------------------------------------------------
+    def _meta(self, step: StepInput, use_triton: bool) -> AttnMeta:
+        dev = self.device
+        bt = self._pad_tables(step.block_tables)
+        cu = [0]
+        for q in step.q_lens:
+            cu.append(cu[-1] + q)
+        return AttnMeta(
+            slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.int64, device=dev),
+            num_decodes=step.num_decodes,
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(step.context_lens, dtype=torch.int32, device=dev),
+            block_tables=bt.to(dev),
+            max_q_len=max(step.q_lens),
+            q_lens_list=step.q_lens,
+            context_lens_list=step.context_lens,
+            use_triton=use_triton,
+        )
+
+    def _pad_tables(self, tables: list[list[int]]) -> torch.Tensor:
+        width = max(len(b) for b in tables)
+        return torch.tensor([b + [self.scratch_block] * (width - len(b)) for b in tables], dtype=torch.int32)
+
+    @torch.inference_mode()
+    def _forward(self, step: StepInput, kv_caches, use_triton: bool) -> torch.Tensor:
+        ids = torch.tensor(step.input_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(step.positions, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, pos, self._meta(step, use_triton), kv_caches)
+        rows = torch.tensor(step.logit_rows, dtype=torch.int64, device=self.device)
+        return self.model.compute_logits(hidden, rows)
+
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """Run one step on this rank; on rank 0 also ships it to the workers first."""
+        if self.rank == 0 and self.world_size > 1:
+            dist.broadcast_object_list([("step", step)], src=0, group=self.ctrl_group)
+        n = len(step.input_ids)
+        if (self.graphs and step.num_decodes == n and n <= self.max_graph_bs
+                and step.logit_rows == list(range(n))):
+            return self._replay(step)
+        return self._forward(step, self.kv_caches, self.use_triton)
+
+    def worker_loop(self) -> None:
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=self.ctrl_group)
+            cmd, payload = box[0]
+            if cmd == "stop":
+                return
+            self.execute(payload)
+
+    def stop_workers(self) -> None:
+        if self.rank == 0 and self.world_size > 1:
+            dist.broadcast_object_list([("stop", None)], src=0, group=self.ctrl_group)
+
+    # ---- CUDA graphs (decode only) ---------------------------------------------------------
+    def _capture_graphs(self) -> None:
+        limit = self.cfg.max_num_seqs
+        sizes = self.cfg.cuda_graph_batch_sizes or ([1, 2, 4, 8] + list(range(16, 513, 16)))
+        sizes = sorted({s for s in sizes if s <= limit} | ({limit} if limit <= 512 else set()))
+        self.max_graph_bs = max(sizes)
+        mb, dev = self.max_graph_bs, self.device
+        self.g_ids = torch.zeros(mb, dtype=torch.int64, device=dev)
+        self.g_pos = torch.zeros(mb, dtype=torch.int64, device=dev)
+        self.g_slots = torch.full((mb,), self.scratch_block * self.block_size, dtype=torch.int64, device=dev)
+        self.g_ctx = torch.ones(mb, dtype=torch.int32, device=dev)
+        self.g_bt = torch.full((mb, self.max_blocks_per_seq), self.scratch_block, dtype=torch.int32, device=dev)
+        self.g_cu = torch.arange(mb + 1, dtype=torch.int32, device=dev)
+        pool = None
+        for bs in sorted(sizes, reverse=True):
+            meta = AttnMeta(slot_mapping=self.g_slots[:bs], num_decodes=bs, cu_seqlens_q=self.g_cu[:bs + 1],
+                            context_lens=self.g_ctx[:bs], block_tables=self.g_bt[:bs], max_q_len=1,
+                            use_triton=True)
+
+            def run():
+                h = self.model(self.g_ids[:bs], self.g_pos[:bs], meta, self.kv_caches)
+                return self.model.compute_logits(h, None)   # every row of a decode batch samples
+
+            with torch.inference_mode():
+                run()  # compiles the Triton kernels and warms the allocator outside the capture
+                torch.cuda.synchronize(dev)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    out = run()
+            pool = g.pool()
+            self.graphs[bs] = (g, out)
+        torch.cuda.synchronize(dev)
+
+    def _replay(self, step: StepInput) -> torch.Tensor:
+        n = len(step.input_ids)
+        bs = next(s for s in sorted(self.graphs) if s >= n)
+        # Plain (blocking) copies: the sources are short-lived pageable temporaries.
+        self.g_ids[:n].copy_(torch.tensor(step.input_ids, dtype=torch.int64))
+        self.g_pos[:n].copy_(torch.tensor(step.positions, dtype=torch.int64))
+        self.g_slots[:n].copy_(torch.tensor(step.slot_mapping, dtype=torch.int64))
+        self.g_slots[n:bs].fill_(self.scratch_block * self.block_size)
+        self.g_ctx[:n].copy_(torch.tensor(step.context_lens, dtype=torch.int32))
+        self.g_ctx[n:bs].fill_(1)
+        bt = self._pad_tables(step.block_tables)
+        width = bt.shape[1]
+        self.g_bt[:bs].fill_(self.scratch_block)
+        self.g_bt[:n, :width].copy_(bt)
+        g, out = self.graphs[bs]
+        g.replay()
+        return out[:n]
+
+
+def init_distributed(cfg: EngineConfig, rank: int, world_size: int, store=None,
+                     local_rank: Optional[int] = None):
+    """Join (or reuse) the default process group; returns (device, model group, control group)."""
+    dev_kind = default_device(cfg)
+    if dev_kind == "cuda":
+        lr = rank if local_rank is None else local_rank
+        torch.cuda.set_device(lr)
+        device = torch.device("cuda", lr)
+    else:
+        device = torch.device("cpu")
+    if world_size == 1 and not dist.is_initialized():
+        return device, None, None
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs = dict(backend=backend, rank=rank, world_size=world_size,
+                      timeout=timedelta(seconds=cfg.dist_timeout_s))
+        if store is not None:
+            kwargs["store"] = store
+        if device.type == "cuda":
+            kwargs["device_id"] = device
+        dist.init_process_group(**kwargs)
+    if dist.get_world_size() != cfg.tensor_parallel_size:
+        raise ValueError(f"the process group has {dist.get_world_size()} ranks but tensor_parallel_size="
+                         f"{cfg.tensor_parallel_size}; run one process per TP rank")
+    group = dist.group.WORLD
+    ctrl = group if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    return device, group, ctrl
+
+
+def worker_main(cfg_json: str, rank: int, world_size: int, host: str, port: int, err_queue=None) -> None:
+    """Entry point of a spawned worker rank: build the runner, then serve steps until told to stop."""
+    try:
+        cfg = EngineConfig.model_validate_json(cfg_json)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        store = dist.TCPStore(host, port, world_size, is_master=False,
+                              timeout=timedelta(seconds=cfg.dist_timeout_s))
+        # Rank 0 waits for this key while watching our pid, so a worker that dies before this point
+        # (bad import, bad config) is reported instead of leaving rank 0 waiting in a rendezvous.
+        store.set(f"worker_ready/{rank}", "1")
+        device, group, ctrl = init_distributed(cfg, rank, world_size, store)
+        runner = ModelRunner(cfg, rank, world_size, group, ctrl, device)
+        runner.worker_loop()
+    except BaseException as e:  # surfaced to rank 0, which would otherwise only see a closed socket
+        if err_queue is not None:
+            err_queue.put(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,73 @@
+"""Helpers for the engine tests: tiny random HF checkpoints and transformers reference outputs.
+
+Lives in the package (not in the tests) because pytest runs with --import-mode=importlib, where test
+modules cannot import each other.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=250, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+
+def make_hf_checkpoint(arch: str, path: Path, seed: int = 0, max_shard_size: Optional[str] = "40KB",
+                       **overrides) -> Path:
+    """Save a tiny random `arch` ("llama" | "qwen2" | "qwen3") model as safetensors under `path`."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    kw = {**TINY, **overrides}
+    if arch == "llama":
+        kw.setdefault("rope_scaling", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+        kw.setdefault("tie_word_embeddings", False)
+        cfg, cls = tf.LlamaConfig(**kw), tf.LlamaForCausalLM
+    elif arch == "qwen2":
+        kw.setdefault("tie_word_embeddings", True)
+        kw.setdefault("rope_theta", 1e6)
+        cfg, cls = tf.Qwen2Config(**kw), tf.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        kw.setdefault("head_dim", 32)   # Qwen3 decouples head_dim from hidden / heads
+        kw.setdefault("tie_word_embeddings", True)
+        cfg, cls = tf.Qwen3Config(**kw), tf.Qwen3ForCausalLM
+    else:
+        raise ValueError(arch)
+    model = cls(cfg).float().eval()
+    with torch.no_grad():
+        # Default init leaves biases and norm weights at 0 / 1; randomise them so that they are tested.
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    path.mkdir(parents=True, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(path), safe_serialization=True, **kwargs)
+    return path
+
+
+def hf_reference(model_dir: Path, prompts: list[list[int]], max_new: int):
+    """Per prompt: (logits over the prompt [L, V], greedy continuation, log-probs of those tokens)."""
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            prompt_logits = model(ids).logits[0]
+            toks, lps = [], []
+            logits = prompt_logits[-1]
+            for _ in range(max_new):
+                t = int(logits.argmax())
+                toks.append(t)
+                lps.append(float(torch.log_softmax(logits.float(), -1)[t]))
+                ids = torch.cat([ids, torch.tensor([[t]])], dim=1)
+                logits = model(ids).logits[0, -1]
+            out.append((prompt_logits, toks, lps))
+    return out

@@ -1,0 +1,133 @@
+"""Tokenizers: the built-in byte-level one (demo model) and HF tokenizers from a model directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; a handful of specials follow. Needs no files."""
+
+    SPECIALS = ["<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+
+    def __init__(self):
+        self.special_ids = {s: 256 + i for i, s in enumerate(self.SPECIALS)}
+        self.vocab_size = 256 + len(self.SPECIALS)
+        self.bos_token_id = self.special_ids["<|bos|>"]
+        self.eos_token_id = self.special_ids["<|eos|>"]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = [self.bos_token_id] if add_special_tokens else []
+        # Specials written literally in the text (e.g. by the chat template) map to their ids.
+        i = 0
+        while i < len(text):
+            if text[i] == "<":
+                hit = next((s for s in self.SPECIALS if text.startswith(s, i)), None)
+                if hit:
+                    ids.append(self.special_ids[hit])
+                    i += len(hit)
+                    continue
+            j = text.find("<", i + 1)
+            j = len(text) if j < 0 else j
+            ids.extend(text[i:j].encode("utf-8"))
+            i = j
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        out, buf = [], bytearray()
+        for t in ids:
+            if t < 256:
+                buf.append(t)
+                continue
+            if buf:
+                out.append(buf.decode("utf-8", errors="replace"))
+                buf = bytearray()
+            if not skip_special_tokens and t - 256 < len(self.SPECIALS):
+                out.append(self.SPECIALS[t - 256])
+        if buf:
+            out.append(buf.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        parts = []
+        for m in messages:
+            role = m.get("role")
+            if role not in ("system", "user", "assistant"):
+                raise ValueError(f"unknown chat role {role!r}")
+            parts.append(f"<|{role}|>{m.get('content', '')}<|end|>")
+        if add_generation_prompt:
+            parts.append("<|assistant|>")
+        return "".join(parts)
+
+
+class HFTokenizer:
+    """Thin adapter so the engine sees one tokenizer shape."""
+
+    def __init__(self, path: Path):
+        try:
+            from transformers import AutoTokenizer
+            self._tok = AutoTokenizer.from_pretrained(str(path))
+            self._hf = True
+        except ImportError:
+            from tokenizers import Tokenizer
+            self._tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+            self._hf = False
+        self.eos_token_id = getattr(self._tok, "eos_token_id", None) if self._hf else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._hf:
+            return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self._hf or not getattr(self._tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def load_tokenizer(model_dir: Optional[Path], tokenizer_dir: Optional[str] = None):
+    """The byte tokenizer for the demo model; otherwise the model dir's tokenizer, or None if it has none."""
+    if tokenizer_dir is not None:
+        return HFTokenizer(Path(tokenizer_dir))
+    if model_dir is None:
+        return ByteTokenizer()
+    if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file():
+        return HFTokenizer(model_dir)
+    return None
+
+
+class IncrementalDetokenizer:
+    """Emits only text that is final: a trailing partial UTF-8 sequence waits for the next token."""
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int]):
+        self.tok = tokenizer
+        # A few prompt tokens of context make sentencepiece-style leading spaces decode correctly.
+        self.ids: list[int] = list(prompt_ids[-4:])
+        self.prefix = len(self.ids)
+        self.read = len(self.ids)
+        self.text = ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prev = self.tok.decode(self.ids[self.prefix:self.read])
+        full = self.tok.decode(self.ids[self.prefix:])
+        # A UTF-8 character spans at most 4 tokens; beyond that the replacement char is final.
+        if (full.endswith("\ufffd") and len(self.ids) - self.read < 4) or len(full) < len(prev):
+            return ""
+        delta = full[len(prev):]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end) once the output is over."""
+        full = self.tok.decode(self.ids[self.prefix:])
+        prev = self.tok.decode(self.ids[self.prefix:self.read])
+        delta = full[len(prev):] if len(full) >= len(prev) else ""
+        self.prefix = self.read = len(self.ids)
+        self.text += delta
+        return delta
