@@ -60,13 +60,12 @@ def _overlap_cases(ctx, seed, dtype):
         for rep in range(2):
             a, b = _operands(seed + 100 + 10 * i + rep, W, m, k, n, dtype)
             c = rs[n](a[r].to(dev), b[r].to(dev))
-            # the exact answer: every rank's partial from the same GEMM core, rounded, summed in rank
-            # order in fp32
+            # the exact answer: every rank's partial of my rows from the same GEMM core, tiled the
+            # same way (one GEMM per shard), rounded, summed in rank order in fp32
             pad = (-m) % W
-            partials = [gemm(torch.cat([a[q], a[q].new_zeros(pad, k)]).to(dev), b[q].to(dev)).cpu()
-                        for q in range(W)]
             rows = (m + pad) // W
-            exact = sum(p[r * rows:(r + 1) * rows].float() for p in partials).to(dtype)
+            mine = [torch.cat([a[q], a[q].new_zeros(pad, k)])[r * rows:(r + 1) * rows] for q in range(W)]
+            exact = sum(gemm(mine[q].to(dev), b[q].to(dev)).cpu().float() for q in range(W)).to(dtype)
             out["rs"].append((m, k, n, c.cpu(), exact))
     # beyond capacity: the stock path, never a wrong answer
     a, b = _operands(seed + 999, W, 50, 40, 17, dtype)
