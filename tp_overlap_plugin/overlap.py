@@ -104,13 +104,13 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
     return out
 
 
-def _stock_all_gather(x: torch.Tensor, group) -> torch.Tensor:
+def stock_all_gather(x: torch.Tensor, group) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts)
 
 
-def _stock_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+def stock_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     if dist.get_backend(group) == "gloo":  # gloo has no reduce-scatter
@@ -154,7 +154,7 @@ class AllGatherGemm:
         fits = rows <= self.max_rows and k == self.k and a_shard.dtype == self.dtype
         if rows == 0 or n == 0 or not fits or not _kernel_applies(a_shard):
             stats.record("ag_gemm.fallback")
-            a_full = _stock_all_gather(a_shard, self.device_group)
+            a_full = stock_all_gather(a_shard, self.device_group)
             c = a_full @ b
             return (c, a_full) if return_gathered else c
         if h.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -244,7 +244,7 @@ class GemmReduceScatter:
         fits = rows <= self.max_rows and n == self.n and a.dtype == self.dtype and tiles <= self.max_tiles
         if rows == 0 or k == 0 or not fits or not _kernel_applies(a):
             stats.record("gemm_rs.fallback")
-            return _stock_reduce_scatter(a @ b, self.device_group)
+            return stock_reduce_scatter(a @ b, self.device_group)
         stats.record("gemm_rs.kernel")
         c = torch.empty((rows, n), dtype=a.dtype, device=h.device)
         gemm_rs_kernel[(self.programs,)](

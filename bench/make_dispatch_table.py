@@ -1,0 +1,87 @@
+"""Turn measured runs into the dispatcher's table (tp_overlap_plugin/dispatch_tables/<device>-tp<W>.json)
+and a markdown copy in bench/results/ that shows the evidence for every choice:
+
+    python bench/make_dispatch_table.py --overlap bench/results/overlap-tp2-h200x2-2026-11-22.json \
+        --foundation bench/results/foundation-tp2-h200x2-2026-11-22.json
+
+A fused op wins only if it beats sequential by MARGIN (the run-to-run noise seen here is ~2%), so
+"never slower than stock" holds with that margin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import md_table  # noqa: E402
+
+MARGIN = 1.02
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def build(overlap: dict, foundation: dict) -> dict:
+    env = overlap["environment"]
+    gemm = []
+    for key, r in {**overlap.get("shapes", {}), **overlap.get("sweep", {})}.items():
+        if not isinstance(r.get("ours"), float) or not isinstance(r.get("sequential"), float):
+            continue
+        ratio = r["sequential"] / r["ours"]
+        gemm.append({"op": r["op"], "M": r["M"], "K": r["K"], "N": r["N"], "sequential_ms": r["sequential"],
+                     "ours_ms": r["ours"], "speedup": ratio, "winner": "overlap" if ratio >= MARGIN else "stock",
+                     "key": key})
+    gemm.sort(key=lambda r: (r["op"], r["K"], r["N"], r["M"]))
+    ar = []
+    for r in foundation["rank0"]["all_reduce"]:
+        g, ng = r.get("ours_one_shot_graph_us"), r.get("nccl_graph_us")
+        e, ne = r.get("ours_one_shot_eager_us"), r.get("nccl_eager_us")
+        ar.append({"bytes": r["bytes"], "ours_graph_us": g, "nccl_graph_us": ng, "ours_eager_us": e,
+                   "nccl_eager_us": ne,
+                   "graph_winner": "ipc" if g and ng and ng / g >= MARGIN else "stock",
+                   "eager_winner": "ipc" if e and ne and ne / e >= MARGIN else "stock"})
+    return {"device": env["device"], "world": env["tp"], "date": env["date"], "torch": env["torch"],
+            "triton": env["triton"], "margin": MARGIN, "gemm": gemm, "all_reduce": ar,
+            "command": "python bench/overlap.py --tp W && python bench/foundation.py --tp W && "
+                       "python bench/make_dispatch_table.py --overlap ... --foundation ..."}
+
+
+def markdown(t: dict) -> str:
+    md = (f"_Dispatch table for {t['device']} TP={t['world']}, from runs of {t['date']} (torch {t['torch']}, "
+          f"Triton {t['triton']}). A fused op is chosen only at ≥{t['margin']:.2f}x over sequential._\n\n")
+    md += "## GEMMs (ms)\n\n" + md_table(
+        ["op", "M", "K", "N", "sequential", "ours", "seq/ours", "chosen"],
+        [[r["op"], r["M"], r["K"], r["N"], r["sequential_ms"], r["ours_ms"], r["speedup"], r["winner"]]
+         for r in t["gemm"]])
+    md += "\n## All-reduce (µs)\n\n" + md_table(
+        ["bytes", "ours graph", "NCCL graph", "chosen in graph", "ours eager", "NCCL eager", "chosen eager"],
+        [[r["bytes"], r["ours_graph_us"], r["nccl_graph_us"], r["graph_winner"], r["ours_eager_us"],
+          r["nccl_eager_us"], r["eager_winner"]] for r in t["all_reduce"]])
+    return md
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--overlap", required=True)
+    p.add_argument("--foundation", required=True)
+    args = p.parse_args(argv)
+    with open(args.overlap) as f:
+        overlap = json.load(f)
+    with open(args.foundation) as f:
+        foundation = json.load(f)
+    table = build(overlap, foundation)
+    slug = table["device"].replace("NVIDIA ", "").replace("AMD ", "").replace(" ", "-").lower()
+    out = os.path.join(REPO, "tp_overlap_plugin", "dispatch_tables", f"{slug}-tp{table['world']}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(table, f, indent=1)
+    md_path = os.path.join(REPO, "bench", "results", f"dispatch-{slug}-tp{table['world']}-{table['date']}.md")
+    with open(md_path, "w") as f:
+        f.write(markdown(table))
+    print(markdown(table))
+    print("wrote", out, md_path)
+
+
+if __name__ == "__main__":
+    main()

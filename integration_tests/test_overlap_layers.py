@@ -1,0 +1,105 @@
+"""The overlap layer factory gives the stock factory's answers with the same weights, in both of its
+layouts (sequence-parallel with AG-GEMM / GEMM-RS, and replicated with the IPC all-reduce), for
+token counts below, at and above the world size; the counters prove the kernels ran."""
+
+import pytest
+import torch
+from torch import nn
+
+from tp_overlap_plugin import stats
+from tp_overlap_plugin.dispatch import Dispatcher
+from tp_overlap_plugin.layers import TPGroup, TPLayers
+from tp_overlap_plugin.multirank import run_ranks
+from tp_overlap_plugin.overlap_layers import OverlapTPLayers, required_heap_bytes
+
+V, H, I = 50, 64, 96
+TOKENS = (1, 3, 8, 13)
+DTYPE = torch.float16
+
+
+class _Block(nn.Module):
+    """embedding -> column (gate_up) -> SiLU-gate -> row (down) -> residual add -> LM head: every
+    module kind of the layer contract, composed as the model file composes them."""
+
+    def __init__(self, f: TPLayers):
+        super().__init__()
+        self.embed = f.embedding(V, H)
+        self.gate_up = f.column(H, [I, I], bias=True)
+        self.down = f.row(I, H, bias=True)
+        self.head = f.lm_head(V, H)
+
+    def load(self, seed):
+        g = torch.Generator().manual_seed(seed)
+        w = lambda *s: (torch.randn(*s, generator=g) / s[-1] ** 0.5).to(DTYPE)  # noqa: E731
+        self.embed.load_shard(w(V, H))
+        self.gate_up.load_shard(w(I, H), 0)
+        self.gate_up.load_shard(w(I, H), 1)
+        self.gate_up.load_shard(w(I), 0, is_bias=True)
+        self.gate_up.load_shard(w(I), 1, is_bias=True)
+        self.down.load_shard(w(H, I))
+        self.down.load_shard(w(H), is_bias=True)
+        self.head.load_shard(w(V, H))
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        h = h + self.down(nn.functional.silu(gate) * up)
+        return self.head(h, None)
+
+
+def _compare(ctx, seed, dispatch):
+    tp = TPGroup(ctx.rank, ctx.world_size, ctx.device_group)
+    stock = _Block(TPLayers(tp, DTYPE, ctx.device))
+    dispatcher = Dispatcher(**dispatch)
+    overlap = _Block(OverlapTPLayers(tp, DTYPE, ctx.device, ctx.heap, max_tokens=16, dispatcher=dispatcher))
+    stock.load(seed)
+    overlap.load(seed)
+    out = []
+    for t in TOKENS:
+        ids = torch.randint(0, V, (t,), generator=torch.Generator().manual_seed(seed + t))
+        out.append((t, stock(ids), overlap(ids)))
+    ctx.heap.check()
+    return out, stats.snapshot()
+
+
+def _heap_size():
+    return required_heap_bytes(H, 16, 2, DTYPE) // 16  # the all-reduce stage dominates; 8 MB is plenty
+
+
+@pytest.mark.parametrize("dispatch", [dict(mode="overlap"),
+                                      dict(mode="table", all_reduce=[{"bytes": 1, "graph_winner": "ipc",
+                                                                      "eager_winner": "ipc"}])],
+                         ids=["sequence_parallel", "replicated_ipc_all_reduce"])
+def test_overlap_layers_match_stock(dispatch):
+    seed = int(torch.randint(0, 2**30, ()))
+    results = run_ranks(_compare, 2, (seed, dispatch), heap_size=24 << 20, timeout=300)
+    for out, counts in results:
+        for t, ref, got in out:
+            assert got.shape == ref.shape == (t, V)
+            err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+            assert err < 2e-3, (t, err)  # fp16 rounding alone: ~3e-4 here
+        if dispatch["mode"] == "overlap":
+            assert counts["layers.sequence_parallel_steps"] == len(TOKENS)
+            assert counts["ag_gemm.kernel"] == len(TOKENS) and counts["gemm_rs.kernel"] == len(TOKENS)
+        else:
+            assert counts["layers.replicated_steps"] == len(TOKENS)
+            assert counts["all_reduce.one_shot"] == len(TOKENS)
+            assert "ag_gemm.kernel" not in counts
+
+
+def test_unmeasured_device_dispatches_everything_to_stock():
+    d = Dispatcher.load("table", device_name="Some Future GPU", world=2)
+    assert "no table" in d.source
+    assert not d.fused_gemm("ag", 8192, 4096, 14336) and not d.ipc_all_reduce(8192, in_graph=True)
+
+
+def test_measured_table_choices():
+    d = Dispatcher.load("table", device_name="NVIDIA H200", world=2)
+    # measured: fused AG won only on the QKV shape at M=8192 (bench/results/dispatch-h200-tp2-*.md)
+    assert d.fused_gemm("ag", 8192, 4096, 3072) and not d.fused_gemm("ag", 2048, 4096, 3072)
+    assert not any(d.fused_gemm("rs", m, 7168, 4096) for m in (2, 512, 8192, 16384))
+    # the one-shot all-reduce beat NCCL in CUDA graphs at 8 KB but lost at 128 KB; eager, never
+    assert d.ipc_all_reduce(8192, in_graph=True) and not d.ipc_all_reduce(131072, in_graph=True)
+    assert not d.ipc_all_reduce(8192, in_graph=False)
+    with pytest.raises(ValueError, match="dispatch mode"):
+        Dispatcher(mode="sometimes")

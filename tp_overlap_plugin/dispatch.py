@@ -1,0 +1,84 @@
+"""Which path runs an op: our overlapped kernel, our IPC all-reduce, or the stock torch/NCCL op.
+
+The choice comes from a table measured on the device (`bench/make_dispatch_table.py` turns a
+`bench/overlap.py` + `bench/foundation.py` run into one; the tables ship in
+`tp_overlap_plugin/dispatch_tables/`). A shape the table has no measurement for goes to the stock
+path: without a measurement we cannot claim "never slower than stock".
+
+Modes: "table" (default), "overlap" (always our kernels: tests, and for measuring new shapes),
+"stock" (never).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MODES = ("table", "overlap", "stock")
+TABLE_DIR = Path(__file__).with_name("dispatch_tables")
+
+
+@dataclass
+class Dispatcher:
+    mode: str = "table"
+    gemm: list[dict] = field(default_factory=list)        # {op, M, K, N, winner}
+    all_reduce: list[dict] = field(default_factory=list)  # {bytes, graph_winner, eager_winner}
+    source: str = "none"
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"dispatch mode must be one of {MODES}, got {self.mode!r}")
+
+    @classmethod
+    def load(cls, mode: str = "table", device_name: str | None = None, world: int = 2,
+             path: str | os.PathLike | None = None) -> "Dispatcher":
+        """The table for this device and world size; an empty one (everything stock) if none was
+        measured for it."""
+        if mode != "table":
+            return cls(mode=mode)
+        if path is None:
+            path = TABLE_DIR / f"{_slug(device_name or 'cpu')}-tp{world}.json"
+        path = Path(path)
+        if not path.exists():
+            return cls(mode=mode, source=f"no table at {path}: stock everywhere")
+        data = json.loads(path.read_text())
+        return cls(mode=mode, gemm=data.get("gemm", []), all_reduce=data.get("all_reduce", []),
+                   source=str(path))
+
+    def fused_gemm(self, op: str, m: int, k: int, n: int) -> bool:
+        """True: use AG-GEMM ("ag") / GEMM-RS ("rs"); False: the sequential NCCL + GEMM op."""
+        if self.mode != "table":
+            return self.mode == "overlap"
+        rows = [r for r in self.gemm if r["op"] == op and r["K"] == k and r["N"] == n]
+        return bool(rows) and _wins(rows, "M", m, "winner", "overlap")
+
+    def sequence_parallel(self, m: int, k: int, n: int) -> bool:
+        """Shard the residual by tokens this step: worth it when the fused all-gather GEMM of the
+        widest column layer wins at this M."""
+        return self.fused_gemm("ag", m, k, n)
+
+    def ipc_all_reduce(self, nbytes: int, in_graph: bool) -> bool:
+        if self.mode != "table":
+            return self.mode == "overlap"
+        return bool(self.all_reduce) and _wins(self.all_reduce, "bytes", nbytes,
+                                               "graph_winner" if in_graph else "eager_winner", "ipc")
+
+
+def _wins(rows: list[dict], key: str, value: int, winner_key: str, ours: str) -> bool:
+    """Ours wins at `value` if it won at the measured points on both sides of it, or, above the
+    largest measured size, at that size (fixed costs only shrink in share as sizes grow). Between a
+    win and a loss, or below the smallest measured size, we do not know: stock."""
+    below = [r for r in rows if r[key] <= value]
+    above = [r for r in rows if r[key] >= value]
+    if not below:
+        return False
+    near = [max(below, key=lambda r: r[key])]
+    if above:
+        near.append(min(above, key=lambda r: r[key]))
+    return all(r[winner_key] == ours for r in near)
+
+
+def _slug(device_name: str) -> str:
+    return device_name.replace("NVIDIA ", "").replace("AMD ", "").replace(" ", "-").lower()

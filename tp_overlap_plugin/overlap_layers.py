@@ -1,0 +1,170 @@
+"""The overlap factory: the same four TP modules as `layers.TPLayers`, the same weight tensors, but
+communication through the symmetric heap.
+
+Per step (decided by the embedding, the first module of every step) the residual stream is either
+  * sequence-parallel: T is padded to a multiple of W and each rank holds T/W rows. Column layers
+    all-gather their input while they multiply (AG-GEMM), row layers multiply and reduce-scatter
+    (GEMM-RS), the embedding reduce-scatters its partial lookups, the LM head gathers once; or
+  * replicated (small T, decode): vLLM's layout, with row layers reduced by our IPC all-reduce.
+Which, and whether each op takes the fused kernel or the sequential NCCL + GEMM pair, is the
+dispatcher's call (dispatch.py: measured tables, stock where unmeasured).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from tp_overlap_plugin import stats
+from tp_overlap_plugin.collectives import HeapAllReduce
+from tp_overlap_plugin.dispatch import Dispatcher
+from tp_overlap_plugin.heap import SymmetricHeap
+from tp_overlap_plugin.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPGroup, TPLayers,
+                                      VocabParallelEmbedding)
+from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter, stock_all_gather, stock_reduce_scatter
+
+ALL_REDUCE_BYTES = 8 << 20
+
+
+def required_heap_bytes(hidden: int, max_tokens: int, world: int, dtype: torch.dtype) -> int:
+    """Heap for one model: AG-GEMM's and GEMM-RS's double-buffered [W, T/W, hidden] buffers (every
+    column layer reads, and every row layer writes, the hidden size), the all-reduce stage, flags."""
+    elsize = torch.empty((), dtype=dtype).element_size()
+    rows = -(-max_tokens // world)
+    big = 2 * world * rows * hidden * elsize
+    return 2 * big + 2 * ALL_REDUCE_BYTES + (16 << 20)
+
+
+class OverlapTPLayers(TPLayers):
+    name = "overlap"
+
+    def __init__(self, tp: TPGroup, dtype: torch.dtype, device, heap: SymmetricHeap, max_tokens: int,
+                 dispatcher: Optional[Dispatcher] = None):
+        super().__init__(tp, dtype, device)
+        if heap.world_size != tp.world_size:
+            raise ValueError(f"heap spans {heap.world_size} ranks, the TP group {tp.world_size}")
+        self.heap = heap
+        self.max_tokens = max_tokens
+        self.max_rows = -(-max_tokens // tp.world_size)
+        self.dispatcher = dispatcher or Dispatcher()
+        self._ag: dict[int, AllGatherGemm] = {}
+        self._rs: dict[int, GemmReduceScatter] = {}
+        self._columns: set[tuple[int, int]] = set()
+        self.all_reduce = HeapAllReduce(heap, ALL_REDUCE_BYTES, device_group=tp.group)
+        self.tokens = 0              # T of the current step
+        self.padded = 0              # T rounded up to a multiple of W
+        self.sequence_parallel = False
+
+    # Heap-backed ops are collective to build: every rank builds the same model in the same order,
+    # so creating them as modules are constructed keeps the heap symmetric.
+    def ag_op(self, k: int) -> AllGatherGemm:
+        if k not in self._ag:
+            self._ag[k] = AllGatherGemm(self.heap, self.max_rows, k, self.dtype, device_group=self.tp.group)
+        return self._ag[k]
+
+    def rs_op(self, n: int) -> GemmReduceScatter:
+        if n not in self._rs:
+            self._rs[n] = GemmReduceScatter(self.heap, self.max_rows, n, self.dtype, device_group=self.tp.group)
+        return self._rs[n]
+
+    def begin_step(self, tokens: int) -> None:
+        if tokens > self.max_tokens:
+            raise ValueError(f"step has {tokens} tokens, the overlap layers were sized for {self.max_tokens} "
+                             f"(max_num_batched_tokens)")
+        w = self.tp.world_size
+        self.tokens = tokens
+        self.padded = -(-tokens // w) * w
+        self.sequence_parallel = w > 1 and any(
+            self.dispatcher.sequence_parallel(self.padded, k, n) for k, n in self._columns)
+        stats.record("layers.sequence_parallel_steps" if self.sequence_parallel else "layers.replicated_steps")
+
+    def embedding(self, vocab_size: int, hidden: int) -> "OverlapEmbedding":
+        return OverlapEmbedding(self, vocab_size, hidden)
+
+    def column(self, input_size: int, output_sizes: Sequence[int], bias: bool = False) -> "OverlapColumn":
+        return OverlapColumn(self, input_size, output_sizes, bias)
+
+    def row(self, input_size: int, output_size: int, bias: bool = False) -> "OverlapRow":
+        return OverlapRow(self, input_size, output_size, bias)
+
+    def lm_head(self, vocab_size: int, hidden: int, tied_to=None) -> "OverlapLMHead":
+        return OverlapLMHead(self, vocab_size, hidden, tied_to)
+
+
+def _in_graph(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+class OverlapEmbedding(VocabParallelEmbedding):
+    def __init__(self, layers: OverlapTPLayers, vocab_size: int, hidden: int):
+        super().__init__(layers.tp, vocab_size, hidden, layers.dtype, layers.device)
+        self.layers = layers
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        L = self.layers
+        L.begin_step(ids.shape[0])
+        if not L.sequence_parallel:
+            return super().forward(ids)
+        padded = torch.cat([ids, ids.new_zeros(L.padded - L.tokens)]) if L.padded > L.tokens else ids
+        return stock_reduce_scatter(self.local_lookup(padded), self.tp.group)
+
+
+class OverlapColumn(ColumnParallelLinear):
+    def __init__(self, layers: OverlapTPLayers, input_size: int, output_sizes: Sequence[int], bias: bool):
+        super().__init__(layers.tp, input_size, output_sizes, bias, layers.dtype, layers.device)
+        self.layers = layers
+        self.ag = layers.ag_op(input_size)
+        layers._columns.add((input_size, self.weight.shape[0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        L = self.layers
+        if not L.sequence_parallel:
+            return super().forward(x)
+        w = self.weight.t()  # a view: the kernel takes any B strides, so no weight copy
+        if L.dispatcher.fused_gemm("ag", L.padded, self.input_size, w.shape[1]):
+            y = self.ag(x, w)
+        else:
+            stats.record("ag_gemm.sequential")
+            y = stock_all_gather(x, self.tp.group) @ w
+        y = y[:L.tokens]
+        return y + self.bias if self.bias is not None else y
+
+
+class OverlapRow(RowParallelLinear):
+    def __init__(self, layers: OverlapTPLayers, input_size: int, output_size: int, bias: bool):
+        super().__init__(layers.tp, input_size, output_size, bias, layers.dtype, layers.device)
+        self.layers = layers
+        self.rs = layers.rs_op(output_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        L = self.layers
+        w = self.weight.t()
+        if L.sequence_parallel:
+            if L.padded > L.tokens:
+                x = torch.cat([x, x.new_zeros(L.padded - L.tokens, x.shape[1])])
+            if L.dispatcher.fused_gemm("rs", L.padded, w.shape[0], self.output_size):
+                y = self.rs(x, w)
+            else:
+                stats.record("gemm_rs.sequential")
+                y = stock_reduce_scatter(x @ w, self.tp.group)
+        else:
+            y = nn.functional.linear(x, self.weight)
+            if self.tp.world_size > 1 and L.dispatcher.ipc_all_reduce(y.numel() * y.element_size(), _in_graph(y)):
+                y = L.all_reduce(y)
+            else:
+                self.tp.all_reduce(y)
+        return y + self.bias if self.bias is not None else y
+
+
+class OverlapLMHead(ParallelLMHead):
+    def __init__(self, layers: OverlapTPLayers, vocab_size: int, hidden: int, tied_to):
+        super().__init__(layers.tp, vocab_size, hidden, layers.dtype, layers.device, tied_to)
+        self.layers = layers
+
+    def forward(self, hidden: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
+        L = self.layers
+        if L.sequence_parallel:
+            hidden = stock_all_gather(hidden, self.tp.group)[:L.tokens]
+        return super().forward(hidden, rows)
