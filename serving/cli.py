@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from typing import Optional
@@ -37,10 +38,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--tp-overlap", action="store_true",
+                   help="overlapped TP kernels over the symmetric heap (also: TP_OVERLAP=1)")
+    g.add_argument("--tp-overlap-config", default=None, metavar="JSON",
+                   help='sub-config, e.g. \'{"dispatch": "overlap", "heap_size": 1073741824}\'; implies --tp-overlap')
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(model=a.model, tokenizer=a.tokenizer, tensor_parallel_size=a.tp,
+    extra = {}
+    if a.tp_overlap_config is not None:
+        extra["tp_overlap"] = json.loads(a.tp_overlap_config)
+    elif a.tp_overlap:
+        extra["tp_overlap"] = True
+    return EngineConfig(**extra, model=a.model, tokenizer=a.tokenizer, tensor_parallel_size=a.tp,
                         load_format=a.load_format, dtype=a.dtype, device=a.engine_device,
                         max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                         max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,

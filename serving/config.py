@@ -121,6 +121,31 @@ def resolve_model_dir(model: str) -> Optional[Path]:
                             f"or a shipped config name ({', '.join(names)})")
 
 
+class TPOverlapConfig(BaseModel):
+    """The `tp_overlap` sub-config. Present (and enabled) means the TP layers come from the overlap
+    factory (tp_overlap_plugin/overlap_layers.py); absent means the stock path, exactly as before."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    heap_size: Optional[int] = Field(None, ge=1 << 20, description="symmetric heap bytes per rank; "
+                                     "default: sized from the model's largest activation at max batch")
+    dispatch: Literal["table", "overlap", "stock"] = Field(
+        "table", description="table: measured per-device choices (stock where unmeasured); "
+                             "overlap: always our kernels; stock: never")
+    dispatch_table: Optional[str] = Field(None, description="path of a dispatch table JSON to use instead")
+
+
+def _tp_overlap_from_env() -> Optional[TPOverlapConfig]:
+    """TP_OVERLAP=1 turns the flag on; TP_OVERLAP='{"dispatch": "overlap"}' also configures it."""
+    raw = os.environ.get("TP_OVERLAP", "").strip()
+    if raw in ("", "0", "false", "False"):
+        return None
+    if raw in ("1", "true", "True"):
+        return TPOverlapConfig()
+    return TPOverlapConfig.model_validate_json(raw)
+
+
 class EngineConfig(BaseModel):
     """Everything that shapes an engine instance. Validated on construction."""
 
@@ -145,6 +170,19 @@ class EngineConfig(BaseModel):
     cuda_graph_batch_sizes: Optional[list[int]] = None
     dist_timeout_s: float = Field(600.0, gt=0)
     show_progress: bool = True
+    tp_overlap: Optional[TPOverlapConfig] = Field(default_factory=_tp_overlap_from_env,
+                                                  description="overlapped TP kernels; true, false or a sub-config")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flag_shorthand(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("tp_overlap"), bool):
+            data = {**data, "tp_overlap": {} if data["tp_overlap"] else None}
+        return data
+
+    @property
+    def overlap_enabled(self) -> bool:
+        return self.tp_overlap is not None and self.tp_overlap.enabled
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":

@@ -7,6 +7,7 @@ inside the TP layers connect the forwards.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,6 +22,8 @@ from .attention import AttnMeta
 from .config import EngineConfig, ModelConfig, default_device, resolve_model_dir
 from .model import CausalLM
 from . import weights as W
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,7 +71,8 @@ class ModelRunner:
         self.block_size = cfg.block_size
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
 
-        tp = TPLayers(TPGroup(rank, world_size, group), self.dtype, device)
+        self.heap = None
+        tp = self._layer_factory(TPGroup(rank, world_size, group))
         with torch.device(device):
             self.model = CausalLM(self.mcfg, tp, self.max_model_len).eval()
         self._load_weights()
@@ -92,6 +96,35 @@ class ModelRunner:
         """Drop the KV cache and graphs (the big allocations) once the engine is shut down."""
         self.graphs.clear()
         self.kv_caches = []
+        if self.heap is not None:
+            self.heap.close()
+            self.heap = None
+
+    def _layer_factory(self, tp: TPGroup) -> TPLayers:
+        """The `tp_overlap` flag's one switch: stock layers, or the overlap factory over a heap."""
+        if not self.cfg.overlap_enabled:
+            return TPLayers(tp, self.dtype, self.device)
+        if self.world_size == 1:
+            log.warning("tp_overlap is on but tensor_parallel_size is 1: nothing to overlap, stock layers")
+            return TPLayers(tp, self.dtype, self.device)
+        from tp_overlap_plugin.dispatch import Dispatcher
+        from tp_overlap_plugin.heap import SymmetricHeap
+        from tp_overlap_plugin.overlap_layers import OverlapTPLayers, required_heap_bytes
+        oc = self.cfg.tp_overlap
+        max_tokens = max(self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs)
+        size = oc.heap_size or required_heap_bytes(self.mcfg.hidden_size, max_tokens, self.world_size, self.dtype)
+        size = -(-size // 256) * 256
+        try:
+            self.heap = SymmetricHeap(self.ctrl_group, self.device, size)
+        except Exception as e:
+            raise RuntimeError(f"tp_overlap: could not allocate a {size / 2**20:.0f} MiB symmetric heap per rank "
+                               f"on {self.device} ({e}); lower max_num_batched_tokens or set "
+                               f"tp_overlap.heap_size") from e
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        dispatcher = Dispatcher.load(oc.dispatch, name, self.world_size, oc.dispatch_table)
+        if self.rank == 0:
+            log.info("tp_overlap: heap %d MiB/rank, dispatch %s (%s)", size >> 20, oc.dispatch, dispatcher.source)
+        return OverlapTPLayers(tp, self.dtype, self.device, self.heap, max_tokens, dispatcher)
 
     # ---- setup -------------------------------------------------------------------------------
     def _load_weights(self) -> None:
@@ -191,8 +224,14 @@ class ModelRunner:
         n = len(step.input_ids)
         if (self.graphs and step.num_decodes == n and n <= self.max_graph_bs
                 and step.logit_rows == list(range(n))):
-            return self._replay(step)
-        return self._forward(step, self.kv_caches, self.use_triton)
+            logits = self._replay(step)
+        else:
+            logits = self._forward(step, self.kv_caches, self.use_triton)
+        if self.heap is not None:
+            # The step's tokens go to the host next anyway: one small read here turns a peer that
+            # stopped answering into an error instead of garbage tokens.
+            self.heap.check()
+        return logits
 
     def worker_loop(self) -> None:
         while True:
