@@ -48,6 +48,20 @@ def _demo_rank(ctx, numel, iters):
     return lines
 
 
+def _serve(args) -> int:
+    """OpenAI-compatible HTTP server over the engine (serving/api_server.py)."""
+    from tp_overlap_plugin.serving.api_server import serve_main
+
+    return serve_main(args)
+
+
+def _bench_serve(args) -> int:
+    """Load generator against a running server (serving/bench_serve.py)."""
+    from tp_overlap_plugin.serving.bench_serve import bench_serve_main
+
+    return bench_serve_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tp-overlap", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -59,6 +73,27 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--heap-size", type=int, default=64 << 20)
     d.add_argument("--timeout", type=float, default=300.0)
     d.set_defaults(func=_demo)
+
+    # The server's and the benchmark's options live next to their code. Those modules import fastapi,
+    # prometheus_client and httpx only when serving, so the parser works without the `serve` extra.
+    from tp_overlap_plugin.serving.api_server import add_server_args
+    from tp_overlap_plugin.serving.bench_offline import add_bench_offline_subcommands
+    from tp_overlap_plugin.serving.bench_serve import add_bench_serve_args
+    from tp_overlap_plugin.serving.cli import add_engine_args, add_generate_subcommand
+
+    add_generate_subcommand(sub)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the built-in demo model)")
+    add_engine_args(s)
+    add_server_args(s)
+    s.set_defaults(func=_serve)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    bs = bsub.add_parser("serve", help="load test a running OpenAI-compatible server (like `vllm bench serve`)")
+    add_bench_serve_args(bs)
+    bs.set_defaults(func=_bench_serve)
+    add_bench_offline_subcommands(bsub)
     return p
 
 

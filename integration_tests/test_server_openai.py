@@ -1,0 +1,315 @@
+"""The OpenAI-compatible server through the official `openai` client: completions and chat, streaming and
+not, n > 1, stop strings, usage, echo/logprobs; TP=2 serves the same greedy text as TP=1; SIGTERM stops
+the server and its workers. A real `tp-overlap serve` process on 127.0.0.1 with the demo model."""
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tp_overlap_plugin.serving import LLM, EngineConfig, SamplingParams
+from tp_overlap_plugin.serving.api_server import ServerProcess, free_port
+
+pytestmark = pytest.mark.timeout(180)
+
+MAX_LEN = 256
+ARGS = ["--max-model-len", str(MAX_LEN), "--max-num-seqs", "32", "--no-access-log", "--log-level", "warning"]
+PROMPTS = ["The tensor-parallel engine says:", "Hello, world", "0123456789"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess(ARGS) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def offline():
+    with LLM(EngineConfig(model="demo", max_model_len=MAX_LEN, show_progress=False)) as llm:
+        yield llm
+
+
+def _greedy(client, prompt, n_tokens=24, extra=None, **kw):
+    return client.completions.create(model="demo", prompt=prompt, max_tokens=n_tokens, temperature=0,
+                                     extra_body={"ignore_eos": True, **(extra or {})}, **kw)
+
+
+def test_models_health_version(server, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["demo"]
+    assert models[0].max_model_len == MAX_LEN
+    assert httpx.get(server.url + "/health").status_code == 200
+    v = httpx.get(server.url + "/version").json()
+    assert isinstance(v["version"], str) and v["version"]
+
+
+def test_completion_matches_offline_engine_and_reports_usage(client, offline):
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = offline.generate(PROMPTS, sp)
+    for prompt, r in zip(PROMPTS, ref):
+        out = _greedy(client, prompt)
+        assert out.object == "text_completion" and out.model == "demo"
+        c = out.choices[0]
+        assert c.text == r.outputs[0].text
+        assert c.finish_reason == "length"
+        n_prompt = len(offline.tokenizer.encode(prompt))
+        assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == \
+            (n_prompt, 24, n_prompt + 24)
+
+
+def test_token_id_prompts_and_prompt_batches(client, offline):
+    ids = offline.tokenizer.encode(PROMPTS[1])
+    by_ids = _greedy(client, ids)
+    by_text = _greedy(client, PROMPTS[1])
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    batch = _greedy(client, [ids, offline.tokenizer.encode(PROMPTS[0])], n_tokens=8)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert batch.choices[1].text == _greedy(client, PROMPTS[0], n_tokens=8).choices[0].text
+    assert batch.usage.prompt_tokens == len(ids) + len(offline.tokenizer.encode(PROMPTS[0]))
+    assert batch.usage.completion_tokens == 16
+
+
+def test_streaming_completion_equals_non_streaming(client):
+    full = _greedy(client, PROMPTS[0], n_tokens=32)
+    chunks = list(_greedy(client, PROMPTS[0], n_tokens=32, stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == full.choices[0].text
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 32
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+def test_sse_wire_format_ends_with_done(server):
+    body = {"model": "demo", "prompt": "Hi", "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]" and events.count("data: [DONE]") == 1
+
+
+def test_chat_streaming_and_not(client, offline):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+    out = client.chat.completions.create(model="demo", messages=msgs, max_tokens=20, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert out.object == "chat.completion"
+    msg = out.choices[0].message
+    assert msg.role == "assistant" and out.choices[0].finish_reason == "length"
+    ref = offline.chat(msgs, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    assert msg.content == ref.outputs[0].text
+    n_prompt = len(ref.prompt_token_ids)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (n_prompt, 20)
+
+    chunks = list(client.chat.completions.create(model="demo", messages=msgs, max_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == msg.content
+    assert chunks[-1].usage.completion_tokens == 20 and chunks[-1].usage.prompt_tokens == n_prompt
+
+
+def test_chat_default_max_tokens_fills_the_context(client):
+    # Without max_tokens a chat reply may use what is left of the context, as in the OpenAI API.
+    msgs = [{"role": "user", "content": "x" * 200}]
+    out = client.chat.completions.create(model="demo", messages=msgs, temperature=0, extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.total_tokens == MAX_LEN
+
+
+def test_n_samples_seeded_and_streamed(client):
+    kw = dict(model="demo", prompt=PROMPTS[2], max_tokens=12, temperature=1.0, seed=7, n=3,
+              extra_body={"ignore_eos": True})
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]      # seeded: reproducible
+    assert len({c.text for c in a.choices}) > 1                               # n samples, not one copied
+    assert a.usage.completion_tokens == 36
+    streamed = {0: "", 1: "", 2: ""}
+    for ch in client.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            streamed[c.index] += c.text
+    assert [streamed[i] for i in range(3)] == [c.text for c in a.choices]
+
+    chat = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], n=2,
+                                          max_tokens=6, temperature=1.0, seed=3)
+    assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens <= 12
+
+
+def _stop_case(client):
+    """A prompt and a one-character stop string that first occurs a few characters into its greedy text."""
+    for prompt in PROMPTS + ["abc", "Once upon a time", "q"]:
+        full = _greedy(client, prompt, n_tokens=48).choices[0].text
+        for i in range(2, len(full)):
+            ch = full[i]
+            if ch.isascii() and ch.isprintable() and ch not in full[:i]:
+                return prompt, full, ch, i
+    pytest.fail("no greedy output of the demo model has a usable stop character")
+
+
+def test_stop_strings(client):
+    prompt, full, stop, i = _stop_case(client)
+    out = _greedy(client, prompt, n_tokens=48, stop=[stop])
+    assert out.choices[0].text == full[:i] and out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens < 48
+    streamed = "".join(ch.choices[0].text for ch in _greedy(client, prompt, n_tokens=48, stop=stop, stream=True)
+                       if ch.choices)
+    assert streamed == full[:i]
+    kept = _greedy(client, prompt, n_tokens=48, stop=[stop], extra={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == full[:i + 1]
+
+
+def test_echo_and_logprobs(client, offline):
+    out = _greedy(client, PROMPTS[1], n_tokens=6, logprobs=0)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 6
+    assert all(x <= 0 for x in lp.token_logprobs)
+    ref = offline.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=True))
+    assert lp.token_logprobs == pytest.approx(ref[0].outputs[0].logprobs, abs=1e-4)
+
+    echoed = _greedy(client, PROMPTS[1], n_tokens=6, logprobs=0, echo=True)
+    c = echoed.choices[0]
+    assert c.text == PROMPTS[1] + out.choices[0].text
+    n_prompt = len(offline.tokenizer.encode(PROMPTS[1]))
+    assert len(c.logprobs.token_logprobs) == n_prompt + 6
+    assert c.logprobs.token_logprobs[0] is None
+    assert all(x <= 0 for x in c.logprobs.token_logprobs[1:])
+    assert c.logprobs.token_logprobs[n_prompt:] == pytest.approx(lp.token_logprobs, abs=1e-4)
+
+    chat = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(t.logprob <= 0 for t in content)
+
+
+# ---- tensor parallelism and shutdown --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server_tp2():
+    with ServerProcess(ARGS + ["--tp", "2"]) as s:
+        yield s
+
+
+def test_tp2_serves_the_same_greedy_text(client, server_tp2):
+    with openai.OpenAI(base_url=server_tp2.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c2:
+        for p in PROMPTS:
+            a, b = _greedy(client, p, n_tokens=32), _greedy(c2, p, n_tokens=32)
+            assert a.choices[0].text == b.choices[0].text
+            assert a.usage == b.usage
+        msgs = [{"role": "user", "content": "Tell me about tensors."}]
+        kw = dict(model="demo", messages=msgs, max_tokens=16, temperature=0)
+        assert client.chat.completions.create(**kw).choices[0].message.content == \
+            c2.chat.completions.create(**kw).choices[0].message.content
+
+
+def _group_members(pgid: int) -> list[int]:
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if os.getpgid(int(d)) == pgid:
+                    pids.append(int(d))
+            except ProcessLookupError:
+                pass
+    return pids
+
+
+def test_sigterm_finishes_in_flight_stream_then_stops_workers(server_tp2):
+    pgid = server_tp2.proc.pid
+    assert len(_group_members(pgid)) >= 2, "the TP=2 server should have a worker process"
+    received: list[str] = []
+    done = threading.Event()
+
+    def stream():
+        body = {"model": "demo", "prompt": "Hello", "max_tokens": 64, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server_tp2.url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    received.append(line)
+                    if len(received) == 3:
+                        done.set()
+        done.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert done.wait(30), "the stream did not start"
+    server_tp2.proc.send_signal(signal.SIGTERM)
+    t.join(60)
+    rc = server_tp2.proc.wait(timeout=60)
+    assert rc == 0, server_tp2.log_tail()
+    # The in-flight request finished (64 tokens and [DONE]) before the server went away.
+    assert received[-1] == "data: [DONE]"
+    assert '"finish_reason": "length"' in "".join(received)
+    deadline = time.monotonic() + 20
+    while _group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _group_members(pgid) == [], "TP worker processes outlived the server"
+
+
+def test_sigint_past_shutdown_timeout_aborts_the_stream_and_exits():
+    # A stream far longer than --shutdown-timeout: the server cuts it off (aborting it in the engine),
+    # shuts the engine down and exits cleanly instead of waiting for the generation to end.
+    with ServerProcess(ARGS + ["--max-model-len", "2048", "--shutdown-timeout", "1", "--log-level", "info"]) as srv:
+        lines: list[str] = []
+        started = threading.Event()
+
+        def stream():
+            body = {"model": "demo", "prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            try:
+                with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+                    for line in r.iter_lines():
+                        if line:
+                            lines.append(line)
+                            started.set()
+            except httpx.HTTPError:
+                pass       # the server closing the connection mid-stream is what is expected here
+            started.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(30)
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGINT)
+        rc = srv.proc.wait(timeout=60)
+        t.join(30)
+        assert rc == 0, srv.log_tail()
+        assert time.monotonic() - t0 < 30
+        assert lines and "data: [DONE]" not in lines
+        log = srv.log_tail()
+        assert "cut off by the server shutting down" in log and "engine shut down" in log
+        assert "Traceback" not in log
+
+
+def test_torchrun_launch_serves_the_same_text(client):
+    # Under torchrun every rank runs `tp-overlap serve`; rank 0 serves HTTP, rank 1 serves its steps.
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.fail(f"torchrun not found next to {sys.executable}")
+    with ServerProcess(ARGS + ["--tp", "2", "--log-level", "info"],
+                       launcher=[torchrun, "--nproc-per-node", "2", "--master-port", str(free_port())]) as srv:
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c2:
+            for p in PROMPTS[:2]:
+                assert _greedy(client, p, n_tokens=16).choices[0].text == _greedy(c2, p, n_tokens=16).choices[0].text
+        pgid = srv.proc.pid
+        srv.proc.send_signal(signal.SIGTERM)      # torchrun forwards it to both ranks
+        srv.proc.wait(timeout=60)
+        deadline = time.monotonic() + 20
+        while _group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _group_members(pgid) == []
+        log = srv.log_tail(200)
+        # Rank 1 waited for rank 0's stop instead of dying mid-collective.
+        assert "engine shut down" in log and "[rank1]: Traceback" not in log, log

@@ -1,0 +1,124 @@
+"""Prometheus metrics of the OpenAI-compatible server.
+
+Two kinds: counters and histograms that the request handlers update as tokens stream out, and gauges
+that are read from the engine at scrape time (running / waiting requests, KV-cache blocks), so a scrape
+always shows the engine's present state rather than the last value someone remembered to set.
+
+Each server owns its own registry, so several servers (or tests) in one process do not collide.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
+                               generate_latest)
+from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily
+
+PREFIX = "tp_overlap"
+
+# Latency buckets in seconds: sub-millisecond decode steps on a GPU up to minutes-long CPU requests.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+
+def engine_stats(async_engine) -> dict[str, float]:
+    """Scheduler and KV-pool state of an AsyncLLM.
+
+    The engine has no public stats accessor yet, so this reads the scheduler's queues and the block
+    manager's free pool directly. Those are mutated by the engine thread; reading a length is atomic
+    under the GIL, and a scrape that is one step stale is fine.
+    """
+    eng = async_engine.engine
+    sched, bm = eng.scheduler, eng.block_manager
+    total = bm.num_blocks
+    free = bm.num_free
+    return {
+        "num_requests_running": len(sched.running),
+        "num_requests_waiting": len(sched.waiting),
+        "kv_cache_total_blocks": total,
+        "kv_cache_free_blocks": free,
+        "kv_cache_usage_perc": (total - free) / total if total else 0.0,
+        "num_preemptions": sched.num_preemptions,
+        "prefix_cache_hit_blocks": bm.num_cache_hits,
+    }
+
+
+class _EngineCollector:
+    def __init__(self, stats: Callable[[], Optional[dict]], model_name: str):
+        self._stats = stats
+        self._model = model_name
+
+    def collect(self):
+        s = self._stats()
+        if s is None:
+            return
+        gauges = [
+            ("num_requests_running", "Requests in the engine's running batch"),
+            ("num_requests_waiting", "Requests queued for admission (including preempted ones)"),
+            ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)"),
+            ("kv_cache_free_blocks", "KV-cache blocks free (cached prefixes that may be evicted count as free)"),
+            ("kv_cache_total_blocks", "KV-cache blocks in the pool"),
+        ]
+        for key, doc in gauges:
+            g = GaugeMetricFamily(f"{PREFIX}_{key}", doc, labels=["model_name"])
+            g.add_metric([self._model], float(s[key]))
+            yield g
+        for key, doc in (("num_preemptions", "Sequences preempted (recomputed later) because the KV cache ran out"),
+                         ("prefix_cache_hit_blocks", "KV blocks reused from the prefix cache")):
+            c = CounterMetricFamily(f"{PREFIX}_{key}", doc, labels=["model_name"])
+            c.add_metric([self._model], float(s[key]))
+            yield c
+        # Which path each TP op took on this rank (rank 0 serves HTTP): with --tp-overlap this is how an
+        # operator sees that the overlapped kernels run rather than a silent fallback.
+        from tp_overlap_plugin import stats as tp_stats
+        c = CounterMetricFamily(f"{PREFIX}_tp_op_calls", "TP ops by path (kernel, fallback, sequential, ...)",
+                                labels=["model_name", "path"])
+        for path, n in sorted(tp_stats.snapshot().items()):
+            c.add_metric([self._model, path], float(n))
+        yield c
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, stats: Callable[[], Optional[dict]]):
+        # The *_created timestamp series double the output and no dashboard reads them.
+        disable_created_metrics()
+        self.registry = CollectorRegistry()
+        r, m = self.registry, ["model_name"]
+        self.model_name = model_name
+        self.requests = Counter(f"{PREFIX}_requests", "Finished generation requests by endpoint and outcome",
+                                m + ["endpoint", "finish_reason"], registry=r)
+        self.http_responses = Counter(f"{PREFIX}_http_responses", "HTTP responses by route and status code",
+                                      ["route", "status"], registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of admitted requests", m, registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens", m, registry=r)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Time from arrival to the first token",
+                              m, buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds",
+                              "Mean time between output tokens of one sequence after the first",
+                              m, buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Time from arrival to the last token",
+                             m, buckets=_E2E_BUCKETS, registry=r)
+        self.in_flight = Gauge(f"{PREFIX}_num_requests_in_flight",
+                               "HTTP generation requests being served (includes tokenization and streaming)",
+                               m, registry=r)
+        r.register(_EngineCollector(stats, model_name))
+
+    def observe_sequence(self, endpoint: str, finish_reason: Optional[str], arrival: float,
+                         first_token: Optional[float], last_token: Optional[float], num_generated: int) -> None:
+        """One finished (or aborted) choice of a request."""
+        name = self.model_name
+        self.requests.labels(name, endpoint, finish_reason or "error").inc()
+        self.generation_tokens.labels(name).inc(num_generated)
+        if first_token is not None:
+            self.ttft.labels(name).observe(first_token - arrival)
+            if last_token is not None:
+                self.e2e.labels(name).observe(last_token - arrival)
+                if num_generated > 1:
+                    self.tpot.labels(name).observe((last_token - first_token) / (num_generated - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,357 @@
+"""Request and response schemas of the OpenAI-compatible server.
+
+The request models list exactly the fields the engine can honour and forbid everything else: a client
+that sends `logit_bias` or `tools` gets a 400 that names the field, instead of an answer that quietly
+differs from what it asked for. Fields that OpenAI clients send with their neutral defaults
+(`presence_penalty: 0`, `best_of == n`, ...) are accepted at those values only.
+
+Strict mode: `"max_tokens": "10"` or `"prompt": [true]` are type errors, as in the OpenAI API.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
+
+# Stop strings are matched against the tail of the text after every token; a bound keeps that cheap.
+MAX_STOP_STRINGS = 16
+# OpenAI's own limits for these knobs.
+MAX_COMPLETION_LOGPROBS = 5
+MAX_CHAT_TOP_LOGPROBS = 20
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- errors -----------------------------------------------------------------------------------------
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[Union[str, int]] = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorInfo
+
+
+# ---- shared request pieces -------------------------------------------------------------------------
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """The sampling knobs common to both endpoints (OpenAI's plus vLLM's extensions)."""
+
+    model: Optional[str] = Field(None, description="the served model name; default: the one model served")
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0, description="0 is greedy; default 1")
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(None, ge=-1, description="-1 or 0 disables")
+    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=128, description="completions per prompt")
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    seed: Optional[int] = Field(None, ge=-(2 ** 63), le=2 ** 63 - 1)
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = Field(None, description="an end-user id; recorded in nothing, accepted for compatibility")
+    presence_penalty: Optional[float] = Field(None, description="only 0 is supported")
+    frequency_penalty: Optional[float] = Field(None, description="only 0 is supported")
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stops)}")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_ids(cls, v):
+        if v and any(t < 0 for t in v):
+            raise ValueError("stop_token_ids must be non-negative")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, v, info: ValidationInfo):
+        if v not in (None, 0.0):
+            raise ValueError(f"{info.field_name} is not supported by this server; only 0 (the default) is accepted")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for the engine's SamplingParams, except max_tokens / logprobs / seed."""
+        kw: dict[str, Any] = dict(stop=self.stop_list(), stop_token_ids=list(self.stop_token_ids or []),
+                                  ignore_eos=self.ignore_eos,
+                                  include_stop_str_in_output=self.include_stop_str_in_output)
+        if self.temperature is not None:
+            kw["temperature"] = self.temperature
+        if self.top_p is not None:
+            kw["top_p"] = self.top_p
+        if self.top_k is not None:
+            kw["top_k"] = max(self.top_k, 0)
+        if self.min_p is not None:
+            kw["min_p"] = self.min_p
+        return kw
+
+
+# ---- /v1/completions --------------------------------------------------------------------------------
+Prompt = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Prompt = Field(..., description="a string, a list of strings, token ids, or a list of token-id lists")
+    max_tokens: int = Field(16, ge=1, description="tokens to generate per choice")
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS,
+                                    description="0: the sampled token's log-probability; >0 is not supported")
+    echo: bool = False
+    best_of: Optional[int] = Field(None, ge=1, description="only equal to n is supported")
+    suffix: Optional[str] = Field(None, description="not supported; only null is accepted")
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_shape(cls, v, handler):
+        # One message instead of pydantic's four (one per union branch).
+        try:
+            return handler(v)
+        except ValidationError:
+            raise ValueError("prompt must be a string, a list of strings, a list of token ids (integers) "
+                             "or a list of token-id lists") from None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_nonempty(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt is an empty list; at least one prompt or token id is required")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs_supported(cls, v):
+        if v is not None and v > 0:
+            raise ValueError(f"logprobs={v} asks for the top {v} alternatives per position, which this server "
+                             f"does not compute; logprobs=0 returns the sampled token's log-probability")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        if v is not None:
+            raise ValueError("suffix (insertion) is not supported by this server")
+        return v
+
+    @model_validator(mode="after")
+    def _best_of(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of={self.best_of} differs from n={self.n}; ranking candidates is not "
+                             f"supported, so best_of must equal n or be omitted")
+        if self.echo and self.logprobs is not None and self.stream:
+            raise ValueError("echo with logprobs is only supported without streaming (the prompt's "
+                             "log-probabilities are known once the request is finished)")
+        return self
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamChoice(_Response):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+
+
+class CompletionStreamResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+# ---- /v1/chat/completions ---------------------------------------------------------------------------
+class TextContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_text(cls, data):
+        if isinstance(data, dict) and data.get("type") != "text":
+            raise ValueError(f"content parts of type {data.get('type')!r} are not supported; only 'text'")
+        return data
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "user", "assistant"]
+    content: Union[str, list[TextContentPart]]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1, description="default: what is left of the context")
+    max_completion_tokens: Optional[int] = Field(None, ge=1, description="the newer name of max_tokens")
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS, description="only 0 is supported")
+    add_generation_prompt: bool = True
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_supported(cls, v):
+        if v:
+            raise ValueError(f"top_logprobs={v} asks for alternatives per position, which this server does not "
+                             f"compute; use logprobs=true alone for the sampled token's log-probability")
+        return v
+
+    @model_validator(mode="after")
+    def _one_max(self):
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens disagree; send one of them")
+        return self
+
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class ChatResponseMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatTokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+    top_logprobs: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(_Response):
+    content: Optional[list[ChatTokenLogprob]] = None
+
+
+class ChatCompletionChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(_Response):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatCompletionStreamChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+
+
+class ChatCompletionStreamResponse(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+# ---- /v1/models, /version ---------------------------------------------------------------------------
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "tp-overlap"
+    root: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class VersionResponse(_Response):
+    version: str
