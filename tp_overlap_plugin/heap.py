@@ -259,12 +259,7 @@ class _TorchSymmBackend:
     def map(self):
         import torch.distributed._symmetric_memory as symm_mem
         h = self.heap
-        group_name = h.group.group_name
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            try:
-                symm_mem.enable_symm_mem_for_group(group_name)
-            except Exception:  # already enabled, or not needed by this torch
-                pass
+        group_name = h.group.group_name  # torch >= 2.11 needs no enable_symm_mem_for_group first
         with torch.cuda.device(h.device):
             self.local = symm_mem.empty(h.heap_size, dtype=torch.uint8, device=h.device)
             self.handle = symm_mem.rendezvous(self.local, group_name)
