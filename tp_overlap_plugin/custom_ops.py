@@ -1,0 +1,81 @@
+"""Our all-reduce as a torch custom op, `torch.ops.tp_overlap.all_reduce(x, key)`.
+
+torch.compile must not trace into the Triton launch or the heap's Python state, and a CUDA graph
+must capture the kernel as one opaque node; a custom op with a fake (shape-only) implementation
+gives both. The op cannot take a Python object, so the reducer is looked up by a string key that
+an engine adapter registers once per process (vLLM's adapter uses the TP group's unique name).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from tp_overlap_plugin import stats
+from tp_overlap_plugin.collectives import HeapAllReduce
+
+
+@dataclass
+class _Reducer:
+    heap_all_reduce: HeapAllReduce
+    # The engine's own all-reduce, for what the heap kernel does not cover. It may work in place;
+    # the op hands it a private copy, so the op's input is never mutated.
+    fallback: Callable[[torch.Tensor], torch.Tensor]
+    bf16_via_fp32: bool
+    # (message bytes, inside a CUDA graph capture) -> use the heap kernel; e.g. Dispatcher.ipc_all_reduce
+    choose: Callable[[int, bool], bool] | None
+
+
+_reducers: dict[str, _Reducer] = {}
+
+
+def register_all_reduce(key: str, heap_all_reduce: HeapAllReduce,
+                        fallback: Callable[[torch.Tensor], torch.Tensor],
+                        bf16_via_fp32: bool | None = None,
+                        choose: Callable[[int, bool], bool] | None = None) -> None:
+    """`bf16_via_fp32` (default: on the CPU) reduces bf16 messages as fp32 and rounds with torch.
+    The Triton interpreter (Triton 3.9) truncates fp32 -> bf16 casts instead of rounding to nearest
+    even as GPUs do, so the kernel's bf16 output would sit up to 1 ulp towards zero from every
+    other all-reduce's; the fp32 sum itself is the same."""
+    if key in _reducers and _reducers[key].heap_all_reduce is not heap_all_reduce:
+        raise RuntimeError(f"an all-reduce is already registered under {key!r} in this process")
+    if bf16_via_fp32 is None:
+        bf16_via_fp32 = heap_all_reduce.heap.device.type == "cpu"
+    _reducers[key] = _Reducer(heap_all_reduce, fallback, bf16_via_fp32, choose)
+
+
+def registered(key: str) -> bool:
+    return key in _reducers
+
+
+@torch.library.custom_op("tp_overlap::all_reduce", mutates_args=())
+def all_reduce(x: torch.Tensor, key: str) -> torch.Tensor:
+    reducer = _reducers.get(key)
+    if reducer is None:
+        raise RuntimeError(f"tp_overlap::all_reduce: nothing registered under {key!r} in this process "
+                           f"(registered: {sorted(_reducers)})")
+    in_graph = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if reducer.choose is not None and not reducer.choose(x.numel() * x.element_size(), in_graph):
+        stats.record("custom_op.all_reduce.fallback.dispatch")
+    elif reducer.bf16_via_fp32 and x.dtype == torch.bfloat16:
+        wide = x.float()
+        if reducer.heap_all_reduce.kernel_applies(wide):
+            stats.record("custom_op.all_reduce.heap")
+            stats.record("custom_op.all_reduce.bf16_via_fp32")
+            return reducer.heap_all_reduce(wide).to(torch.bfloat16)
+        stats.record("custom_op.all_reduce.fallback.uncovered")
+    elif reducer.heap_all_reduce.kernel_applies(x):
+        stats.record("custom_op.all_reduce.heap")
+        return reducer.heap_all_reduce(x)
+    else:
+        stats.record("custom_op.all_reduce.fallback.uncovered")
+    stats.record("custom_op.all_reduce.fallback")
+    out = reducer.fallback(x.clone())
+    return out if out.is_contiguous() else out.contiguous()
+
+
+@all_reduce.register_fake
+def _all_reduce_fake(x: torch.Tensor, key: str) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
