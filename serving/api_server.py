@@ -405,6 +405,36 @@ class OpenAIServer:
         nxt = torch.tensor(ids[1:])[:, None]
         return [None] + lp.gather(1, nxt)[:, 0].tolist()
 
+    def _stream(self, chunks, stream_options, usage_chunk) -> "_SSEResponse":
+        """The SSE envelope both streaming endpoints share: chunks, the optional usage chunk, `[DONE]`;
+        an engine failure mid-stream becomes an error event (the status line is already sent)."""
+        include_usage = bool(stream_options and stream_options.include_usage)
+
+        async def events():
+            self.metrics.in_flight.labels(self.model_name).inc()
+            try:
+                async with contextlib.aclosing(chunks) as it:
+                    async for chunk in it:
+                        yield _sse(chunk)
+                if include_usage:
+                    yield _sse(usage_chunk())
+                yield _sse("[DONE]")
+            except _EngineFailure as e:
+                yield _sse(error_body(500, f"the engine failed while generating: {e}", code="engine_error"))
+                yield _sse("[DONE]")
+            finally:
+                self.metrics.in_flight.labels(self.model_name).dec()
+
+        return _SSEResponse(events(), media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _complete(self, choices: list[_Choice], endpoint: str, request: Request) -> None:
+        self.metrics.in_flight.labels(self.model_name).inc()
+        try:
+            await self._collect(choices, endpoint, request)
+        finally:
+            self.metrics.in_flight.labels(self.model_name).dec()
+
     # ---- routes --------------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request: Request):
         self._check_model(req.model)
@@ -427,54 +457,34 @@ class OpenAIServer:
             return self.tokenizer.decode(c.prompt_ids) if self.tokenizer is not None else ""
 
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-            async def events():
-                self.metrics.in_flight.labels(self.model_name).inc()
+            async def chunks():
                 sent = {c.index: 0 for c in choices}
                 offsets = {c.index: 0 for c in choices}
-                try:
-                    async with contextlib.aclosing(self._run(choices, "completions")) as it:
-                        if req.echo:
-                            for c in choices:
-                                text = echo_text(c)
-                                offsets[c.index] = len(text)
-                                chunk = CompletionStreamResponse(id=base, model=self.model_name, choices=[
-                                    CompletionStreamChoice(index=c.index, text=text)])
-                                yield _sse(chunk.model_dump())
-                        async for c, out in it:
-                            new_ids = c.token_ids[sent[c.index]:]
-                            finish = c.finish_reason if out.finished else None
-                            if not (out.delta_text or finish or (want_lp and new_ids)):
-                                continue
-                            lp = None
-                            if want_lp:
-                                lp = self._completion_logprobs(new_ids, c.logprobs[sent[c.index]:],
-                                                               offsets[c.index])
-                            sent[c.index] = len(c.token_ids)
-                            offsets[c.index] += len(out.delta_text)
-                            chunk = CompletionStreamResponse(id=base, model=self.model_name, choices=[
-                                CompletionStreamChoice(index=c.index, text=out.delta_text, logprobs=lp,
-                                                       finish_reason=finish)])
-                            yield _sse(chunk.model_dump())
-                    if include_usage:
-                        yield _sse(CompletionStreamResponse(id=base, model=self.model_name, choices=[],
-                                                            usage=self._usage(choices)).model_dump())
-                    yield _sse("[DONE]")
-                except _EngineFailure as e:
-                    yield _sse(error_body(500, f"the engine failed while generating: {e}", code="engine_error"))
-                    yield _sse("[DONE]")
-                finally:
-                    self.metrics.in_flight.labels(self.model_name).dec()
+                async with contextlib.aclosing(self._run(choices, "completions")) as it:
+                    if req.echo:
+                        for c in choices:
+                            text = echo_text(c)
+                            offsets[c.index] = len(text)
+                            yield CompletionStreamResponse(id=base, model=self.model_name, choices=[
+                                CompletionStreamChoice(index=c.index, text=text)]).model_dump()
+                    async for c, out in it:
+                        new_ids = c.token_ids[sent[c.index]:]
+                        finish = c.finish_reason if out.finished else None
+                        if not (out.delta_text or finish or (want_lp and new_ids)):
+                            continue
+                        lp = None
+                        if want_lp:
+                            lp = self._completion_logprobs(new_ids, c.logprobs[sent[c.index]:], offsets[c.index])
+                        sent[c.index] = len(c.token_ids)
+                        offsets[c.index] += len(out.delta_text)
+                        yield CompletionStreamResponse(id=base, model=self.model_name, choices=[
+                            CompletionStreamChoice(index=c.index, text=out.delta_text, logprobs=lp,
+                                                   finish_reason=finish)]).model_dump()
 
-            return _SSEResponse(events(), media_type="text/event-stream",
-                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return self._stream(chunks(), req.stream_options, lambda: CompletionStreamResponse(
+                id=base, model=self.model_name, choices=[], usage=self._usage(choices)).model_dump())
 
-        self.metrics.in_flight.labels(self.model_name).inc()
-        try:
-            await self._collect(choices, "completions", request)
-        finally:
-            self.metrics.in_flight.labels(self.model_name).dec()
+        await self._complete(choices, "completions", request)
         out_choices = []
         for c in choices:
             text, lp = c.text, None
@@ -524,51 +534,33 @@ class OpenAIServer:
             return ChatChoiceLogprobs(content=content)
 
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-            async def events():
-                self.metrics.in_flight.labels(self.model_name).inc()
+            async def chunks():
                 sent = {c.index: 0 for c in choices}
-                try:
-                    async with contextlib.aclosing(self._run(choices, "chat")) as it:
-                        # OpenAI streams announce the role first, once per choice.
-                        for c in choices:
-                            chunk = ChatCompletionStreamResponse(id=base, model=self.model_name, choices=[
-                                ChatCompletionStreamChoice(index=c.index,
-                                                           delta=DeltaMessage(role="assistant", content=""))])
-                            yield _sse(chunk.model_dump())
-                        async for c, out in it:
-                            new_ids = c.token_ids[sent[c.index]:]
-                            finish = c.finish_reason if out.finished else None
-                            if not (out.delta_text or finish or (req.logprobs and new_ids)):
-                                continue
-                            lp = token_logprobs(new_ids, c.logprobs[sent[c.index]:]) if req.logprobs else None
-                            sent[c.index] = len(c.token_ids)
-                            delta = DeltaMessage(content=out.delta_text) if out.delta_text else DeltaMessage()
-                            chunk = ChatCompletionStreamResponse(id=base, model=self.model_name, choices=[
-                                ChatCompletionStreamChoice(index=c.index, delta=delta, logprobs=lp,
-                                                           finish_reason=finish)]).model_dump()
-                            # OpenAI leaves unset delta fields out rather than sending nulls.
-                            chunk["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
-                            yield _sse(chunk)
-                    if include_usage:
-                        yield _sse(ChatCompletionStreamResponse(id=base, model=self.model_name, choices=[],
-                                                                usage=self._usage(choices)).model_dump())
-                    yield _sse("[DONE]")
-                except _EngineFailure as e:
-                    yield _sse(error_body(500, f"the engine failed while generating: {e}", code="engine_error"))
-                    yield _sse("[DONE]")
-                finally:
-                    self.metrics.in_flight.labels(self.model_name).dec()
+                async with contextlib.aclosing(self._run(choices, "chat")) as it:
+                    # OpenAI streams announce the role first, once per choice.
+                    for c in choices:
+                        yield ChatCompletionStreamResponse(id=base, model=self.model_name, choices=[
+                            ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))
+                        ]).model_dump()
+                    async for c, out in it:
+                        new_ids = c.token_ids[sent[c.index]:]
+                        finish = c.finish_reason if out.finished else None
+                        if not (out.delta_text or finish or (req.logprobs and new_ids)):
+                            continue
+                        lp = token_logprobs(new_ids, c.logprobs[sent[c.index]:]) if req.logprobs else None
+                        sent[c.index] = len(c.token_ids)
+                        delta = DeltaMessage(content=out.delta_text) if out.delta_text else DeltaMessage()
+                        chunk = ChatCompletionStreamResponse(id=base, model=self.model_name, choices=[
+                            ChatCompletionStreamChoice(index=c.index, delta=delta, logprobs=lp,
+                                                       finish_reason=finish)]).model_dump()
+                        # OpenAI leaves unset delta fields out rather than sending nulls.
+                        chunk["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
+                        yield chunk
 
-            return _SSEResponse(events(), media_type="text/event-stream",
-                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return self._stream(chunks(), req.stream_options, lambda: ChatCompletionStreamResponse(
+                id=base, model=self.model_name, choices=[], usage=self._usage(choices)).model_dump())
 
-        self.metrics.in_flight.labels(self.model_name).inc()
-        try:
-            await self._collect(choices, "chat", request)
-        finally:
-            self.metrics.in_flight.labels(self.model_name).dec()
+        await self._complete(choices, "chat", request)
         out_choices = [ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text),
                                             logprobs=token_logprobs(c.token_ids, c.logprobs) if req.logprobs else None,
                                             finish_reason=c.finish_reason) for c in choices]
