@@ -76,7 +76,10 @@ class OverlapTPLayers(TPLayers):
         w = self.tp.world_size
         self.tokens = tokens
         self.padded = -(-tokens // w) * w
-        self.sequence_parallel = w > 1 and any(
+        # AG-GEMM's copy-engine pushes cannot be captured, so CUDA-graph steps (decode) keep the
+        # replicated layout whatever the dispatcher would pick.
+        capturing = torch.device(self.device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+        self.sequence_parallel = w > 1 and not capturing and any(
             self.dispatcher.sequence_parallel(self.padded, k, n) for k, n in self._columns)
         stats.record("layers.sequence_parallel_steps" if self.sequence_parallel else "layers.replicated_steps")
 
