@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import triton
 
-from tp_overlap_plugin import stats
+from tp_overlap_plugin import runtime, stats
 from tp_overlap_plugin.heap import SymmetricHeap
 from tp_overlap_plugin.kernels.allreduce import CHUNK_BYTES, one_shot_all_reduce_kernel, two_shot_all_reduce_kernel
 
@@ -16,9 +16,7 @@ ALGORITHMS = ("auto", "one_shot", "two_shot")
 
 
 def _num_programs(device: torch.device) -> int:
-    if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    return 2 * runtime.multiprocessor_count(device) if device.type == "cuda" else 4
 
 
 class HeapAllReduce:
@@ -52,10 +50,7 @@ class HeapAllReduce:
         for t in (self.ready, self.done, self.reduced, self.epochs):
             t.zero_()
         self.num_programs = _num_programs(heap.device)
-        # no peer may raise a flag in my heap before I have zeroed it
-        if heap.device.type == "cuda":
-            torch.cuda.synchronize(heap.device)
-        dist.barrier(group=heap.group)
+        heap.publish()
 
     def kernel_applies(self, x: torch.Tensor) -> bool:
         return (x.dtype in KERNEL_DTYPES and x.is_contiguous()
@@ -101,7 +96,6 @@ class HeapAllReduce:
             two_shot_all_reduce_kernel[grid](x, out, self.stage.view(x.dtype), self.result.view(x.dtype),
                                              self.ready, self.done, self.reduced, self.epochs, x.numel(),
                                              **common)
-        if h.device.type == "cpu":
-            h.check()
+        h.check_if_free()
         return out
 

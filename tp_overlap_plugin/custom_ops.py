@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from tp_overlap_plugin import stats
+from tp_overlap_plugin import runtime, stats
 from tp_overlap_plugin.collectives import HeapAllReduce
 
 
@@ -56,7 +56,7 @@ def all_reduce(x: torch.Tensor, key: str) -> torch.Tensor:
     if reducer is None:
         raise RuntimeError(f"tp_overlap::all_reduce: nothing registered under {key!r} in this process "
                            f"(registered: {sorted(_reducers)})")
-    in_graph = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    in_graph = runtime.capturing(x.device)
     if reducer.choose is not None and not reducer.choose(x.numel() * x.element_size(), in_graph):
         stats.record("custom_op.all_reduce.fallback.dispatch")
     elif reducer.bf16_via_fp32 and x.dtype == torch.bfloat16:

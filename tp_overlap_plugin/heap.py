@@ -114,8 +114,7 @@ class SymmetricHeap:
         self._barrier_flags.zero_()
         self._barrier_epoch = self.alloc((1,), torch.int64, name="host_barrier.epoch")
         self._barrier_epoch.zero_()
-        # Control block must be zeroed everywhere before any peer may write into it.
-        dist.barrier(group=self.group)
+        self.publish()
 
     # ---- allocation -------------------------------------------------------------------------
 
@@ -188,12 +187,25 @@ class SymmetricHeap:
             f"{err[ERR_EXPECTED]} (saw {err[ERR_SEEN]}); the peer crashed, hung, or the ranks "
             f"issued different collectives. The heap is unusable now; restart the group.")
 
+    def check_if_free(self) -> None:
+        """After a launch: check where reading the error slot costs nothing (the CPU). On a GPU it is a
+        device sync per op, so callers check at their own sync points (the engine: once a step)."""
+        if self.device.type == "cpu":
+            self.check()
+
+    def publish(self) -> None:
+        """Make freshly zeroed flags safe to use: my device work (the zeroing) finishes, then every rank
+        meets, so no peer raises a flag in my heap before it is zeroed, and no peer kernel still
+        touches space that was just handed out again."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+
     def barrier(self) -> None:
         """Device-side barrier across the heap's ranks (the same kernel graphs capture)."""
         from tp_overlap_plugin.kernels.barrier import launch_barrier
         launch_barrier(self, self._barrier_flags, self._barrier_epoch)
-        if self.device.type == "cpu":
-            self.check()
+        self.check_if_free()
 
     def close(self) -> None:
         if not self._closed:

@@ -58,6 +58,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tp_overlap_plugin import runtime
+
 
 @dataclass
 class TPGroup:
@@ -73,11 +75,7 @@ class TPGroup:
         return x
 
     def all_gather_cat(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        if self.world_size == 1:
-            return x
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=dim)
+        return x if self.world_size == 1 else runtime.all_gather(x, self.group, dim)
 
 
 def _divide(n: int, w: int, what: str) -> int:

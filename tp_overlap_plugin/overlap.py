@@ -9,13 +9,13 @@ a wrong answer; `stats` records which path ran.
 
 from __future__ import annotations
 
-import os
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from tp_overlap_plugin import stats
+from tp_overlap_plugin import runtime, stats
 from tp_overlap_plugin.heap import SymmetricHeap
 from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel
 from tp_overlap_plugin.kernels.gemm import gemm_kernel
@@ -33,9 +33,10 @@ class TileConfig:
     num_warps: int = 8
     num_stages: int = 3
 
-    def launch_kwargs(self, k: int) -> dict:
+    def launch_kwargs(self, k: int, device: torch.device) -> dict:
+        # kernels run on CPU tensors only under the Triton interpreter
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=self.group_m,
-                    EVEN_K=k % self.block_k == 0, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+                    EVEN_K=k % self.block_k == 0, INTERPRET=device.type == "cpu",
                     num_warps=self.num_warps, num_stages=self.num_stages)
 
 
@@ -62,9 +63,7 @@ def num_programs(device: torch.device) -> int:
     """Persistent grid size: one program per SM. The interpreter runs programs one after another,
     so there a single program walks all tiles in order (a peer's waits are then always on tiles it
     has already produced)."""
-    if device.type == "cpu":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1 if device.type == "cpu" else runtime.multiprocessor_count(device)
 
 
 def _check_operands(op: str, a: torch.Tensor, b: torch.Tensor, device: torch.device) -> None:
@@ -100,25 +99,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
     grid = (min(tiles, num_programs(a.device)),)
     gemm_kernel[grid](a, b, out, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                      out.stride(0), out.stride(1), **cfg.launch_kwargs(k))
-    return out
-
-
-def stock_all_gather(x: torch.Tensor, group) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts)
-
-
-def stock_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    if dist.get_backend(group) == "gloo":  # gloo has no reduce-scatter
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x.chunk(world)[rank].clone()
-    out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+                      out.stride(0), out.stride(1), **cfg.launch_kwargs(k, a.device))
     return out
 
 
@@ -142,7 +123,7 @@ class AllGatherGemm:
         self.epoch = torch.zeros(1, dtype=torch.int64, device=heap.device)
         self.calls = 0
         self.stream = torch.cuda.Stream(heap.device) if heap.device.type == "cuda" else None
-        _publish(heap)
+        heap.publish()
 
     def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool = False,
                  config: TileConfig | None = None):
@@ -154,10 +135,10 @@ class AllGatherGemm:
         fits = rows <= self.max_rows and k == self.k and a_shard.dtype == self.dtype
         if rows == 0 or n == 0 or not fits or not _kernel_applies(a_shard):
             stats.record("ag_gemm.fallback")
-            a_full = stock_all_gather(a_shard, self.device_group)
+            a_full = runtime.all_gather(a_shard, self.device_group)
             c = a_full @ b
             return (c, a_full) if return_gathered else c
-        if h.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if runtime.capturing(h.device):
             raise RuntimeError("AllGatherGemm cannot be captured in a CUDA graph (its copy-engine "
                                "pushes target a host-chosen buffer half); use it eagerly")
         stats.record("ag_gemm.kernel")
@@ -169,11 +150,10 @@ class AllGatherGemm:
         ag_gemm_kernel[(num_programs(h.device),)](
             a_shard, self.gathered, b, c, self.flags, self.epoch, rows, n, k,
             a_shard.stride(0), b.stride(0), b.stride(1), self.max_rows * k, h.rank, W, h.heap_bases, h.error, h.spin_limit,
-            CHUNKS=self.chunks, **cfg.launch_kwargs(k))
+            CHUNKS=self.chunks, **cfg.launch_kwargs(k, h.device))
         if self.stream is not None:
             torch.cuda.current_stream(h.device).wait_stream(self.stream)
-        if h.device.type == "cpu":
-            h.check()
+        h.check_if_free()
         if return_gathered:
             return c, self.gathered[parity, :, :rows].reshape(W * rows, k)
         return c
@@ -187,7 +167,7 @@ class AllGatherGemm:
         if self.stream is not None:
             self.stream.wait_stream(main)
             a_shard.record_stream(self.stream)
-        ctx = torch.cuda.stream(self.stream) if self.stream is not None else _nullcontext()
+        ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with ctx:
             self.epoch.add_(1)
             if self.stream is not None:
@@ -228,7 +208,7 @@ class GemmReduceScatter:
         self.epochs = heap.alloc((self.programs,), torch.int64, name="gemm_rs.epochs")
         self.flags.zero_()
         self.epochs.zero_()
-        _publish(heap)
+        heap.publish()
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
         h = self.heap
@@ -244,28 +224,11 @@ class GemmReduceScatter:
         fits = rows <= self.max_rows and n == self.n and a.dtype == self.dtype and tiles <= self.max_tiles
         if rows == 0 or k == 0 or not fits or not _kernel_applies(a):
             stats.record("gemm_rs.fallback")
-            return stock_reduce_scatter(a @ b, self.device_group)
+            return runtime.reduce_scatter(a @ b, self.device_group)
         stats.record("gemm_rs.kernel")
         c = torch.empty((rows, n), dtype=a.dtype, device=h.device)
         gemm_rs_kernel[(self.programs,)](
             a, b, c, self.recv, self.flags, self.epochs, rows, n, k, a.stride(0), b.stride(0), b.stride(1),
-            self.max_tiles, h.rank, W, h.heap_bases, h.error, h.spin_limit, **cfg.launch_kwargs(k))
-        if h.device.type == "cpu":
-            h.check()
+            self.max_tiles, h.rank, W, h.heap_bases, h.error, h.spin_limit, **cfg.launch_kwargs(k, h.device))
+        h.check_if_free()
         return c
-
-
-def _publish(heap: SymmetricHeap) -> None:
-    """Zeroed flags must land before any peer may raise them: finish my device work, then meet.
-    (Also: once every rank has synchronised, no peer kernel still touches this heap space.)"""
-    if heap.device.type == "cuda":
-        torch.cuda.synchronize(heap.device)
-    dist.barrier(group=heap.group)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

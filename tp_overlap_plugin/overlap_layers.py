@@ -17,13 +17,13 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from tp_overlap_plugin import stats
+from tp_overlap_plugin import runtime, stats
 from tp_overlap_plugin.collectives import HeapAllReduce
 from tp_overlap_plugin.dispatch import Dispatcher
 from tp_overlap_plugin.heap import SymmetricHeap
 from tp_overlap_plugin.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPGroup, TPLayers,
                                       VocabParallelEmbedding)
-from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter, stock_all_gather, stock_reduce_scatter
+from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter
 
 ALL_REDUCE_BYTES = 8 << 20
 
@@ -59,7 +59,9 @@ class OverlapTPLayers(TPLayers):
 
     # Heap-backed ops are collective to build: every rank builds the same model in the same order,
     # so creating them as modules are constructed keeps the heap symmetric.
-    def ag_op(self, k: int) -> AllGatherGemm:
+    def column_op(self, k: int, n: int) -> AllGatherGemm:
+        """The AG-GEMM for a column layer of input size k and n local output columns."""
+        self._columns.add((k, n))
         if k not in self._ag:
             self._ag[k] = AllGatherGemm(self.heap, self.max_rows, k, self.dtype, device_group=self.tp.group)
         return self._ag[k]
@@ -78,8 +80,7 @@ class OverlapTPLayers(TPLayers):
         self.padded = -(-tokens // w) * w
         # AG-GEMM's copy-engine pushes cannot be captured, so CUDA-graph steps (decode) keep the
         # replicated layout whatever the dispatcher would pick.
-        capturing = torch.device(self.device).type == "cuda" and torch.cuda.is_current_stream_capturing()
-        self.sequence_parallel = w > 1 and not capturing and any(
+        self.sequence_parallel = w > 1 and not runtime.capturing(self.device) and any(
             self.dispatcher.sequence_parallel(self.padded, k, n) for k, n in self._columns)
         stats.record("layers.sequence_parallel_steps" if self.sequence_parallel else "layers.replicated_steps")
 
@@ -96,10 +97,6 @@ class OverlapTPLayers(TPLayers):
         return OverlapLMHead(self, vocab_size, hidden, tied_to)
 
 
-def _in_graph(x: torch.Tensor) -> bool:
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 class OverlapEmbedding(VocabParallelEmbedding):
     def __init__(self, layers: OverlapTPLayers, vocab_size: int, hidden: int):
         super().__init__(layers.tp, vocab_size, hidden, layers.dtype, layers.device)
@@ -111,15 +108,14 @@ class OverlapEmbedding(VocabParallelEmbedding):
         if not L.sequence_parallel:
             return super().forward(ids)
         padded = torch.cat([ids, ids.new_zeros(L.padded - L.tokens)]) if L.padded > L.tokens else ids
-        return stock_reduce_scatter(self.local_lookup(padded), self.tp.group)
+        return runtime.reduce_scatter(self.local_lookup(padded), self.tp.group)
 
 
 class OverlapColumn(ColumnParallelLinear):
     def __init__(self, layers: OverlapTPLayers, input_size: int, output_sizes: Sequence[int], bias: bool):
         super().__init__(layers.tp, input_size, output_sizes, bias, layers.dtype, layers.device)
         self.layers = layers
-        self.ag = layers.ag_op(input_size)
-        layers._columns.add((input_size, self.weight.shape[0]))
+        self.ag = layers.column_op(input_size, self.weight.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         L = self.layers
@@ -130,7 +126,7 @@ class OverlapColumn(ColumnParallelLinear):
             y = self.ag(x, w)
         else:
             stats.record("ag_gemm.sequential")
-            y = stock_all_gather(x, self.tp.group) @ w
+            y = runtime.all_gather(x, self.tp.group) @ w
         y = y[:L.tokens]
         return y + self.bias if self.bias is not None else y
 
@@ -151,10 +147,10 @@ class OverlapRow(RowParallelLinear):
                 y = self.rs(x, w)
             else:
                 stats.record("gemm_rs.sequential")
-                y = stock_reduce_scatter(x @ w, self.tp.group)
+                y = runtime.reduce_scatter(x @ w, self.tp.group)
         else:
             y = nn.functional.linear(x, self.weight)
-            if self.tp.world_size > 1 and L.dispatcher.ipc_all_reduce(y.numel() * y.element_size(), _in_graph(y)):
+            if self.tp.world_size > 1 and L.dispatcher.ipc_all_reduce(y.numel() * y.element_size(), runtime.capturing(y.device)):
                 y = L.all_reduce(y)
             else:
                 self.tp.all_reduce(y)
@@ -169,5 +165,5 @@ class OverlapLMHead(ParallelLMHead):
     def forward(self, hidden: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
         L = self.layers
         if L.sequence_parallel:
-            hidden = stock_all_gather(hidden, self.tp.group)[:L.tokens]
+            hidden = runtime.all_gather(hidden, self.tp.group)[:L.tokens]
         return super().forward(hidden, rows)
