@@ -3,6 +3,7 @@ capture, and writing results (JSON + markdown) with device and versions."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -52,19 +53,33 @@ def graph_time_per_call_ms(fn, *, calls: int = 20, samples: int = 15, group=None
     return time_per_call_ms(replay, calls=1, samples=samples, group=group) / calls
 
 
-def environment() -> dict:
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def bench_parser(doc: str) -> argparse.ArgumentParser:
+    """The options every benchmark takes: --tp, --out, --quick."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--out", default=RESULTS_DIR)
+    p.add_argument("--quick", action="store_true")
+    return p
+
+
+def environment(tp: int, on_gpu: bool = True, **extra) -> dict:
     import triton
-    props = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
+    props = torch.cuda.get_device_properties(0) if on_gpu and torch.cuda.is_available() else None
     return {
         "date": datetime.date.today().isoformat(),
+        "tp": tp,
         "device": props.name if props else "cpu",
-        "device_count": torch.cuda.device_count(),
+        "device_count": torch.cuda.device_count() if props else 0,
         "sm_count": props.multi_processor_count if props else None,
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "hip": torch.version.hip,
         "host": platform.node(),
+        **extra,
     }
 
 

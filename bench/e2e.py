@@ -10,9 +10,11 @@ off and on; JSON + markdown + PNG in bench/results/.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import bench_parser, environment, md_table, write_results  # noqa: E402
 
 PREFILL = [(8, 2048, 16), (32, 2048, 16)]
 DECODE = [(1, 128, 512), (16, 128, 512), (64, 128, 512), (256, 128, 512)]
@@ -20,21 +22,14 @@ QUICK = [(2, 24, 4), (4, 8, 8)]
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--model", default="llama-3-8b")
-    p.add_argument("--tp", type=int, default=2)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--num-layers", type=int, default=None, help="fewer layers (e.g. for 70B on one host); say so")
-    p.add_argument("--quick", action="store_true")
     p.add_argument("--dispatch", default="table", choices=["table", "overlap"],
                    help="overlap: force our kernels everywhere (to see them), table: what users get")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from benchlib import md_table, write_results
-
     from tp_overlap_plugin.serving import LLM, EngineConfig
     from tp_overlap_plugin.serving.bench_offline import scenario
 
@@ -52,13 +47,8 @@ def main(argv=None):
         cfg = EngineConfig(**base, tp_overlap={"dispatch": args.dispatch} if flag == "overlap" else None)
         with LLM(cfg) as llm:
             results[flag] = [scenario(llm, b, i, o) for b, i, o in scenarios]
-    import torch
-    import triton
-    env = {"date": __import__("datetime").date.today().isoformat(),
-           "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() and args.device != "cpu" else "cpu",
-           "device_count": torch.cuda.device_count() if args.device != "cpu" else 0,
-           "torch": torch.__version__, "triton": triton.__version__, "tp": args.tp, "model": args.model,
-           "dispatch": args.dispatch, "quick": args.quick}
+    env = environment(args.tp, on_gpu=args.device != "cpu", model=args.model, dispatch=args.dispatch,
+                      quick=args.quick)
     rows = []
     for s, o in zip(results["stock"], results["overlap"]):
         rows.append([f"b{s['batch']} in{s['input_len']} out{s['output_len']}", s["output_tokens_per_s"],

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -18,7 +17,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import environment, graph_time_per_call_ms, md_table, time_per_call_ms, write_results  # noqa: E402
+from benchlib import bench_parser, environment, graph_time_per_call_ms, md_table, time_per_call_ms, write_results  # noqa: E402
 
 from tp_overlap_plugin.collectives import HeapAllReduce  # noqa: E402
 from tp_overlap_plugin.kernels import rma  # noqa: E402
@@ -145,16 +144,10 @@ def _markdown(res: dict) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    p.add_argument("--quick", action="store_true")
-    args = p.parse_args(argv)
+    args = bench_parser(__doc__).parse_args(argv)
     per_rank = run_ranks(_bench_rank, args.tp, (args.quick,), device="cuda",
                          heap_size=COPY_BYTES + (64 << 20), timeout=500)
-    env = environment()
-    env["tp"] = args.tp
-    payload = {"environment": env, "rank0": per_rank[0], "all_ranks": per_rank}
+    payload = {"environment": environment(args.tp), "rank0": per_rank[0], "all_ranks": per_rank}
     md = _markdown(per_rank[0])
     paths = write_results(args.out, f"foundation-tp{args.tp}", payload, md)
     print(md)

@@ -16,10 +16,11 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import md_table  # noqa: E402
+from benchlib import RESULTS_DIR, md_table  # noqa: E402
+
+from tp_overlap_plugin.dispatch import table_path  # noqa: E402
 
 MARGIN = 1.02
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def build(overlap: dict, foundation: dict) -> dict:
@@ -71,12 +72,11 @@ def main(argv=None):
     with open(args.foundation) as f:
         foundation = json.load(f)
     table = build(overlap, foundation)
-    slug = table["device"].replace("NVIDIA ", "").replace("AMD ", "").replace(" ", "-").lower()
-    out = os.path.join(REPO, "tp_overlap_plugin", "dispatch_tables", f"{slug}-tp{table['world']}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    out = table_path(table["device"], table["world"])
+    out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as f:
         json.dump(table, f, indent=1)
-    md_path = os.path.join(REPO, "bench", "results", f"dispatch-{slug}-tp{table['world']}-{table['date']}.md")
+    md_path = os.path.join(RESULTS_DIR, f"dispatch-{out.stem}-{table['date']}.md")
     with open(md_path, "w") as f:
         f.write(markdown(table))
     print(markdown(table))

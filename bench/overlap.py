@@ -11,7 +11,6 @@ CUDA graph). Times are the max over ranks of each rank's median.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import environment, graph_time_per_call_ms, md_table, time_per_call_ms, write_results  # noqa: E402
+from benchlib import bench_parser, environment, graph_time_per_call_ms, md_table, time_per_call_ms, write_results  # noqa: E402
 
 from tp_overlap_plugin.collectives import HeapAllReduce  # noqa: E402
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
@@ -127,7 +126,7 @@ def _measure_shape(ctx, op, m, k, n, gname, results, key, calls, torch_fused=Fal
     row["bench_seconds"] = time.perf_counter() - t0
 
 
-def _bench_rank(ctx, quick):
+def _bench_rank(ctx, quick, partial):
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
     gname = _torch_fused(ctx)
     W = ctx.world_size
@@ -138,11 +137,9 @@ def _bench_rank(ctx, quick):
               if not quick or layer in ("gate_up", "down") or model == "8B"]
     sweep = [(f"{layer}/{m}", op, m, k, n) for model, layer, op, k, n in llama_shapes(W) if model == "8B"
              for m in sweep_ms if not quick or layer in ("gate_up", "down")]
-    partial = os.environ.get("BENCH_PARTIAL") if ctx.rank == 0 else None
-
     def checkpoint():
         # rank 0's numbers so far, in case the run is cut off
-        if partial:
+        if ctx.rank == 0:
             with open(partial, "w") as f:
                 json.dump(out, f)
 
@@ -311,26 +308,20 @@ def _plot(res, path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    p.add_argument("--quick", action="store_true")
+    p = bench_parser(__doc__)
     p.add_argument("--timeout", type=float, default=590)
     args = p.parse_args(argv)
     partial = os.path.join(args.out, "overlap-partial-rank0.json")
-    os.environ["BENCH_PARTIAL"] = partial
     try:
-        per_rank = run_ranks(_bench_rank, args.tp, (args.quick,), device="cuda", heap_size=1400 << 20,
+        per_rank = run_ranks(_bench_rank, args.tp, (args.quick, partial), device="cuda", heap_size=1400 << 20,
                              timeout=args.timeout)
     except Exception as e:  # cut off: report rank 0's numbers so far, and say so
         with open(partial) as f:
             per_rank = [json.load(f)]
         per_rank[0]["errors"].append(f"run cut off, rank 0 only: {str(e)[-300:]}")
     res = _combine(per_rank)
-    env = environment()
-    env["tp"] = args.tp
     md = _markdown(res)
-    paths = write_results(args.out, f"overlap-tp{args.tp}", {"environment": env, **res}, md)
+    paths = write_results(args.out, f"overlap-tp{args.tp}", {"environment": environment(args.tp), **res}, md)
     png = _plot(res, paths[0].replace(".json", ".png"))
     print(md)
     print("wrote", *paths, png or "")

@@ -38,9 +38,7 @@ class Dispatcher:
         measured for it."""
         if mode != "table":
             return cls(mode=mode)
-        if path is None:
-            path = TABLE_DIR / f"{_slug(device_name or 'cpu')}-tp{world}.json"
-        path = Path(path)
+        path = Path(path) if path is not None else table_path(device_name or "cpu", world)
         if not path.exists():
             return cls(mode=mode, source=f"no table at {path}: stock everywhere")
         data = json.loads(path.read_text())
@@ -80,5 +78,7 @@ def _wins(rows: list[dict], key: str, value: int, winner_key: str, ours: str) ->
     return all(r[winner_key] == ours for r in near)
 
 
-def _slug(device_name: str) -> str:
-    return device_name.replace("NVIDIA ", "").replace("AMD ", "").replace(" ", "-").lower()
+def table_path(device_name: str, world: int) -> Path:
+    """Where the table for this device and world size lives (bench/make_dispatch_table.py writes it)."""
+    slug = device_name.replace("NVIDIA ", "").replace("AMD ", "").replace(" ", "-").lower()
+    return TABLE_DIR / f"{slug}-tp{world}.json"
