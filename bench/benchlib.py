@@ -16,11 +16,13 @@ import torch.distributed as dist
 
 def time_per_call_ms(fn, *, calls: int = 20, samples: int = 15, group=None) -> float:
     """Median over `samples` of (time for `calls` back-to-back calls) / calls. Ranks start each
-    sample together (a host barrier), so one rank's late start does not read as latency."""
+    sample together (a host barrier), so one rank's late start does not read as latency. Without a
+    process group (single-GPU benchmarks) there is nobody to wait for."""
     times = []
     for _ in range(samples):
         torch.cuda.synchronize()
-        dist.barrier(group=group)
+        if dist.is_initialized():
+            dist.barrier(group=group)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(calls):

@@ -4,9 +4,10 @@
 
 Per Llama TP shape: cuBLAS GEMM alone, NCCL comm alone, sequential (NCCL + cuBLAS), torch
 symmetric-memory fused op, our Triton GEMM alone, ours overlapped; ratios vs sequential and vs the
-floor max(cuBLAS, NCCL). Then an M sweep on the 8B shapes (the dispatch table), a tile-config sweep
-of our GEMM, and the all-reduce sweep 8 KB-64 MB (one-shot, two-shot, NCCL, torch; eager and in a
-CUDA graph). Times are the max over ranks of each rank's median.
+floor max(cuBLAS, NCCL). Then an M sweep on the 8B shapes (the dispatch table) and the all-reduce
+sweep 8 KB-64 MB (one-shot, two-shot, NCCL, torch; eager and in a
+CUDA graph). B is the transpose of an nn.Linear weight, as the TP layers pass it. Times are the
+max over ranks of each rank's median.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from benchlib import bench_parser, environment, graph_time_per_call_ms, md_table
 
 from tp_overlap_plugin.collectives import HeapAllReduce  # noqa: E402
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
-from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter, TileConfig, gemm  # noqa: E402
+from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter, gemm  # noqa: E402
 
 # (model, layer, op, K, N) for TP=W: column-parallel N and row-parallel K are divided by W.
 LLAMA = {
@@ -44,8 +45,6 @@ def llama_shapes(world: int):
     return out
 
 
-CONFIGS = [TileConfig(128, 256, 64, 8, 8, 3), TileConfig(128, 256, 64, 8, 8, 4), TileConfig(128, 128, 64, 8, 4, 4),
-           TileConfig(128, 128, 64, 8, 8, 3), TileConfig(256, 128, 64, 8, 8, 3), TileConfig(128, 128, 128, 8, 8, 2)]
 AR_SIZES = [8 << 10, 32 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20, 32 << 20, 64 << 20]
 
 
@@ -55,6 +54,11 @@ def _torch_fused(ctx):
         return ctx.device_group.group_name
     except Exception:
         return None
+
+
+def weight_t(n, k, dev, gen):
+    """B as the TP layers pass it: the transpose of an nn.Linear weight [N, K], a view (no copy)."""
+    return (torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=gen) / k ** 0.5).t()
 
 
 def _measure_shape(ctx, op, m, k, n, gname, results, key, calls, torch_fused=False):
@@ -70,7 +74,7 @@ def _measure_shape(ctx, op, m, k, n, gname, results, key, calls, torch_fused=Fal
     with h.scope():
         if op == "ag":
             a_shard = torch.randn(rows, k, device=dev, dtype=torch.bfloat16, generator=gen)
-            b = torch.randn(k, n, device=dev, dtype=torch.bfloat16, generator=gen) / k ** 0.5
+            b = weight_t(n, k, dev, gen)
             a_full = torch.empty(m, k, device=dev, dtype=torch.bfloat16)
             fused = AllGatherGemm(h, rows, k)
             variants = {
@@ -87,7 +91,7 @@ def _measure_shape(ctx, op, m, k, n, gname, results, key, calls, torch_fused=Fal
             ref = torch.matmul(a_full, b).float()
         else:
             a = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen)
-            b = torch.randn(k, n, device=dev, dtype=torch.bfloat16, generator=gen) / k ** 0.5
+            b = weight_t(n, k, dev, gen)
             full = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
             shard = torch.empty(rows, n, device=dev, dtype=torch.bfloat16)
             fused = GemmReduceScatter(h, rows, n)
@@ -130,7 +134,7 @@ def _bench_rank(ctx, quick, partial):
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
     gname = _torch_fused(ctx)
     W = ctx.world_size
-    out = {"shapes": {}, "sweep": {}, "configs": [], "all_reduce": [], "errors": []}
+    out = {"shapes": {}, "sweep": {}, "all_reduce": [], "errors": []}
     ms = [8192] if quick else [2048, 8192]
     sweep_ms = [W, 64, 512, 2048] if quick else [W, 16, 64, 256, 1024, 4096, 16384]
     shapes = [(f"{model}/{layer}/{m}", op, m, k, n) for model, layer, op, k, n in llama_shapes(W) for m in ms
@@ -151,26 +155,13 @@ def _bench_rank(ctx, quick, partial):
             _measure_shape(ctx, op, m, k, n, gname, out["sweep"], key, 10 if m <= 1024 else 5, torch_fused)
             checkpoint()
 
-    def phase_configs():
-        for (m, k, n) in [(8192, 4096, 2 * 14336 // W), (8192, 14336 // W, 4096)]:
-            a = torch.randn(m, k, device=ctx.device, dtype=torch.bfloat16)
-            b = torch.randn(k, n, device=ctx.device, dtype=torch.bfloat16)
-            entry = {"M": m, "K": k, "N": n,
-                     "cublas": time_per_call_ms(lambda: a @ b, calls=5, samples=7, group=ctx.group)}
-            out["configs"].append(entry)
-            for cfg in (CONFIGS[:3] if quick else CONFIGS):
-                gemm(a, b, config=cfg)
-                torch.cuda.synchronize()
-                entry[str(cfg)] = time_per_call_ms(lambda: gemm(a, b, config=cfg), calls=5, samples=7, group=ctx.group)
-                checkpoint()
-
     def phase_all_reduce():
         out["all_reduce"] = _all_reduce_sweep(ctx, gname, AR_SIZES[:6] if quick else AR_SIZES)
         checkpoint()
 
     # A CUDA error is sticky: after the first failed phase, return what was measured.
     for name, phase in [("shapes", lambda: phase_shapes(False)), ("all_reduce", phase_all_reduce),
-                        ("configs", phase_configs), ("torch_fused", lambda: phase_shapes(True))]:
+                        ("torch_fused", lambda: phase_shapes(True))]:
         try:
             phase()
         except Exception:
@@ -237,7 +228,6 @@ def _combine(per_rank):
         return range(min(len(r[section]) for r in per_rank))
     res = {"shapes": {k: merge([r["shapes"][k] for r in per_rank]) for k in common("shapes")},
            "sweep": {k: merge([r["sweep"][k] for r in per_rank]) for k in common("sweep")},
-           "configs": [merge([r["configs"][i] for r in per_rank]) for i in common_list("configs")],
            "all_reduce": [merge([r["all_reduce"][i] for r in per_rank]) for i in common_list("all_reduce")],
            "errors": sum((r["errors"] for r in per_rank), [])}
     for row in list(res["shapes"].values()) + list(res["sweep"].values()):
@@ -267,10 +257,6 @@ def _markdown(res):
              r.get("ours_vs_sequential", float("nan")), "overlap" if r.get("ours_vs_sequential", 0) > 1.0 else "stock"]
             for k, r in res["sweep"].items()]
     md += md_table(["layer/M", "sequential", "torch fused", "ours", "seq/ours", "winner"], rows)
-    md += "\n## Our GEMM tile configs (ms)\n\n"
-    for e in res["configs"]:
-        md += f"M={e['M']} K={e['K']} N={e['N']}: cuBLAS {e['cublas']:.3f}; " + "; ".join(
-            f"{k} {v:.3f}" for k, v in e.items() if k.startswith("TileConfig") and isinstance(v, float)) + "\n\n"
     md += "\n## All-reduce, bf16, µs per op (CUDA graph | eager)\n\n"
     names = ["one_shot", "two_shot", "nccl", "torch_one_shot", "torch_two_shot"]
     rows = []

@@ -9,16 +9,17 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel
 from tp_overlap_plugin.kernels.allreduce import one_shot_all_reduce_kernel, two_shot_all_reduce_kernel
 from tp_overlap_plugin.kernels.barrier import barrier_kernel
 from tp_overlap_plugin.kernels.gemm import gemm_kernel
-from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel
+from tp_overlap_plugin.kernels.gemm_rs import reduce_kernel, signal_kernel
 
 TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64)}
 
 _COMM = {"rank": "i32", "world": "i32", "heap_bases": "*i64", "error_ptr": "*i64", "max_spins": "i32"}
 _TILES = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "EVEN_K": True, "INTERPRET": False}
+_GEMM = {**_TILES, "FLATTEN": True, "WAIT": False}
+_GEMM_WAIT = {**_TILES, "FLATTEN": True, "WAIT": True}
 
 
 def _sig(params: str, extra: dict | None = None, constexprs=_TILES) -> dict:
@@ -31,17 +32,19 @@ def _sig(params: str, extra: dict | None = None, constexprs=_TILES) -> dict:
     return sig
 
 
+_GEMM_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 M:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 "
+              "stride_bn:i32 stride_cm:i32 stride_cn:i32 wait_ptr:*i64 wait_count:i32 wait_value:i64 rank:i32 "
+              "peer:i32 heap_bases:*i64 error_ptr:*i64 max_spins:i32")
+
 KERNELS = {
-    "gemm": (gemm_kernel, _sig("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 M:i32 N:i32 K:i32 stride_am:i32 "
-                               "stride_ak:i32 stride_bk:i32 stride_bn:i32 stride_cm:i32 stride_cn:i32"), _TILES),
-    "ag_gemm": (ag_gemm_kernel,
-                _sig("a_ptr:*bf16 gathered_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 flags_ptr:*i64 epoch_ptr:*i64 "
-                     "M_shard:i32 N:i32 K:i32 stride_am:i32 stride_bk:i32 stride_bn:i32 "
-                     "gathered_shard_stride:i64", _COMM, {"CHUNKS": 2, **_TILES}), {"CHUNKS": 2, **_TILES}),
-    "gemm_rs": (gemm_rs_kernel,
-                _sig("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 recv_ptr:*bf16 flags_ptr:*i64 epoch_ptr:*i64 "
-                     "M_shard:i32 N:i32 K:i32 stride_am:i32 stride_bk:i32 stride_bn:i32 flag_stride:i32",
-                     _COMM), _TILES),
+    # the plain GEMM and AG-GEMM's per-shard GEMM (the same kernel with its waiting prologue)
+    "gemm": (gemm_kernel, _sig(_GEMM_ARGS, None, _GEMM), _GEMM),
+    "gemm_wait": (gemm_kernel, _sig(_GEMM_ARGS, None, _GEMM_WAIT), _GEMM_WAIT),
+    "gemm_rs_signal": (signal_kernel, _sig("flag_ptr:*i64 value:i64 rank:i32 peer:i32 heap_bases:*i64", None, {}),
+                       {}),
+    "gemm_rs_reduce": (reduce_kernel,
+                       _sig("recv_ptr:*bf16 out_ptr:*bf16 flags_ptr:*i64 epoch:i64 n:i32 slot_stride:i32", _COMM,
+                            ["BLOCK"]), {"BLOCK": 2048}),
     "two_shot_all_reduce_bf16": (two_shot_all_reduce_kernel,
                                  _sig("x_ptr:*bf16 out_ptr:*bf16 stage_ptr:*bf16 result_ptr:*bf16 ready_ptr:*i64 "
                                       "done_ptr:*i64 reduced_ptr:*i64 epoch_ptr:*i64 n:i32", _COMM, ["BLOCK"]),

@@ -1,7 +1,7 @@
 """The one GEMM core. Every matmul in this package (plain, all-gather + GEMM, GEMM + reduce-scatter)
-is a persistent loop over output tiles that calls `tile_coords` and `gemm_tile`; the fused kernels
-add their communication before (prologue: wait for the A rows) or after (epilogue: ship the tile)
-the call. Nothing else multiplies matrices.
+is `gemm_kernel`: a persistent loop over output tiles that calls `tile_coords` and `gemm_tile`. The
+fused ops add their communication around it: a prologue that waits for a peer's A rows (AG-GEMM),
+and C written straight into a peer's heap (GEMM-RS). Nothing else multiplies matrices.
 
 `INTERPRET` is set when the kernel runs under the Triton interpreter (CPU tests): its tl.dot
 multiplies bf16 operands as raw 16-bit integers, so there the operands are widened to fp32 first.
@@ -12,6 +12,8 @@ masks (the duplicated rows are computed and never stored); only a ragged K is ma
 
 import triton
 import triton.language as tl
+
+from tp_overlap_plugin.kernels import rma
 
 
 @triton.jit
@@ -53,17 +55,27 @@ def gemm_tile(a_ptr, b_ptr, rows, cols, K, stride_am, stride_ak, stride_bk, stri
 
 @triton.jit
 def gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                wait_ptr, wait_count, wait_value, rank, peer, heap_bases, error_ptr, max_spins,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
-    """C = A @ B, persistent: program p takes tiles p, p + P, p + 2P, ..."""
+                EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, FLATTEN: tl.constexpr, WAIT: tl.constexpr):
+    """C = A @ B, persistent: program p takes tiles p, p + P, p + 2P, ...
+
+    Prologue (WAIT): first wait until `wait_count` flags from `peer` reach `wait_value` (A's rows
+    are arriving from that peer). Waiting once, before the tile loop, keeps the loop a plain loop
+    the compiler can flatten: with FLATTEN the tile loop and the K loop become one pipelined loop,
+    so the next tile's first loads are in flight during this tile's epilogue. C may be a peer's
+    memory (GEMM-RS stores its partials straight into the owner's heap)."""
+    if WAIT:
+        for i in range(wait_count):
+            rma.signal_wait(wait_ptr + i, wait_value, rank, peer, heap_bases, error_ptr, max_spins)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    for tile in range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0), flatten=FLATTEN):
         pid_m, pid_n = tile_coords(tile, tiles_m, tiles_n, GROUP_M)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = gemm_tile(a_ptr, b_ptr, rows % M, cols % N, K, stride_am, stride_ak, stride_bk, stride_bn,
                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET)
         mask = (rows < M)[:, None] & (cols < N)[None, :]
-        tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn,
+        tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn,
                  acc.to(c_ptr.dtype.element_ty), mask=mask)

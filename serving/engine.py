@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .block_manager import BlockManager
 from .config import EngineConfig, SamplingParams, env_rank_world, resolve_model_dir
-from .runner import ModelRunner, StepInput, init_distributed, worker_main
+from .runner import ModelRunner, StepInput, destroy_group_bounded, init_distributed, worker_main
 from .sampler import sample
 from .scheduler import Scheduler, Sequence, Status
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -140,7 +140,7 @@ class LLMEngine:
             msg = self._worker_errors()
             self._kill_workers()
             if dist.is_initialized() and self._owns_group:
-                dist.destroy_process_group()
+                destroy_group_bounded()
             raise RuntimeError(f"engine start failed: {e}" + (f"; workers: {msg}" if msg else "")) from e
 
     def _worker_errors(self) -> str:
@@ -168,11 +168,13 @@ class LLMEngine:
         except Exception:
             pass   # a dead worker cannot be told to stop; it is killed below
         finally:
-            self._kill_workers()
-            if self._owns_group and dist.is_initialized():
-                dist.destroy_process_group()
+            # Graphs hold NCCL work: drop them before the communicator, then leave the group while
+            # the workers leave theirs (see destroy_group_bounded), and only then reap them.
             if hasattr(self, "runner"):
                 self.runner.release()
+            if self._owns_group and dist.is_initialized():
+                destroy_group_bounded()
+            self._kill_workers()
 
     # ---- requests ----------------------------------------------------------------------------
     def _require_driver(self) -> None:

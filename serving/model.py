@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from tp_overlap_plugin.kernels import layer_ops
 from tp_overlap_plugin.layers import TPLayers
 
 from .attention import AttnMeta, paged_attention, write_kv
@@ -28,7 +29,13 @@ class RMSNorm(nn.Module):
         with torch.no_grad():
             self.weight.copy_(loaded[:].to(self.weight.dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """weight * rmsnorm(x); with `residual`, of x + residual, returning (normed, x + residual)."""
+        if x.device.type != "cpu" and x.dim() == 2 and x.stride(-1) == 1:
+            return layer_ops.rmsnorm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            residual = x + residual
+            return self.forward(residual), residual
         # Normalise in float32 and cast back before the weight, the order HF uses, so bf16 matches too.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -86,6 +93,8 @@ class Attention(nn.Module):
                                                     cfg.num_kv_heads * hd], bias=cfg.qkv_bias)
         self.o_proj = tp.row(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
         self.rotary = rotary
+        # the fused kernel takes a power-of-two head_dim (every Llama/Qwen size is one)
+        self.fused_rope = hd & (hd - 1) == 0
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, tp.dtype, tp.device)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, tp.dtype, tp.device)
@@ -102,9 +111,17 @@ class Attention(nn.Module):
         v = v.reshape(t, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q), self.rotary(positions, k)
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if qkv.device.type != "cpu" and self.fused_rope:
+            if self.q_norm is not None:  # back into the fused row the kernel rotates in place
+                qkv[:, :q_size].copy_(q.reshape(t, q_size))
+                qkv[:, q_size:q_size + kv_size].copy_(k.reshape(t, kv_size))
+            layer_ops.rope_and_cache(qkv, self.heads, self.kv_heads, self.head_dim, positions, self.rotary.cos,
+                                     self.rotary.sin, k_cache, v_cache, meta.slot_mapping)
+            q = qkv[:, :q_size].reshape(t, self.heads, self.head_dim)
+        else:
+            q, k = self.rotary(positions, q), self.rotary(positions, k)
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, q_size))
 
@@ -116,7 +133,10 @@ class MLP(nn.Module):
         self.down_proj = tp.row(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.device.type != "cpu":
+            return self.down_proj(layer_ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
@@ -128,9 +148,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp.dtype, tp.device)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, positions, residual, meta, kv_cache):
-        residual = residual + self.self_attn(positions, self.input_layernorm(residual), meta, kv_cache)
-        return residual + self.mlp(self.post_attention_layernorm(residual))
+    def forward(self, positions, hidden, residual, meta, kv_cache):
+        """(hidden, residual) in and out: each norm also adds the previous block's output into the
+        residual stream, so the add costs no kernel of its own."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta, kv_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class CausalLM(nn.Module):
@@ -147,9 +174,10 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids, positions, meta: AttnMeta, kv_caches: list) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        residual = None
         for layer, cache in zip(self.layers, kv_caches):
-            h = layer(positions, h, meta, cache)
-        return self.norm(h)
+            h, residual = layer(positions, h, residual, meta, cache)
+        return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
         return self.lm_head(hidden, rows)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -327,6 +328,20 @@ def init_distributed(cfg: EngineConfig, rank: int, world_size: int, store=None,
     return device, group, ctrl
 
 
+def destroy_group_bounded(timeout: float = 30.0) -> bool:
+    """dist.destroy_process_group(), given up on after `timeout` s. NCCL's teardown talks to the
+    peers: on H200x2 a rank-0 destroy that started after the workers had exited never returned.
+    So every rank leaves at the same time (rank 0 right after telling the workers to stop) and
+    none waits forever: the call runs on a daemon thread that process exit abandons."""
+    t = threading.Thread(target=dist.destroy_process_group, name="destroy-process-group", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        log.warning("torch.distributed teardown did not finish within %.0f s; leaving without it", timeout)
+        return False
+    return True
+
+
 def worker_main(cfg_json: str, rank: int, world_size: int, host: str, port: int, err_queue=None) -> None:
     """Entry point of a spawned worker rank: build the runner, then serve steps until told to stop."""
     try:
@@ -340,10 +355,11 @@ def worker_main(cfg_json: str, rank: int, world_size: int, host: str, port: int,
         device, group, ctrl = init_distributed(cfg, rank, world_size, store)
         runner = ModelRunner(cfg, rank, world_size, group, ctrl, device)
         runner.worker_loop()
+        runner.release()  # graphs hold NCCL work: gone before the communicator is
     except BaseException as e:  # surfaced to rank 0, which would otherwise only see a closed socket
         if err_queue is not None:
             err_queue.put(f"rank {rank}: {type(e).__name__}: {e}")
         raise
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            destroy_group_bounded()

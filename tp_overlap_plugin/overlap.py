@@ -1,8 +1,9 @@
 """Host ops for the overlapped tensor-parallel matmuls: `gemm`, `AllGatherGemm`, `GemmReduceScatter`.
 
-All three launch the one GEMM core (kernels/gemm.py). Tile shapes come from `pick_config`, a
-deterministic function of the shape and device: the fused kernels exchange per-tile flags, so every
-rank must tile identically (a per-rank autotuner could pick differently and deadlock).
+All three launch the one GEMM core (kernels/gemm.py), the fused ops once per row shard, so the
+compiler sees a plain tile loop it can flatten and pipeline. Ranks synchronise per shard (flags in
+the heap), never per tile. Tile shapes come from `pick_config`, a deterministic function of the
+shape and device (measured, not autotuned per process, so runs are reproducible).
 Cases a kernel does not cover (dtype, layout, capacity) fall back to the stock torch op, never to
 a wrong answer; `stats` records which path ran.
 """
@@ -17,9 +18,8 @@ import torch.distributed as dist
 
 from tp_overlap_plugin import runtime, stats
 from tp_overlap_plugin.heap import SymmetricHeap
-from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel
 from tp_overlap_plugin.kernels.gemm import gemm_kernel
-from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel
+from tp_overlap_plugin.kernels.gemm_rs import reduce_kernel, signal_kernel
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -32,17 +32,22 @@ class TileConfig:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    flatten: bool = False       # fuse the tile and K loops (see gemm_kernel); ignored by the interpreter
+    persistent: bool = True     # False: one program per tile, the hardware schedules them
 
     def launch_kwargs(self, k: int, device: torch.device) -> dict:
         # kernels run on CPU tensors only under the Triton interpreter
+        interpret = device.type == "cpu"
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=self.group_m,
-                    EVEN_K=k % self.block_k == 0, INTERPRET=device.type == "cpu",
+                    EVEN_K=k % self.block_k == 0, INTERPRET=interpret, FLATTEN=self.flatten and not interpret,
                     num_warps=self.num_warps, num_stages=self.num_stages)
 
 
-# Measured on H200 (bench/gemm_configs.py; bench/results/gemm-configs-*.md). CDNA3 (MI300X) entries
-# are on paper: 256x256 tiles with 2 stages fit its 64 KB LDS and feed its larger matrix cores.
-HOPPER_LARGE = TileConfig(128, 256, 64, 8, 8, 3)
+# Measured on H200 (bench/gemm_configs.py; bench/results/gemm-configs-*.md): the flattened
+# 128x256x64 loop with GROUP_M=16 was the best or within 3% of the best on every M=8192 Llama shape
+# with B as the transpose of an nn.Linear weight (the layers' layout). CDNA3 (MI300X) entries are on
+# paper: 256x256 tiles with 2 stages fit its 64 KB LDS and feed its larger matrix cores.
+HOPPER_LARGE = TileConfig(128, 256, 64, 16, 8, 3, flatten=True)
 HOPPER_SMALL_M = TileConfig(64, 128, 64, 8, 4, 4)
 CDNA3_LARGE = TileConfig(256, 256, 64, 4, 8, 2)
 CDNA3_SMALL_M = TileConfig(64, 128, 64, 4, 4, 2)
@@ -50,7 +55,8 @@ INTERPRETER = TileConfig(32, 32, 32, 4, 4, 1)
 
 
 def pick_config(rows: int, n: int, k: int, device: torch.device) -> TileConfig:
-    """Tiles for a GEMM whose row blocks have `rows` rows (a shard, for the fused ops)."""
+    """Tiles for a GEMM of `rows` rows (the fused ops call it per shard). Deterministic in the shape
+    and device, so every rank tiles alike."""
     if device.type == "cpu":
         return INTERPRETER
     small = rows <= 64
@@ -60,9 +66,8 @@ def pick_config(rows: int, n: int, k: int, device: torch.device) -> TileConfig:
 
 
 def num_programs(device: torch.device) -> int:
-    """Persistent grid size: one program per SM. The interpreter runs programs one after another,
-    so there a single program walks all tiles in order (a peer's waits are then always on tiles it
-    has already produced)."""
+    """Persistent grid size: one program per SM. The interpreter runs programs one after another;
+    one program walks all tiles in order there."""
     return 1 if device.type == "cpu" else runtime.multiprocessor_count(device)
 
 
@@ -79,8 +84,31 @@ def _check_operands(op: str, a: torch.Tensor, b: torch.Tensor, device: torch.dev
 
 
 def _kernel_applies(a: torch.Tensor) -> bool:
-    # the fused kernels index A rows densely (shard offsets, row stride K); B may be any view
+    # the fused ops slice A by rows and hand the slices to the core; B may be any view
     return a.dtype in KERNEL_DTYPES and a.is_contiguous()
+
+
+@dataclass(frozen=True)
+class _Wait:
+    """gemm_kernel's prologue: wait for `count` flags from `peer` (in this rank's heap) to reach `value`."""
+    heap: SymmetricHeap
+    flags: torch.Tensor
+    value: int
+    peer: int
+
+
+def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig, wait: _Wait | None = None) -> None:
+    m, k = a.shape
+    n = b.shape[1]
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    grid = (min(tiles, num_programs(a.device)) if cfg.persistent else tiles,)
+    if wait is None:  # the prologue's arguments are unused: any pointer and zeros
+        comm = (out, 0, 0, 0, 0, out, out, 0)
+    else:
+        h = wait.heap
+        comm = (wait.flags, wait.flags.numel(), wait.value, h.rank, wait.peer, h.heap_bases, h.error, h.spin_limit)
+    gemm_kernel[grid](a, b, out, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                      out.stride(0), out.stride(1), *comm, WAIT=wait is not None, **cfg.launch_kwargs(k, a.device))
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
@@ -95,20 +123,21 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
         return out
     if k == 0 or a.dtype not in KERNEL_DTYPES + (torch.float32,):
         return torch.matmul(a, b, out=out)
-    cfg = config or pick_config(m, n, k, a.device)
-    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-    grid = (min(tiles, num_programs(a.device)),)
-    gemm_kernel[grid](a, b, out, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                      out.stride(0), out.stride(1), **cfg.launch_kwargs(k, a.device))
+    _launch(a, b, out, config or pick_config(m, n, k, a.device))
     return out
 
 
 class AllGatherGemm:
     """c = all_gather(a_shard) @ b, the gather hidden behind the GEMM.
 
+    The copy engine pushes my shard into every peer's heap (chunk by chunk, each followed by its
+    flag) while the SMs multiply my own rows; then one GEMM per peer shard, in the order the shards
+    were pushed, each waiting in its prologue for that shard's flags. By then the shard has landed,
+    so the waits are short and no SM ever moves data.
+
     Capacity is fixed at construction (heap space is symmetric): `max_rows` rows per shard, `k`
-    columns. Not for CUDA-graph capture: the copy engine's destinations are host-chosen (the
-    dispatcher uses it for prefill-sized M, which runs eagerly)."""
+    columns. Not for CUDA-graph capture: the pushes' destinations and the epoch are chosen on the
+    host (the dispatcher uses it for prefill-sized M, which runs eagerly)."""
 
     def __init__(self, heap: SymmetricHeap, max_rows: int, k: int, dtype: torch.dtype = torch.bfloat16,
                  chunks: int = 2, device_group: dist.ProcessGroup | None = None):
@@ -120,9 +149,13 @@ class AllGatherGemm:
         self.gathered = heap.alloc((2, W, max_rows, k), dtype, name="ag_gemm.gathered")
         self.flags = heap.alloc((W, chunks), torch.int64, name="ag_gemm.flags")
         self.flags.zero_()
-        self.epoch = torch.zeros(1, dtype=torch.int64, device=heap.device)
+        self.epoch = torch.zeros(1, dtype=torch.int64, device=heap.device)  # the value the copy engine writes
         self.calls = 0
         self.stream = torch.cuda.Stream(heap.device) if heap.device.type == "cuda" else None
+        # Per buffer half, in push order (rank+1 first): my shard's slot and my flags in each peer's heap.
+        peers = [(heap.rank + i) % W for i in range(1, W)]
+        self._peer_views = [[(heap.peer_view(self.gathered[p, heap.rank], q), heap.peer_view(self.flags[heap.rank], q))
+                             for q in peers] for p in range(2)]
         heap.publish()
 
     def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool = False,
@@ -142,17 +175,26 @@ class AllGatherGemm:
             raise RuntimeError("AllGatherGemm cannot be captured in a CUDA graph (its copy-engine "
                                "pushes target a host-chosen buffer half); use it eagerly")
         stats.record("ag_gemm.kernel")
-        parity = (self.calls + 1) % 2
         self.calls += 1
+        parity = self.calls % 2
         c = torch.empty((W * rows, n), dtype=a_shard.dtype, device=h.device)
-        self._push(a_shard, parity, return_gathered)
         cfg = config or pick_config(rows, n, k, h.device)
-        ag_gemm_kernel[(num_programs(h.device),)](
-            a_shard, self.gathered, b, c, self.flags, self.epoch, rows, n, k,
-            a_shard.stride(0), b.stride(0), b.stride(1), self.max_rows * k, h.rank, W, h.heap_bases, h.error, h.spin_limit,
-            CHUNKS=self.chunks, **cfg.launch_kwargs(k, h.device))
+        main = torch.cuda.current_stream(h.device) if self.stream is not None else None
         if self.stream is not None:
-            torch.cuda.current_stream(h.device).wait_stream(self.stream)
+            # The pushes wait for what produced a_shard and for my previous call. That call's GEMMs
+            # waited for every peer's previous push, which each peer issued only after its own
+            # GEMMs of the call before, the last readers of the half I now overwrite in its heap.
+            self.stream.wait_stream(main)
+        # My own rows first, launched before the pushes are enqueued: the host's work for the
+        # pushes (a few copies per peer) then overlaps the GPU's first GEMM instead of delaying it.
+        _launch(a_shard, b, c[h.rank * rows:(h.rank + 1) * rows], cfg)
+        self._push(a_shard, parity, return_gathered)
+        for i in range(1, W):
+            src = (h.rank - i) % W  # the peer that pushes to me i-th (each pushes to rank+1 first)
+            _launch(self.gathered[parity, src, :rows], b, c[src * rows:(src + 1) * rows], cfg,
+                    _Wait(h, self.flags[src], self.calls, src))
+        if self.stream is not None:
+            main.wait_stream(self.stream)
         h.check_if_free()
         if return_gathered:
             return c, self.gathered[parity, :, :rows].reshape(W * rows, k)
@@ -163,34 +205,33 @@ class AllGatherGemm:
         h = self.heap
         rows = a_shard.shape[0]
         step = -(-rows // self.chunks)
-        main = torch.cuda.current_stream(h.device) if self.stream is not None else None
         if self.stream is not None:
-            self.stream.wait_stream(main)
             a_shard.record_stream(self.stream)
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with ctx:
-            self.epoch.add_(1)
-            if self.stream is not None:
-                main.wait_stream(self.stream)  # the kernel reads the new epoch; the copies run on
-            mine = self.gathered[parity, h.rank]
-            for i in range(1, h.world_size):
-                peer = (h.rank + i) % h.world_size
-                dst = h.peer_view(mine, peer)
+            self.epoch.fill_(self.calls)
+            for dst, flags in self._peer_views[parity]:
                 for c in range(self.chunks):
                     lo, hi = c * step, min((c + 1) * step, rows)
                     if lo < hi:
                         dst[lo:hi].copy_(a_shard[lo:hi], non_blocking=True)
-                    h.peer_view(self.flags[h.rank, c:c + 1], peer).copy_(self.epoch, non_blocking=True)
+                    flags[c:c + 1].copy_(self.epoch, non_blocking=True)
             if include_self:
-                mine[:rows].copy_(a_shard, non_blocking=True)
+                self.gathered[parity, h.rank, :rows].copy_(a_shard, non_blocking=True)
 
 
 class GemmReduceScatter:
     """c_shard = reduce_scatter(a @ b): rank r gets rows [r*M/W, (r+1)*M/W) of the sum over ranks.
 
-    M not divisible by W is padded with zero rows to the next multiple; the padding rows come back
-    as zeros at the end of the last rank's shard. Capacity: `max_rows` rows per shard, `n` columns.
-    CUDA-graph capturable (its epochs are advanced by the kernel in device memory)."""
+    Peers' rows first: one GEMM per peer, whose epilogue stores straight into that owner's heap
+    (NVLink stores ride along with the compute), then a flag for it; my own rows next, into my
+    own slot; a reduce kernel last sums the W partials in rank order once their flags are up
+    (kernels/gemm_rs.py). M not divisible by W is padded with zero rows to the next multiple; the
+    padding rows come back as zeros at the end of the last rank's shard. Capacity: `max_rows` rows
+    per shard, `n` columns. Not for CUDA-graph capture (the receive half is host-chosen); decode
+    steps use the all-reduce layout instead."""
+
+    REDUCE_BLOCK = 2048
 
     def __init__(self, heap: SymmetricHeap, max_rows: int, n: int, dtype: torch.dtype = torch.bfloat16,
                  device_group: dist.ProcessGroup | None = None):
@@ -199,15 +240,13 @@ class GemmReduceScatter:
         self.heap, self.max_rows, self.n, self.dtype = heap, max_rows, n, dtype
         self.device_group = device_group if device_group is not None else dist.group.WORLD
         W = heap.world_size
-        self.programs = num_programs(heap.device)
-        self.recv = heap.alloc((2, W, max_rows * n), dtype, name="gemm_rs.recv")
-        max_tiles = max(-(-max_rows // cfg.block_m) * -(-n // cfg.block_n)
-                        for cfg in (pick_config(max_rows, n, 1, heap.device), pick_config(1, n, 1, heap.device)))
-        self.max_tiles = max_tiles
-        self.flags = heap.alloc((W, max_tiles), torch.int64, name="gemm_rs.flags")
-        self.epochs = heap.alloc((self.programs,), torch.int64, name="gemm_rs.epochs")
+        self.recv = heap.alloc((2, W, max_rows, n), dtype, name="gemm_rs.recv")
+        self.flags = heap.alloc((W,), torch.int64, name="gemm_rs.flags")  # flags[src]: written by src only
         self.flags.zero_()
-        self.epochs.zero_()
+        self.calls = 0
+        # my slot in each owner's heap, per buffer half, in the order I serve the owners (rank+1 first)
+        owners = [(heap.rank + i) % W for i in range(1, W)]
+        self._at_owner = [[(q, heap.peer_view(self.recv[p, heap.rank], q)) for q in owners] for p in range(2)]
         heap.publish()
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
@@ -219,16 +258,26 @@ class GemmReduceScatter:
         if m % W:
             a = torch.cat([a, a.new_zeros((W - m % W, k))])
         rows = a.shape[0] // W
-        cfg = config or pick_config(rows, n, k, h.device)
-        tiles = -(-rows // cfg.block_m) * -(-n // cfg.block_n)
-        fits = rows <= self.max_rows and n == self.n and a.dtype == self.dtype and tiles <= self.max_tiles
+        fits = rows <= self.max_rows and n == self.n and a.dtype == self.dtype
         if rows == 0 or k == 0 or not fits or not _kernel_applies(a):
             stats.record("gemm_rs.fallback")
             return runtime.reduce_scatter(a @ b, self.device_group)
+        if runtime.capturing(h.device):
+            raise RuntimeError("GemmReduceScatter cannot be captured in a CUDA graph (its receive buffer "
+                               "half is host-chosen); use it eagerly")
         stats.record("gemm_rs.kernel")
+        self.calls += 1
+        parity = self.calls % 2
+        slot = self.recv[parity]
+        cfg = config or pick_config(rows, n, k, h.device)
+        for owner, mine_there in self._at_owner[parity]:
+            _launch(a[owner * rows:(owner + 1) * rows], b, mine_there[:rows], cfg)
+            signal_kernel[(1,)](self.flags[h.rank:h.rank + 1], self.calls, h.rank, owner, h.heap_bases, num_warps=1)
+        _launch(a[h.rank * rows:(h.rank + 1) * rows], b, slot[h.rank, :rows], cfg)
         c = torch.empty((rows, n), dtype=a.dtype, device=h.device)
-        gemm_rs_kernel[(self.programs,)](
-            a, b, c, self.recv, self.flags, self.epochs, rows, n, k, a.stride(0), b.stride(0), b.stride(1),
-            self.max_tiles, h.rank, W, h.heap_bases, h.error, h.spin_limit, **cfg.launch_kwargs(k, h.device))
+        count = rows * n
+        reduce_kernel[(-(-count // self.REDUCE_BLOCK),)](
+            slot, c, self.flags, self.calls, count, self.max_rows * n, h.rank, W, h.heap_bases, h.error,
+            h.spin_limit, BLOCK=self.REDUCE_BLOCK, num_warps=4)
         h.check_if_free()
         return c
