@@ -166,9 +166,13 @@ def test_sampler_distribution_matches_filtered_softmax():
     n = 40000
 
     def freqs(**kw):
-        sp = SamplingParams(**kw)
+        sp = SamplingParams(**kw, logprobs=True)
         toks, lps = sample(logits.repeat(n, 1), [sp] * n, [None] * n, torch.Generator().manual_seed(0))
         assert all(abs(lp - torch.log_softmax(logits, -1)[t].item()) < 1e-5 for t, lp in zip(toks[:50], lps[:50]))
+        # without logprobs asked for, the same draws and no logprobs computed
+        plain, none = sample(logits.repeat(n, 1), [SamplingParams(**kw)] * n, [None] * n,
+                             torch.Generator().manual_seed(0))
+        assert plain == toks and none == [None] * n
         return torch.bincount(torch.tensor(toks), minlength=6).float() / n
 
     def expect(temp, keep):
@@ -184,6 +188,11 @@ def test_sampler_distribution_matches_filtered_softmax():
         (dict(temperature=t, top_p=float(p[:2].sum()) + 1e-3), [1, 1, 1, 0, 0, 0]),
         (dict(temperature=t, min_p=0.3), [int(x >= 0.3 * p.max()) for x in p]),
     ]
+    greedy, lp = sample(logits.repeat(3, 1), [SamplingParams(temperature=0)] * 3, [None] * 3, torch.Generator())
+    assert greedy == [0, 0, 0] and lp == [None] * 3
+    greedy, lp = sample(logits.repeat(2, 1), [SamplingParams(temperature=0, logprobs=True)] * 2, [None] * 2,
+                        torch.Generator())
+    assert greedy == [0, 0] and abs(lp[0] - torch.log_softmax(logits, -1)[0].item()) < 1e-6
     for kw, keep in cases:
         got, want = freqs(**kw), expect(t, keep)
         assert (got - want).abs().max() < 0.012, (kw, got, want)
