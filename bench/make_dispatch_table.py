@@ -18,9 +18,16 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import RESULTS_DIR, md_table  # noqa: E402
 
-from tp_overlap_plugin.dispatch import table_path  # noqa: E402
+from overlap import llama_shapes  # noqa: E402
+
+from tp_overlap_plugin.dispatch import Dispatcher, table_path  # noqa: E402
 
 MARGIN = 1.02
+# Above this size the one-shot all-reduce is not used, whatever the micro-benchmark says: at 2 MB it
+# won in a CUDA graph on idle links (21.8 vs 29.5 us) yet cost 7% of decode throughput at batch 256
+# end to end (bench/results/e2e-llama-3-8b-tp2-h200x2-2026-11-22-ipc2mb.md). Each rank reads every
+# peer's whole buffer, W-1 times NCCL's ring traffic, which the idle-link measurement hides.
+IPC_MAX_BYTES = 512 << 10
 
 
 def build(overlap: dict, foundation: dict) -> dict:
@@ -40,21 +47,28 @@ def build(overlap: dict, foundation: dict) -> dict:
         e, ne = r.get("ours_one_shot_eager_us"), r.get("nccl_eager_us")
         ar.append({"bytes": r["bytes"], "ours_graph_us": g, "nccl_graph_us": ng, "ours_eager_us": e,
                    "nccl_eager_us": ne,
-                   "graph_winner": "ipc" if g and ng and ng / g >= MARGIN else "stock",
-                   "eager_winner": "ipc" if e and ne and ne / e >= MARGIN else "stock"})
+                   "graph_winner": "ipc" if g and ng and ng / g >= MARGIN and r["bytes"] <= IPC_MAX_BYTES else "stock",
+                   "eager_winner": "ipc" if e and ne and ne / e >= MARGIN and r["bytes"] <= IPC_MAX_BYTES else "stock"})
     return {"device": env["device"], "world": env["tp"], "date": env["date"], "torch": env["torch"],
-            "triton": env["triton"], "margin": MARGIN, "gemm": gemm, "all_reduce": ar,
+            "triton": env["triton"], "margin": MARGIN, "ipc_max_bytes": IPC_MAX_BYTES, "gemm": gemm, "all_reduce": ar,
             "command": "python bench/overlap.py --tp W && python bench/foundation.py --tp W && "
                        "python bench/make_dispatch_table.py --overlap ... --foundation ..."}
 
 
 def markdown(t: dict) -> str:
     md = (f"_Dispatch table for {t['device']} TP={t['world']}, from runs of {t['date']} (torch {t['torch']}, "
-          f"Triton {t['triton']}). A fused op is chosen only at ≥{t['margin']:.2f}x over sequential._\n\n")
+          f"Triton {t['triton']}). A fused op is chosen only at ≥{t['margin']:.2f}x over sequential; the one-shot "
+          f"all-reduce only up to {t['ipc_max_bytes'] >> 10} KB (see IPC_MAX_BYTES)._\n\n")
     md += "## GEMMs (ms)\n\n" + md_table(
         ["op", "M", "K", "N", "sequential", "ours", "seq/ours", "chosen"],
         [[r["op"], r["M"], r["K"], r["N"], r["sequential_ms"], r["ours_ms"], r["speedup"], r["winner"]]
          for r in t["gemm"]])
+    d = Dispatcher(gemm=t["gemm"], margin=t["margin"])
+    ops = sorted((op, k, n) for model, _, op, k, n in llama_shapes(t["world"]) if model == "8B")
+    ms = sorted({r["M"] for r in t["gemm"] if (r["op"], r["K"], r["N"]) in ops})
+    md += ("\n## Layout per step size, Llama-3-8B layer (its four linear ops)\n\nSharded (sequence-parallel) "
+           "when the layer's ops, each fused where that wins, beat the sequential total by the margin.\n\n")
+    md += md_table(["M", "layout"], [[m, "sharded" if d.sequence_parallel(m, ops) else "replicated"] for m in ms])
     md += "\n## All-reduce (µs)\n\n" + md_table(
         ["bytes", "ours graph", "NCCL graph", "chosen in graph", "ours eager", "NCCL eager", "chosen eager"],
         [[r["bytes"], r["ours_graph_us"], r["nccl_graph_us"], r["graph_winner"], r["ours_eager_us"],

@@ -7,7 +7,11 @@ from typing import Optional, Sequence
 
 
 class ByteTokenizer:
-    """UTF-8 bytes are ids 0..255; a handful of specials follow. Needs no files."""
+    """UTF-8 bytes are ids 0..255; a handful of specials follow. Needs no files.
+
+    Ids past that (a shipped config run with dummy weights has a 128k vocabulary but no tokenizer
+    files) decode to a visible placeholder `<|t123|>`, so every generated token shows as text and
+    a stream carries a chunk per token, as it would with the model's real tokenizer."""
 
     SPECIALS = ["<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
@@ -43,7 +47,9 @@ class ByteTokenizer:
             if buf:
                 out.append(buf.decode("utf-8", errors="replace"))
                 buf = bytearray()
-            if not skip_special_tokens and t - 256 < len(self.SPECIALS):
+            if t >= self.vocab_size:
+                out.append(f"<|t{t}|>")
+            elif not skip_special_tokens:
                 out.append(self.SPECIALS[t - 256])
         if buf:
             out.append(buf.decode("utf-8", errors="replace"))

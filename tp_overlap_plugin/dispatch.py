@@ -15,6 +15,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 MODES = ("table", "overlap", "stock")
 TABLE_DIR = Path(__file__).with_name("dispatch_tables")
@@ -26,6 +27,7 @@ class Dispatcher:
     gemm: list[dict] = field(default_factory=list)        # {op, M, K, N, winner}
     all_reduce: list[dict] = field(default_factory=list)  # {bytes, graph_winner, eager_winner}
     source: str = "none"
+    margin: float = 1.02  # a layout change must win by this much (the table's own margin when loaded)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -43,7 +45,7 @@ class Dispatcher:
             return cls(mode=mode, source=f"no table at {path}: stock everywhere")
         data = json.loads(path.read_text())
         return cls(mode=mode, gemm=data.get("gemm", []), all_reduce=data.get("all_reduce", []),
-                   source=str(path))
+                   source=str(path), margin=data.get("margin", cls.margin))
 
     def fused_gemm(self, op: str, m: int, k: int, n: int) -> bool:
         """True: use AG-GEMM ("ag") / GEMM-RS ("rs"); False: the sequential NCCL + GEMM op."""
@@ -52,10 +54,23 @@ class Dispatcher:
         rows = [r for r in self.gemm if r["op"] == op and r["K"] == k and r["N"] == n]
         return bool(rows) and _wins(rows, "M", m, "winner", "overlap")
 
-    def sequence_parallel(self, m: int, k: int, n: int) -> bool:
-        """Shard the residual by tokens this step: worth it when the fused all-gather GEMM of the
-        widest column layer wins at this M."""
-        return self.fused_gemm("ag", m, k, n)
+    def sequence_parallel(self, m: int, ops: Sequence[tuple[str, int, int]]) -> bool:
+        """Shard the residual by tokens this step? `ops` are a layer's linear ops as (op, K, N).
+        In the sharded layout each op runs fused where that wins and as the sequential NCCL + GEMM
+        pair elsewhere (an all-gather plus a reduce-scatter cost what the stock all-reduce does), so
+        the layout pays off when the layer's total beats the sequential total by the margin, at the
+        measured M on both sides of m. Ops not measured at some M: that M does not count."""
+        if self.mode != "table":
+            return self.mode == "overlap"
+        rows = []
+        for M in sorted({r["M"] for r in self.gemm}):
+            at = {(r["op"], r["K"], r["N"]): r for r in self.gemm if r["M"] == M}
+            if not ops or any(op not in at for op in ops):
+                continue
+            seq = sum(at[op]["sequential_ms"] for op in ops)
+            best = sum(at[op]["ours_ms"] if at[op]["winner"] == "overlap" else at[op]["sequential_ms"] for op in ops)
+            rows.append({"M": M, "layout": "sharded" if seq >= self.margin * best else "replicated"})
+        return _wins(rows, "M", m, "layout", "sharded")
 
     def ipc_all_reduce(self, nbytes: int, in_graph: bool) -> bool:
         if self.mode != "table":

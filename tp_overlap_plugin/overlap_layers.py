@@ -51,7 +51,7 @@ class OverlapTPLayers(TPLayers):
         self.dispatcher = dispatcher or Dispatcher()
         self._ag: dict[int, AllGatherGemm] = {}
         self._rs: dict[int, GemmReduceScatter] = {}
-        self._columns: set[tuple[int, int]] = set()
+        self._ops: set[tuple[str, int, int]] = set()  # (op, K, N) of every linear layer built
         self.all_reduce = HeapAllReduce(heap, ALL_REDUCE_BYTES, device_group=tp.group)
         self.tokens = 0              # T of the current step
         self.padded = 0              # T rounded up to a multiple of W
@@ -61,12 +61,14 @@ class OverlapTPLayers(TPLayers):
     # so creating them as modules are constructed keeps the heap symmetric.
     def column_op(self, k: int, n: int) -> AllGatherGemm:
         """The AG-GEMM for a column layer of input size k and n local output columns."""
-        self._columns.add((k, n))
+        self._ops.add(("ag", k, n))
         if k not in self._ag:
             self._ag[k] = AllGatherGemm(self.heap, self.max_rows, k, self.dtype, device_group=self.tp.group)
         return self._ag[k]
 
-    def rs_op(self, n: int) -> GemmReduceScatter:
+    def rs_op(self, k: int, n: int) -> GemmReduceScatter:
+        """The GEMM-RS for a row layer of k local input rows and n output columns."""
+        self._ops.add(("rs", k, n))
         if n not in self._rs:
             self._rs[n] = GemmReduceScatter(self.heap, self.max_rows, n, self.dtype, device_group=self.tp.group)
         return self._rs[n]
@@ -80,8 +82,8 @@ class OverlapTPLayers(TPLayers):
         self.padded = -(-tokens // w) * w
         # AG-GEMM's copy-engine pushes cannot be captured, so CUDA-graph steps (decode) keep the
         # replicated layout whatever the dispatcher would pick.
-        self.sequence_parallel = w > 1 and not runtime.capturing(self.device) and any(
-            self.dispatcher.sequence_parallel(self.padded, k, n) for k, n in self._columns)
+        self.sequence_parallel = (w > 1 and not runtime.capturing(self.device)
+                                  and self.dispatcher.sequence_parallel(self.padded, sorted(self._ops)))
         stats.record("layers.sequence_parallel_steps" if self.sequence_parallel else "layers.replicated_steps")
 
     def embedding(self, vocab_size: int, hidden: int) -> "OverlapEmbedding":
@@ -135,7 +137,7 @@ class OverlapRow(RowParallelLinear):
     def __init__(self, layers: OverlapTPLayers, input_size: int, output_size: int, bias: bool):
         super().__init__(layers.tp, input_size, output_size, bias, layers.dtype, layers.device)
         self.layers = layers
-        self.rs = layers.rs_op(output_size)
+        self.rs = layers.rs_op(self.weight.shape[1], output_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         L = self.layers
