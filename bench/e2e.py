@@ -51,6 +51,9 @@ def main(argv=None):
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dispatch", default="table", choices=["table", "overlap"],
                    help="overlap: force our kernels everywhere (to see them), table: what users get")
+    p.add_argument("--only", choices=["prefill", "decode"], help="one family of scenarios")
+    p.add_argument("--order", default="stock,overlap",
+                   help="which engine runs first (to check that run order does not bias the ratio)")
     p.add_argument("--variant", choices=["stock", "overlap"], help=argparse.SUPPRESS)
     p.add_argument("--variant-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -59,7 +62,7 @@ def main(argv=None):
     from tp_overlap_plugin.serving import LLM, EngineConfig
     from tp_overlap_plugin.serving.bench_offline import scenario
 
-    scenarios = QUICK if args.quick else PREFILL + DECODE
+    scenarios = QUICK if args.quick else {"prefill": PREFILL, "decode": DECODE}.get(args.only, PREFILL + DECODE)
     max_batch = max(b for b, _, _ in scenarios)
     max_len = max(i + o for _, i, o in scenarios)
     base = dict(model=args.model, tensor_parallel_size=args.tp, device=args.device, show_progress=False,
@@ -79,7 +82,9 @@ def main(argv=None):
             json.dump({"results": res, "weight_bytes": weight_bytes}, f)
         return
     results = {}
-    flags = ("stock",) if args.tp == 1 else ("stock", "overlap")
+    flags = ("stock",) if args.tp == 1 else tuple(args.order.split(","))
+    if args.tp > 1 and sorted(flags) != ["overlap", "stock"]:
+        raise SystemExit(f"--order must name stock and overlap once each, got {args.order!r}")
     with tempfile.TemporaryDirectory() as tmp:
         for flag in flags:
             # a fresh process per engine: nothing of the first (CUDA context, process group, heap)
@@ -91,7 +96,7 @@ def main(argv=None):
                 got = json.load(f)
             results[flag], weight_bytes = got["results"], got["weight_bytes"]
     env = environment(args.tp, on_gpu=args.device != "cpu", model=args.model, dispatch=args.dispatch,
-                      quick=args.quick, weight_bytes_per_rank=weight_bytes)
+                      quick=args.quick, order=list(flags), weight_bytes_per_rank=weight_bytes)
     floor_md = ""
     if args.device != "cpu":
         bw = hbm_copy_bandwidth()
@@ -117,7 +122,9 @@ def main(argv=None):
         headers = ["scenario", "stock out tok/s", "overlap out tok/s", "overlap/stock", "stock total tok/s",
                    "TTFT stock ms", "TPOT stock ms", "TTFT overlap ms", "TPOT overlap ms"]
     md = md_table(headers, rows) + floor_md
-    paths = write_results(args.out, f"e2e-{args.model}-tp{args.tp}", {"environment": env, **results}, md)
+    name = f"e2e-{args.model}-tp{args.tp}" + (f"-{args.only}" if args.only else "") + \
+        ("-overlap-first" if flags[0] == "overlap" else "")
+    paths = write_results(args.out, name, {"environment": env, **results}, md)
     try:
         import matplotlib
         matplotlib.use("Agg")
