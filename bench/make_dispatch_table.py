@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import RESULTS_DIR, md_table  # noqa: E402
@@ -80,17 +81,19 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--overlap", required=True)
     p.add_argument("--foundation", required=True)
+    p.add_argument("--table-out", help="default: the package's table for the run's device and TP size")
+    p.add_argument("--md-out", help="default: bench/results/dispatch-<device>-tp<W>-<date>.md")
     args = p.parse_args(argv)
     with open(args.overlap) as f:
         overlap = json.load(f)
     with open(args.foundation) as f:
         foundation = json.load(f)
     table = build(overlap, foundation)
-    out = table_path(table["device"], table["world"])
+    out = Path(args.table_out) if args.table_out else table_path(table["device"], table["world"])
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as f:
         json.dump(table, f, indent=1)
-    md_path = os.path.join(RESULTS_DIR, f"dispatch-{out.stem}-{table['date']}.md")
+    md_path = args.md_out or os.path.join(RESULTS_DIR, f"dispatch-{out.stem}-{table['date']}.md")
     with open(md_path, "w") as f:
         f.write(markdown(table))
     print(markdown(table))

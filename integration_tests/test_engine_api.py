@@ -270,6 +270,39 @@ def test_hf_tokenizer_from_model_dir(tmp_path):
         assert o.outputs[0].text == c.text[:c.text.find(stop)] and o.outputs[0].finish_reason == "stop"
 
 
+def test_dummy_weights_without_tokenizer_files_stream_every_token(tmp_path):
+    """A config-only model dir (how the shipped 8B/70B configs are benchmarked) gets the byte
+    tokenizer as a stand-in: ids past its vocabulary show as placeholders, so each generated token
+    is visible text and a stream carries one delta per token (what TTFT/ITL measurements need)."""
+    from tp_overlap_plugin.serving.testing import make_hf_checkpoint
+    from tp_overlap_plugin.serving.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    assert tok.decode([72, 105, 5000, 257]) == "Hi<|t5000|>" and tok.decode([72, 257], False) == "H<|eos|>"
+    d = make_hf_checkpoint("llama", tmp_path / "m", vocab_size=4096, max_shard_size=None)
+    for f in d.glob("*.safetensors"):
+        f.unlink()   # config only
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    eng = AsyncLLM(EngineConfig(model=str(d), load_format="dummy", max_model_len=64, num_kv_blocks=32,
+                                block_size=8, show_progress=False))
+
+    async def stream():
+        return [o async for o in eng.generate("hello", params)]
+
+    try:
+        assert isinstance(eng.engine.tokenizer, ByteTokenizer)
+        assert tok.eos_token_id not in eng.engine.eos_ids, "the stand-in's eos is not the model's"
+        outs = asyncio.run(stream())
+    finally:
+        eng.shutdown()
+    deltas = [o.delta_text for o in outs]
+    ids = outs[-1].outputs[0].token_ids
+    assert len(ids) == 6 and outs[-1].outputs[0].text == tok.decode(ids)
+    # every token past the byte range is its own non-empty delta
+    assert sum(1 for t in ids if t >= tok.vocab_size) <= sum(1 for x in deltas if x)
+
+
 @pytest.mark.timeout(60)
 def test_dead_worker_fails_fast_and_cleanly():
     import time
@@ -310,3 +343,22 @@ def test_gpu_cuda_graph_decode_matches_eager():
     if torch.cuda.device_count() >= 2:
         with LLM(EngineConfig(tensor_parallel_size=2, **kw)) as llm:
             assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == ref
+
+
+def test_group_teardown_is_bounded(monkeypatch):
+    """A process-group teardown that never returns (NCCL's, with a peer gone) must not hang shutdown."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from tp_overlap_plugin.serving import runner
+
+    release = threading.Event()
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: release.wait(30))
+    t0 = time.monotonic()
+    assert runner.destroy_group_bounded(timeout=0.3) is False
+    assert time.monotonic() - t0 < 5
+    release.set()
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
+    assert runner.destroy_group_bounded(timeout=5) is True

@@ -1,0 +1,40 @@
+"""The benchmark scripts still run (on the CPU, tiny), and the shipped dispatch table is exactly what
+bench/make_dispatch_table.py makes of the shipped H200 results: the table's evidence is reproducible."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+
+def test_shipped_dispatch_table_is_reproducible(tmp_path):
+    table = tmp_path / "table.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "make_dispatch_table.py"),
+                    "--overlap", str(RESULTS / "overlap-tp2-h200x2-2026-11-22.json"),
+                    "--foundation", str(RESULTS / "foundation-tp2-h200x2-2026-11-22.json"),
+                    "--table-out", str(table), "--md-out", str(tmp_path / "table.md")],
+                   check=True, capture_output=True, text=True, timeout=120)
+    shipped = ROOT / "tp_overlap_plugin" / "dispatch_tables" / "h200-tp2.json"
+    assert json.loads(table.read_text()) == json.loads(shipped.read_text())
+    assert (tmp_path / "table.md").read_text() == (RESULTS / "dispatch-h200-tp2-2026-11-22.md").read_text()
+
+
+@pytest.mark.timeout(400)
+def test_e2e_benchmark_runs_both_engines_in_either_order(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--model", "demo", "--device", "cpu",
+                        "--quick", "--tp", "2", "--order", "overlap,stock", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=380, env={**os.environ})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    (js,) = tmp_path.glob("e2e-demo-tp2-overlap-first-*.json")
+    res = json.loads(js.read_text())
+    assert res["environment"]["order"] == ["overlap", "stock"]
+    for flag in ("stock", "overlap"):
+        assert [s["batch"] for s in res[flag]] == [2, 4]
+        assert all(s["output_tokens_per_s"] > 0 for s in res[flag])
+    assert "overlap/stock" in js.with_suffix(".md").read_text()
