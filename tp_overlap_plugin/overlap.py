@@ -90,7 +90,7 @@ def _kernel_applies(a: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class _Wait:
-    """gemm_kernel's prologue: wait for `count` flags from `peer` (in this rank's heap) to reach `value`."""
+    """gemm_kernel's prologue: wait until every flag in `flags` (in my heap, written by `peer`) reaches `value`."""
     heap: SymmetricHeap
     flags: torch.Tensor
     value: int
