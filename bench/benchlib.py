@@ -111,3 +111,26 @@ def md_table(headers: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
     return "\n".join(lines) + "\n"
+
+
+def grouped_bars(path: str, labels: list[str], series: dict[str, list[float]], ylabel: str,
+                 rotation: int = 30) -> str | None:
+    """A PNG of bars grouped per label, one colour per series; None without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(max(7, len(labels) * 0.9), 4.5))
+    width = 0.8 / max(len(series), 1)
+    for j, (name, values) in enumerate(series.items()):
+        offset = (j - (len(series) - 1) / 2) * width
+        ax.bar([x + offset for x in range(len(values))], values, width, label=name)
+    ax.set_xticks(range(len(labels)), labels, rotation=rotation, ha="right" if rotation else "center", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

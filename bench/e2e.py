@@ -21,7 +21,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import bench_parser, environment, md_table, write_results  # noqa: E402
+from benchlib import bench_parser, environment, grouped_bars, md_table, write_results  # noqa: E402
 
 PREFILL = [(8, 2048, 16), (32, 2048, 16)]
 DECODE = [(1, 128, 512), (16, 128, 512), (64, 128, 512), (256, 128, 512)]
@@ -125,22 +125,10 @@ def main(argv=None):
     name = f"e2e-{args.model}-tp{args.tp}" + (f"-{args.only}" if args.only else "") + \
         ("-overlap-first" if flags[0] == "overlap" else "")
     paths = write_results(args.out, name, {"environment": env, **results}, md)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(8, 4))
-        xs = range(len(rows))
-        ax.bar([x - 0.2 for x in xs], [r[1] for r in rows], 0.4, label="stock")
-        if "overlap" in results:
-            ax.bar([x + 0.2 for x in xs], [r[2] for r in rows], 0.4, label="tp-overlap")
-        ax.set_xticks(list(xs), [r[0] for r in rows], rotation=30, ha="right", fontsize=8)
-        ax.set_ylabel("output tokens/s")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(paths[0].replace(".json", ".png"), dpi=120)
-    except ImportError:
-        pass
+    series = {"stock": [r[1] for r in rows]}
+    if "overlap" in results:
+        series["tp-overlap"] = [r[2] for r in rows]
+    grouped_bars(paths[0].replace(".json", ".png"), [r[0] for r in rows], series, "output tokens/s")
     print(md)
     print("wrote", *paths)
 

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import bench_parser, environment, graph_time_per_call_ms, md_table, time_per_call_ms, write_results  # noqa: E402
+from benchlib import (bench_parser, environment, graph_time_per_call_ms, grouped_bars, md_table,  # noqa: E402
+                      time_per_call_ms, write_results)
 
 from tp_overlap_plugin.collectives import HeapAllReduce  # noqa: E402
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
@@ -272,25 +273,10 @@ def _markdown(res):
 
 
 def _plot(res, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
     keys = list(res["shapes"])
-    names = ["sequential", "torch_fused", "ours", "floor"]
-    fig, ax = plt.subplots(figsize=(max(8, len(keys) * 0.9), 4.5))
-    width = 0.2
-    for i, name in enumerate(names):
-        vals = [res["shapes"][k].get(name, 0) / res["shapes"][k].get("sequential", 1) for k in keys]
-        ax.bar([x + i * width for x in range(len(keys))], vals, width, label=name)
-    ax.set_xticks([x + 1.5 * width for x in range(len(keys))], keys, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("time / sequential (lower is better)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+    series = {name: [res["shapes"][k].get(name, 0) / res["shapes"][k].get("sequential", 1) for k in keys]
+              for name in ("sequential", "torch_fused", "ours", "floor")}
+    return grouped_bars(path, keys, series, "time / sequential (lower is better)", rotation=60)
 
 
 def main(argv=None):

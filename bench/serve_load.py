@@ -18,8 +18,10 @@ import subprocess
 import sys
 import time
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import bench_parser, environment, md_table, write_results  # noqa: E402
+from benchlib import bench_parser, environment, grouped_bars, md_table, write_results  # noqa: E402
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
@@ -110,26 +112,12 @@ def main(argv=None):
           f"(at least 8) per level, medians.\n\n" + md_table(headers, rows))
     if errors:
         md += "\n## Errors\n\n" + "\n".join(f"- {e}" for e in errors) + "\n"
-    import torch
     env = environment(args.tp, on_gpu=torch.cuda.is_available(), model=args.model, input_len=in_len, output_len=out_len)
     paths = write_results(args.out, f"serve-{args.model}-tp{args.tp}", {"environment": env, "results": results,
                                                                          "errors": errors}, md)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 4))
-        width = 0.8 / len(flags)
-        for j, flag in enumerate(flags):
-            ys = [r["output_throughput"] for r in results.get(flag, [])]
-            ax.bar([x + (j - (len(flags) - 1) / 2) * width for x in range(len(ys))], ys, width, label=flag)
-        ax.set_xticks(range(len(levels)), [f"c={c}" for c in levels])
-        ax.set_ylabel("output tokens/s (HTTP)")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(paths[0].replace(".json", ".png"), dpi=120)
-    except ImportError:
-        pass
+    grouped_bars(paths[0].replace(".json", ".png"), [f"c={c}" for c in levels],
+                 {flag: [r["output_throughput"] for r in results.get(flag, [])] for flag in flags},
+                 "output tokens/s (HTTP)", rotation=0)
     print(md)
     print("wrote", *paths)
     return 1 if errors else 0
