@@ -13,6 +13,7 @@ from tp_overlap_plugin.kernels.allreduce import one_shot_all_reduce_kernel, two_
 from tp_overlap_plugin.kernels.barrier import barrier_kernel
 from tp_overlap_plugin.kernels.gemm import gemm_kernel
 from tp_overlap_plugin.kernels.gemm_rs import reduce_kernel, signal_kernel
+from tp_overlap_plugin.kernels.layer_ops import rmsnorm_kernel, rope_cache_kernel, silu_mul_kernel
 
 TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64)}
 
@@ -49,6 +50,16 @@ KERNELS = {
                                  _sig("x_ptr:*bf16 out_ptr:*bf16 stage_ptr:*bf16 result_ptr:*bf16 ready_ptr:*i64 "
                                       "done_ptr:*i64 reduced_ptr:*i64 epoch_ptr:*i64 n:i32", _COMM, ["BLOCK"]),
                                  {"BLOCK": 4096}),
+    "rmsnorm": (rmsnorm_kernel, _sig("x_ptr:*bf16 res_ptr:*bf16 out_ptr:*bf16 res_out_ptr:*bf16 w_ptr:*bf16 "
+                                     "stride_x:i32 stride_res:i32 stride_out:i32 stride_res_out:i32 n:i32 eps:fp32",
+                                     None, ["HAS_RES", "BLOCK"]), {"HAS_RES": True, "BLOCK": 4096}),
+    "rope_cache": (rope_cache_kernel,
+                   _sig("qkv_ptr:*bf16 stride_t:i32 positions_ptr:*i64 cos_ptr:*fp32 sin_ptr:*fp32 stride_pos:i32 "
+                        "k_cache_ptr:*bf16 v_cache_ptr:*bf16 slot_ptr:*i64 stride_slot:i32", None,
+                        ["Q_HEADS", "KV_HEADS", "HEADS_P2", "HALF"]),
+                   {"Q_HEADS": 32, "KV_HEADS": 8, "HEADS_P2": 64, "HALF": 64}),
+    "silu_mul": (silu_mul_kernel, _sig("x_ptr:*bf16 out_ptr:*bf16 stride_x:i32 stride_out:i32 n:i32", None, ["BLOCK"]),
+                 {"BLOCK": 1024}),
     "barrier": (barrier_kernel,
                 {"flags_ptr": "*i64", "epoch_ptr": "*i64", "rank": "i32", "world": "i32",
                  "heap_bases": "*i64", "error_ptr": "*i64", "max_spins": "i32"}, {}),
