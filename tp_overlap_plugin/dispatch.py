@@ -15,7 +15,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable
 
 MODES = ("table", "overlap", "stock")
 TABLE_DIR = Path(__file__).with_name("dispatch_tables")
@@ -28,6 +28,7 @@ class Dispatcher:
     all_reduce: list[dict] = field(default_factory=list)  # {bytes, graph_winner, eager_winner}
     source: str = "none"
     margin: float = 1.02  # a layout change must win by this much (the table's own margin when loaded)
+    _layouts: dict = field(default_factory=dict, repr=False, compare=False)  # ops -> per-M layout rows
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -54,7 +55,7 @@ class Dispatcher:
         rows = [r for r in self.gemm if r["op"] == op and r["K"] == k and r["N"] == n]
         return bool(rows) and _wins(rows, "M", m, "winner", "overlap")
 
-    def sequence_parallel(self, m: int, ops: Sequence[tuple[str, int, int]]) -> bool:
+    def sequence_parallel(self, m: int, ops: Iterable[tuple[str, int, int]]) -> bool:
         """Shard the residual by tokens this step? `ops` are a layer's linear ops as (op, K, N).
         In the sharded layout each op runs fused where that wins and as the sequential NCCL + GEMM
         pair elsewhere (an all-gather plus a reduce-scatter cost what the stock all-reduce does), so
@@ -62,6 +63,14 @@ class Dispatcher:
         measured M on both sides of m. Ops not measured at some M: that M does not count."""
         if self.mode != "table":
             return self.mode == "overlap"
+        # sorted: every rank must sum in the same order to take the same decision (str hashes, and
+        # with them set order, differ between processes)
+        key = tuple(sorted(set(ops)))
+        if key not in self._layouts:  # asked every step; the answer per measured M never changes
+            self._layouts[key] = self._layout_rows(key)
+        return _wins(self._layouts[key], "M", m, "layout", "sharded")
+
+    def _layout_rows(self, ops: tuple) -> list[dict]:
         rows = []
         for M in sorted({r["M"] for r in self.gemm}):
             at = {(r["op"], r["K"], r["N"]): r for r in self.gemm if r["M"] == M}
@@ -70,7 +79,7 @@ class Dispatcher:
             seq = sum(at[op]["sequential_ms"] for op in ops)
             best = sum(at[op]["ours_ms"] if at[op]["winner"] == "overlap" else at[op]["sequential_ms"] for op in ops)
             rows.append({"M": M, "layout": "sharded" if seq >= self.margin * best else "replicated"})
-        return _wins(rows, "M", m, "layout", "sharded")
+        return rows
 
     def ipc_all_reduce(self, nbytes: int, in_graph: bool) -> bool:
         if self.mode != "table":
