@@ -71,3 +71,15 @@ def hf_reference(model_dir: Path, prompts: list[list[int]], max_new: int):
                 logits = model(ids).logits[0, -1]
             out.append((prompt_logits, toks, lps))
     return out
+
+
+def run_under_interpreter(script: str, ok_marker: str, timeout: float) -> None:
+    """Run a test module as a script in a fresh process with TRITON_INTERPRET=1 (Triton picks the
+    interpreter when a kernel is defined, so the pytest process cannot switch) and require that it
+    exits cleanly having printed `ok_marker`."""
+    import os
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, script], env={**os.environ, "TRITON_INTERPRET": "1"},
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0 and ok_marker in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
