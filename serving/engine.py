@@ -312,28 +312,28 @@ class LLMEngine:
             reason = "stop"
         elif seq.detok is not None:
             delta = seq.detok.push(tok)
-            if delta and p.stop:
-                # Only the new text and the longest stop string's worth before it can hold a new match.
-                tail = max(len(s) for s in p.stop) + len(delta)
-                start = max(0, len(seq.text) + len(delta) - tail)
-                full = seq.text + delta
-                hits = [(full.find(s, start), s) for s in p.stop]
-                hits = [(i, s) for i, s in hits if i >= 0]
-                if hits:
-                    i, s = min(hits)
-                    cut = i + len(s) if p.include_stop_str_in_output else i
-                    delta = full[len(seq.text):cut] if cut > len(seq.text) else ""
-                    full = full[:cut]
-                    reason = "stop"
-                seq.text = full
-            else:
-                seq.text += delta
         if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
-        if reason == "length" and seq.detok is not None:
-            tail = seq.detok.flush()
-            seq.text += tail
-            delta += tail
+        if reason is not None and seq.detok is not None:
+            # Text held back for a character that might continue (also when an end-of-sequence or
+            # stop token ends the output) is final now.
+            delta += seq.detok.flush()
+        if delta and p.stop:
+            # Only the new text and the longest stop string's worth before it can hold a new match.
+            tail = max(len(s) for s in p.stop) + len(delta)
+            start = max(0, len(seq.text) + len(delta) - tail)
+            full = seq.text + delta
+            hits = [(full.find(s, start), s) for s in p.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                i, s = min(hits)
+                cut = i + len(s) if p.include_stop_str_in_output else i
+                delta = full[len(seq.text):cut] if cut > len(seq.text) else ""
+                full = full[:cut]
+                reason = "stop"
+            seq.text = full
+        else:
+            seq.text += delta
         if reason is not None:
             self.scheduler.finish(seq, reason)
         return self._output(seq, delta, [tok])
