@@ -267,6 +267,9 @@ def _ensure_all_reduce(opts: Options) -> str:
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     dispatcher = Dispatcher.load(opts.dispatch, device_name=device_name, world=tp.world_size,
                                  path=opts.dispatch_table)
+    no_table = dispatcher.missing_table_warning(device_name, tp.world_size)
+    if no_table and tp.rank_in_group == 0:
+        logger.warning(no_table)
     heap = SymmetricHeap(tp.cpu_group, device, heap_size=opts.resolved_heap_size(tp.world_size),
                          backend=opts.backend)
     reducer = HeapAllReduce(heap, max_bytes=opts.max_bytes, device_group=tp.device_group)
