@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from .block_manager import BlockManager
-from .config import EngineConfig, SamplingParams, env_rank_world, resolve_model_dir
-from .runner import ModelRunner, StepInput, destroy_group_bounded, init_distributed, worker_main
+from .config import EngineConfig, SamplingParams, default_device, env_rank_world, resolve_model_dir
+from .runner import (ModelRunner, StepInput, destroy_group_bounded, init_distributed, require_triton_interpreter,
+                     worker_main)
 from .sampler import sample
 from .scheduler import Scheduler, Sequence, Status
 from .tokenizer import ByteTokenizer, IncrementalDetokenizer, load_tokenizer
@@ -68,6 +69,7 @@ class LLMEngine:
         self.cfg = cfg
         self.mcfg = cfg.load_model_config()
         self.mcfg.check_tp(cfg.tensor_parallel_size)   # fail before any process is spawned
+        require_triton_interpreter(cfg, default_device(cfg), cfg.tensor_parallel_size)
         self._procs: list = []
         self._owns_group = False
         self._closed = False
