@@ -41,7 +41,8 @@ KERNELS = {
     # the plain GEMM and AG-GEMM's per-shard GEMM (the same kernel with its waiting prologue)
     "gemm": (gemm_kernel, _sig(_GEMM_ARGS, None, _GEMM), _GEMM),
     "gemm_wait": (gemm_kernel, _sig(_GEMM_ARGS, None, _GEMM_WAIT), _GEMM_WAIT),
-    "gemm_rs_signal": (signal_kernel, _sig("flag_ptr:*i64 value:i64 rank:i32 peer:i32 heap_bases:*i64", None, {}),
+    "gemm_rs_signal": (signal_kernel, _sig("flag_ptr:*i64 value:i64 rank:i32 peer:i32 heap_bases:*i64 error_ptr:*i64",
+                                            None, {}),
                        {}),
     "gemm_rs_reduce": (reduce_kernel,
                        _sig("recv_ptr:*bf16 out_ptr:*bf16 flags_ptr:*i64 epoch:i64 n:i32 slot_stride:i32", _COMM,
