@@ -198,7 +198,12 @@ class AllGatherGemm:
             main.wait_stream(self.stream)
         h.check_if_free()
         if return_gathered:
-            return c, self.gathered[parity, :, :rows].reshape(W * rows, k)
+            # A copy, on the caller's stream after the GEMMs that waited for every shard: the heap's
+            # half is overwritten by peers' pushes two calls later, and nothing orders those pushes
+            # after reads the caller makes of a view.
+            a_full = torch.empty((W * rows, k), dtype=a_shard.dtype, device=h.device)
+            a_full.view(W, rows, k).copy_(self.gathered[parity, :, :rows])
+            return c, a_full
         return c
 
     def _push(self, a_shard: torch.Tensor, parity: int, include_self: bool) -> None:
