@@ -53,7 +53,7 @@ def gemm_tile(a_ptr, b_ptr, rows, cols, K, stride_am, stride_ak, stride_bk, stri
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["wait_value"])
 def gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                 wait_ptr, wait_count, wait_value, rank, peer, heap_bases, error_ptr, max_spins,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,

@@ -14,7 +14,7 @@ import triton.language as tl
 from tp_overlap_plugin.kernels import rma
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["value"])
 def signal_kernel(flag_ptr, value, rank, peer, heap_bases, error_ptr):
     """Set `peer`'s copy of my flag to `value`, after everything this stream did before (the
     launch boundary completes the previous kernel's stores; the release publishes them). Not once
@@ -24,7 +24,7 @@ def signal_kernel(flag_ptr, value, rank, peer, heap_bases, error_ptr):
         rma.signal_set(flag_ptr, value, rank, peer, heap_bases)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])
 def reduce_kernel(recv_ptr, out_ptr, flags_ptr, epoch, n, slot_stride, rank, world, heap_bases, error_ptr,
                   max_spins, BLOCK: tl.constexpr):
     """out[:n] = sum over src in 0..W-1 of recv[src, :n], once flags[src] (set by src) reach epoch.
