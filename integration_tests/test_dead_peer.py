@@ -105,3 +105,58 @@ def test_survivors_name_the_dead_rank(world, doomed, device):
             assert later_msg == msg, (me, name, later_msg)
             assert later_secs < secs, (me, name, later_secs, secs)
         assert out["written"] == (False, False), (me, out["written"])
+
+
+CALLS_PER_STEP = 8
+
+
+def _never(x):
+    raise AssertionError("the heap kernel covers this message; the fallback must not run")
+
+
+def _custom_op_after_a_death(ctx):
+    """vLLM's adapter: only `torch.ops.tp_overlap.all_reduce` runs, no heap.check(). As in vLLM's
+    step loop, the host syncs once per step (sampled tokens), after several all-reduces."""
+    from tp_overlap_plugin import custom_ops
+    from tp_overlap_plugin.collectives import HeapAllReduce
+
+    h, dev = ctx.heap, ctx.device
+    small = h.spin_limit
+    h.spin_limit = WARM_SPINS[dev.type]
+    key = "test_dead_peer"
+    custom_ops.register_all_reduce(key, HeapAllReduce(h, max_bytes=64 << 10), _never)
+    x = torch.full((1024,), float(ctx.rank + 1), device=dev)
+    y = torch.ops.tp_overlap.all_reduce(x, key)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    assert torch.equal(y, torch.full_like(x, sum(range(1, ctx.world_size + 1))))
+    dist.barrier(group=ctx.group)
+    if ctx.rank == DEAD:
+        os._exit(EXIT_CODE)
+    h.spin_limit = small
+    for call in range(1, 10 * h.POLL_EVERY):
+        try:
+            torch.ops.tp_overlap.all_reduce(x, key)
+        except RankTimeoutError as e:
+            return call, str(e)
+        if call % CALLS_PER_STEP == 0 and dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    return None, None
+
+
+@pytest.mark.parametrize("world", [2])
+def test_custom_op_raises_for_a_dead_peer(world, device):
+    from tp_overlap_plugin.heap import SymmetricHeap
+    results = run_ranks(_custom_op_after_a_death, world, device=device, heap_size=2 << 20,
+                        env={"TP_OVERLAP_SPIN_LIMIT": str(SPINS[device])}, may_exit=(DEAD,), timeout=300)
+    for me, result in enumerate(results):
+        if me == DEAD:
+            assert result == RankExited(EXIT_CODE)
+            continue
+        call, msg = result
+        assert call is not None, f"rank {me}: the op never reported the dead peer"
+        assert f"waiting for rank {DEAD} to set flag" in msg, msg
+        # the CPU checks in every call; a GPU poll sees the error once a copy queued after the
+        # failed kernel has landed: by the first step boundary after the next copy
+        bound = 1 if device == "cpu" else SymmetricHeap.POLL_EVERY + 2 * CALLS_PER_STEP + 1
+        assert call <= bound, (me, call, bound)

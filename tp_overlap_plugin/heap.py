@@ -83,6 +83,8 @@ class Allocation:
 class SymmetricHeap:
     """One rank's view of the symmetric heap. Collective: every rank constructs it together."""
 
+    POLL_EVERY = 16  # poll(): one device-to-host copy of the error word per this many calls
+
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device | str,
                  heap_size: int | None = None, backend: str | None = None,
                  spin_limit: int | None = None):
@@ -108,6 +110,8 @@ class SymmetricHeap:
         self._offset = 0
         self._allocations: list[Allocation] = []
         self._closed = False
+        self._error_seen = None  # poll()'s pinned copy of the error word
+        self._polls = 0
         self.error = self.alloc((ERR_WORDS,), torch.int64, name="error_slot")
         self.error.zero_()
         self._barrier_flags = self.alloc((self.world_size,), torch.int64, name="host_barrier.flags")
@@ -186,6 +190,29 @@ class SymmetricHeap:
             f"{err[ERR_PEER]} to set flag {self.describe_offset(err[ERR_FLAG_OFFSET])} to epoch "
             f"{err[ERR_EXPECTED]} (saw {err[ERR_SEEN]}); the peer crashed, hung, or the ranks "
             f"issued different collectives. The heap is unusable now; restart the group.")
+
+    def poll(self) -> None:
+        """Raise like check() when the device has already recorded a failed wait, without waiting
+        for the device; for engines that have no sync point of their own to check at.
+
+        On a GPU it reads the error word that an earlier poll copied to pinned host memory, and
+        every POLL_EVERY-th call queues the next such copy behind the work queued so far. So an
+        error surfaces some polls after the kernel that recorded it has run. Nothing happens
+        while a CUDA graph is being captured (a copy queued then would become part of the graph)."""
+        if self.device.type != "cuda":
+            self.check()
+            return
+        from tp_overlap_plugin import runtime
+        if runtime.capturing(self.device):
+            return
+        if self._error_seen is None:
+            self._error_seen = torch.zeros(1, dtype=torch.int64).pin_memory()
+            self._error_seen_view = self._error_seen.numpy()
+        elif self._error_seen_view[0] != 0:
+            self.check()
+        if self._polls % self.POLL_EVERY == 0:
+            self._error_seen.copy_(self.error[:1], non_blocking=True)
+        self._polls += 1
 
     def check_if_free(self) -> None:
         """After a launch: check where reading the error slot costs nothing (the CPU). On a GPU it is a
