@@ -53,7 +53,7 @@ def gemm_tile(a_ptr, b_ptr, rows, cols, K, stride_am, stride_ak, stride_bk, stri
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["wait_value"])
 def gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                 wait_ptr, wait_count, wait_value, rank, peer, heap_bases, error_ptr, max_spins,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -64,13 +64,21 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, s
     are arriving from that peer). Waiting once, before the tile loop, keeps the loop a plain loop
     the compiler can flatten: with FLATTEN the tile loop and the K loop become one pipelined loop,
     so the next tile's first loads are in flight during this tile's epilogue. C may be a peer's
-    memory (GEMM-RS stores its partials straight into the owner's heap)."""
-    if WAIT:
-        for i in range(wait_count):
-            rma.signal_wait(wait_ptr + i, wait_value, rank, peer, heap_bases, error_ptr, max_spins)
+    memory (GEMM-RS stores its partials straight into the owner's heap).
+
+    With WAIT the program computes no tile once this rank has given up on a peer (its error slot
+    is set, or a wait here fails): A may be stale, and C in a peer's heap may still be read by
+    that peer. wait_count = 0 keeps only that check."""
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0), flatten=FLATTEN):
+    tiles = tiles_m * tiles_n
+    if WAIT:
+        ok = rma.no_error(error_ptr)
+        for i in range(wait_count):
+            ok = ok & rma.signal_wait(wait_ptr + i, wait_value, rank, peer, heap_bases, error_ptr, max_spins)
+        if not ok:
+            tiles = 0
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=FLATTEN):
         pid_m, pid_n = tile_coords(tile, tiles_m, tiles_n, GROUP_M)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
