@@ -38,3 +38,26 @@ def test_e2e_benchmark_runs_both_engines_in_either_order(tmp_path):
         assert [s["batch"] for s in res[flag]] == [2, 4]
         assert all(s["output_tokens_per_s"] > 0 for s in res[flag])
     assert "overlap/stock" in js.with_suffix(".md").read_text()
+
+
+def test_lognormal_workload_is_seeded_long_tailed_and_fits_the_model():
+    from tp_overlap_plugin.serving.workloads import lognormal_lengths
+    a = lognormal_lengths(2000, 256, 128, 1.0, 2048, seed=3)
+    assert a == lognormal_lengths(2000, 256, 128, 1.0, 2048, seed=3) != lognormal_lengths(2000, 256, 128, 1.0, 2048, 4)
+    assert all(4 <= i and 4 <= o and i + o <= 2048 for i, o in a)
+    ins = sorted(i for i, _ in a)
+    assert 200 < ins[len(ins) // 2] < 320        # the median is where it was asked to be
+    assert ins[int(0.99 * len(ins))] > 5 * ins[len(ins) // 2]   # and the tail is long
+
+
+@pytest.mark.timeout(180)
+def test_bench_throughput_lognormal_repeats_rounds_until_min_seconds(tmp_path):
+    from tp_overlap_plugin.cli import main
+    out = tmp_path / "bench.json"
+    assert main(["bench", "throughput", "--model", "demo", "--dataset", "lognormal", "--num-prompts", "6",
+                 "--input-len", "10", "--output-len", "4", "--max-model-len", "64", "--max-concurrency", "3",
+                 "--min-seconds", "0.5", "--output-json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["elapsed_s"] >= 0.5 and res["num_requests"] == 6 * res.get("rounds", 1)
+    assert res["dataset"] == "lognormal" and len(res["input_lens"]) == 6
+    assert all(i + o <= 64 for i, o in zip(res["input_lens"], res["output_lens"]))
