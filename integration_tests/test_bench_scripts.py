@@ -40,6 +40,18 @@ def test_e2e_benchmark_runs_both_engines_in_either_order(tmp_path):
     assert "overlap/stock" in js.with_suffix(".md").read_text()
 
 
+def test_pair_ratios_call_a_win_or_loss_only_when_every_pair_agrees():
+    sys.path.insert(0, str(ROOT / "bench"))
+    from benchlib import interleaved, pair_ratios
+    assert interleaved(("stock", "overlap"), 3) == [(0, "stock"), (0, "overlap"), (1, "stock"), (1, "overlap"),
+                                                     (2, "stock"), (2, "overlap")]
+    win = pair_ratios([100, 100, 100], [103, 101, 102])
+    assert win["call"] == "win" and win["median"] == pytest.approx(1.02) and win["spread"] == pytest.approx(1.03 / 1.01)
+    assert pair_ratios([100, 100, 100], [97, 99, 98])["call"] == "loss"
+    assert pair_ratios([100, 100, 100], [103, 99, 102])["call"].startswith("no call")
+    assert pair_ratios([100, 100], [110, 110])["call"].startswith("no call")
+
+
 def test_lognormal_workload_is_seeded_long_tailed_and_fits_the_model():
     from tp_overlap_plugin.serving.workloads import lognormal_lengths
     a = lognormal_lengths(2000, 256, 128, 1.0, 2048, seed=3)
