@@ -40,6 +40,12 @@ def test_e2e_benchmark_runs_both_engines_in_either_order(tmp_path):
     assert "overlap/stock" in js.with_suffix(".md").read_text()
 
 
+def test_readme_headline_table_is_generated_from_the_newest_results():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import readme_table
+    assert readme_table.main(["--check"]) == 0, "run python bench/readme_table.py"
+
+
 def test_pair_ratios_call_a_win_or_loss_only_when_every_pair_agrees():
     sys.path.insert(0, str(ROOT / "bench"))
     from benchlib import interleaved, pair_ratios
