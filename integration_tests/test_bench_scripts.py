@@ -92,6 +92,29 @@ def test_e2e_runs_stock_and_flag_interleaved_with_per_pair_ratios(tmp_path):
         assert f"{ratio['median']:.3f} [{ratio['min']:.3f}–{ratio['max']:.3f}] | {ratio['call']} |" in table
 
 
+@pytest.mark.timeout(400)
+def test_serve_load_sweeps_poisson_rates_with_both_servers(tmp_path):
+    _run("serve_load.py", "--model", "demo", "--tp", "2", "--quick", "--pairs", "1", "--out", str(tmp_path))
+    (js,) = tmp_path.glob("serve-interleaved-demo-tp2-*.json")
+    res = json.loads(js.read_text())
+    assert res["schema"] == "serve-interleaved/1"
+    assert [(run["pair"], run["engine"]) for run in res["runs"]] == [(0, "stock"), (0, "overlap")]
+    assert res["config"]["rates"] == ["4", "inf"] and res["config"]["dataset"] == "lognormal"
+    for run in res["runs"]:
+        assert not run.get("errors")
+        for rate, lv in run["levels"].items():
+            assert lv["failed"] == 0 and lv["completed"] == (6 if rate == "inf" else 4)
+            assert lv["dataset"] == "lognormal"
+            for m in ("ttft", "tpot", "itl"):
+                assert 0 < lv[f"median_{m}_ms"] <= lv[f"p99_{m}_ms"]
+    for s in res["summary"].values():
+        assert len(s["throughput_ratio"]["ratios"]) == 1 and len(s["tpot_speedup"]["ratios"]) == 1
+    md = js.with_suffix(".md").read_text()
+    assert "TPOT p50 stock/overlap" in md and "ITL p99" in md
+    if _has_matplotlib():
+        assert js.with_suffix(".png").stat().st_size > 0
+
+
 def test_readme_headline_table_is_generated_from_the_newest_results():
     sys.path.insert(0, str(ROOT / "bench"))
     import readme_table
