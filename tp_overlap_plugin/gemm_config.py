@@ -90,9 +90,10 @@ class GemmTable:
 
     @classmethod
     def from_json(cls, data: dict) -> "GemmTable":
+        by_label = {label: TileConfig.from_dict(c) for label, c in data["configs"].items()}
         return cls(buckets=tuple(data["buckets"]),
-                   configs={(e["M"], e["N"], e["K"]): TileConfig.from_dict(e["config"]) for e in data["entries"]},
-                   defaults={int(m): TileConfig.from_dict(c) for m, c in data["defaults"].items()},
+                   configs={(e["M"], e["N"], e["K"]): by_label[e["label"]] for e in data["entries"]},
+                   defaults={int(m): by_label[label] for m, label in data["defaults"].items()},
                    cublas_below={(e["N"], e["K"]): e["M"] for e in data["cublas_below"]},
                    default_cublas_below=data.get("default_cublas_below"), margin=data["margin"])
 
