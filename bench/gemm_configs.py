@@ -171,12 +171,14 @@ def measure(args) -> None:
         passes = [m for m in passes if m <= 16] or [1]
     env = environment(args.tp, on_gpu=not args.dry_run, layout=LAYOUT, budget_s=args.budget_s, dry_run=args.dry_run)
     table_out = args.table_out or (Path(args.out) / "gemm-table-dry-run.json" if args.dry_run else table_path(env["device"]))
-    crashed = {} if args.dry_run else preflight_in_subprocess(large + small)
+    preflight_log: list[str] = []
+    crashed = preflight_in_subprocess(large + small, preflight_log, args.dry_run)
     large = [c for c in large if c.label() not in crashed]
     small = [c for c in small if c.label() not in crashed]
     payload = {"environment": env, "candidates": {"large": [c.to_dict() for c in large],
                                                   "small": [c.to_dict() for c in small]},
-               "passes": list(passes), "results": [], "stopped": None, "crashed": crashed}
+               "passes": list(passes), "results": [], "stopped": None, "crashed": crashed,
+               "preflight": preflight_log}
     l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 50 << 20) if dev.type == "cuda" else 1 << 20
     timer = Timer(dev)
     failed: dict[tuple, str] = {}  # a config that failed to build or launch fails the same way again
@@ -192,7 +194,7 @@ def measure(args) -> None:
                 payload["stopped"] = f"budget {args.budget_s}s reached before M={m} K={k} N={n}"
                 break
             nbytes = 2 * (m * k + n * k + m * n)
-            copies = max(1, min(8, math.ceil(2 * l2 / nbytes)))
+            copies = max(1, min(32, math.ceil(2 * l2 / nbytes)))
             a = [torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(copies)]
             w = [torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=gen) / k ** 0.5 for _ in range(copies)]
             b = [x.t() for x in w]
@@ -233,11 +235,9 @@ def measure(args) -> None:
             print(f"[{time.perf_counter() - t0:5.0f}s] M={m} K={k} N={n} cuBLAS {entry['cublas_ms']:.4f} ms  best "
                   f"{best} {timed.get(best, float('nan')):.4f} ms ({timed.get(best, float('nan')) / entry['cublas_ms']:.3f}x)",
                   flush=True)
-            del a, w, b, c, ref
+            _write(args, payload, write_results, table_out)  # a run cut off keeps what it measured
             if payload["stopped"]:
                 break
-        if payload["results"]:  # a run cut off keeps what it measured
-            _write(args, payload, write_results, table_out)
         if payload["stopped"]:
             break
     payload["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -245,52 +245,82 @@ def measure(args) -> None:
     print(f"done in {payload['wall_s']} s; wrote", *paths, f"(device slug {device_slug(env['device'])})")
 
 
-PREFLIGHT_SHAPE = (256, 4096, 4096)  # M, K, N: the sweep's specialisation (all multiples of 16 and of BLOCK_K)
+# (M, K, N): the sweep's specialisation (multiples of 16 and of BLOCK_K), then for small-M
+# candidates the split-K and M = 1 variants, then an odd shape (ragged K, unaligned to 16 elements)
+PREFLIGHT_SHAPES = [(256, 4096, 4096), (16, 4096, 4096), (1, 4096, 4096), (77, 1000, 520)]
+PREFLIGHT_SHAPES_DRY = [(256, 128, 256), (16, 128, 256), (1, 128, 256), (77, 100, 40)]
 
 
-def preflight(labels: list[str]) -> None:
-    """Each candidate once on one shape, in this process; prints START/OK/FAIL lines as it goes, so
-    the parent can name the config that took the CUDA context down with it."""
+def preflight(labels: list[str], dry_run: bool = False) -> None:
+    """Each candidate on the preflight shapes, in this process; prints START/OK/FAIL lines as it
+    goes, so the parent can name the config that took the CUDA context down with it."""
+    if dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
     from tp_overlap_plugin.overlap import gemm
     large, small = candidates()
     by_label = {c.label(): c for c in large + small}
-    m, k, n = PREFLIGHT_SHAPE
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5).t()
-    ref = a.float() @ b.float()
+    small_labels = {c.label() for c in small}
+    dev = "cpu" if dry_run else "cuda"
+    ops = {}
+    for m, k, n in PREFLIGHT_SHAPES_DRY if dry_run else PREFLIGHT_SHAPES:
+        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        b = (torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5).t()
+        ops[(m, k, n)] = (a, b, a.double() @ b.double())
     for label in labels:
         print("START", label, flush=True)
-        try:
-            got = gemm(a, b, config=by_label[label]).float()
-            torch.cuda.synchronize()
-            err = ((got - ref).norm() / ref.norm()).item()
-            print("OK" if err < 1e-2 else "FAIL", label, f"rel_err={err:.2e}", flush=True)
-        except Exception as e:
-            print("FAIL", label, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}", flush=True)
-            if "CUDA error" in str(e) or "illegal" in str(e):
-                sys.exit(3)
+        for (m, k, n), (a, b, ref) in ops.items():
+            if m < 256 and m != 77 and label not in small_labels:
+                continue
+            shape = f"{m}x{k}x{n}"
+            try:
+                got = gemm(a, b, config=by_label[label]).double()
+                if not dry_run:
+                    torch.cuda.synchronize()
+                err = ((got - ref).norm() / ref.norm()).item()
+                print("OK" if err < 1e-2 else "FAIL", shape, label, f"rel_err={err:.2e}", flush=True)
+            except Exception as e:
+                print("FAIL", shape, label, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}",
+                      flush=True)
+                if "CUDA error" in str(e) or "illegal" in str(e):
+                    sys.exit(3)
 
 
-def preflight_in_subprocess(cands) -> dict[str, str]:
-    """Run `preflight` in child processes until every candidate has run once; a candidate that
-    crashes its process (an illegal access would poison this one's CUDA context for the whole
-    sweep) is left out of the sweep. Also compiles the common specialisation into Triton's cache."""
+def preflight_in_subprocess(cands, log: list, dry_run: bool = False) -> dict[str, str]:
+    """Run `preflight` in child processes until every candidate has run; a candidate that crashes
+    or hangs its process (an illegal access would poison this process's CUDA context for the whole
+    sweep) or computes a wrong answer is left out of the sweep. Also fills Triton's cache with the
+    sweep's kernels."""
     todo = [c.label() for c in cands]
     crashed = {}
     while todo:
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "preflight", "--labels", "|".join(todo)],
-                           capture_output=True, text=True, timeout=600)
-        print(r.stdout, end="", flush=True)
-        started = [line.split(" ", 1)[1] for line in r.stdout.splitlines() if line.startswith("START ")]
-        if r.returncode == 0:
+        cmd = [sys.executable, os.path.abspath(__file__), "preflight", "--labels", "|".join(todo)]
+        cmd += ["--dry-run"] if dry_run else []
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=PREFLIGHT_TIMEOUT_S)
+            out, err, rc = r.stdout, r.stderr, r.returncode
+        except subprocess.TimeoutExpired as e:
+            def text(x):
+                return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+            out, err, rc = text(e.stdout), text(e.stderr), f"timeout {PREFLIGHT_TIMEOUT_S}s"
+        print(out, end="", flush=True)
+        log += out.splitlines()
+        started = [line.split(" ", 1)[1] for line in out.splitlines() if line.startswith("START ")]
+        for line in out.splitlines():
+            if line.startswith("FAIL ") and "rel_err=" in line:
+                label = line.split(" ", 2)[2].rsplit(" ", 1)[0]
+                crashed.setdefault(label, f"wrong result in preflight: {line}")
+        if rc == 0:
             break
         culprit = started[-1] if started else todo[0]
-        crashed[culprit] = f"crashed its process (rc={r.returncode}): {(r.stderr or r.stdout).strip()[-300:]}"
+        crashed[culprit] = f"crashed or hung its process (rc={rc}): {(err or out).strip()[-300:]}"
         print(f"preflight: {culprit} crashed; left out of the sweep", flush=True)
         todo = [lb for lb in todo if lb not in started and lb != culprit]
     return crashed
+
+
+PREFLIGHT_TIMEOUT_S = 300
 
 
 def _write(args, payload, write_results, table_out):
@@ -460,6 +490,7 @@ def main(argv=None):
     m.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     f = sub.add_parser("preflight", help="(used by measure) run each candidate once, in this process")
     f.add_argument("--labels", required=True, help="candidate labels separated by |")
+    f.add_argument("--dry-run", action="store_true")
     t = sub.add_parser("table", help="rebuild the table and markdown from a results JSON (CPU)")
     t.add_argument("results")
     t.add_argument("--table-out", default=None)
@@ -469,7 +500,7 @@ def main(argv=None):
     if args.cmd == "measure":
         measure(args)
     elif args.cmd == "preflight":
-        preflight(args.labels.split("|"))
+        preflight(args.labels.split("|"), args.dry_run)
     else:
         make_table(args)
 
