@@ -172,7 +172,9 @@ def measure(args) -> None:
     env = environment(args.tp, on_gpu=not args.dry_run, layout=LAYOUT, budget_s=args.budget_s, dry_run=args.dry_run)
     table_out = args.table_out or (Path(args.out) / "gemm-table-dry-run.json" if args.dry_run else table_path(env["device"]))
     preflight_log: list[str] = []
-    crashed = preflight_in_subprocess(large + small, preflight_log, args.dry_run)
+    crashed = preflight_all(large + small, preflight_log, args.dry_run, workers=1 if args.dry_run else 4)
+    print("\n".join(preflight_log), f"\n[{time.perf_counter() - t0:5.0f}s] preflight done; left out: {crashed or 'none'}",
+          flush=True)
     large = [c for c in large if c.label() not in crashed]
     small = [c for c in small if c.label() not in crashed]
     payload = {"environment": env, "candidates": {"large": [c.to_dict() for c in large],
@@ -287,11 +289,23 @@ def preflight(labels: list[str], dry_run: bool = False) -> None:
                     sys.exit(3)
 
 
+def preflight_all(cands, log: list, dry_run: bool = False, workers: int = 4) -> dict[str, str]:
+    """`preflight_in_subprocess` on `workers` groups of candidates at once: the child processes
+    compile in parallel (the GPU work is tiny), the sweep then finds its kernels in Triton's cache."""
+    from concurrent.futures import ThreadPoolExecutor
+    groups = [cands[i::workers] for i in range(workers)]
+    logs = [[] for _ in groups]
+    with ThreadPoolExecutor(workers) as pool:
+        results = list(pool.map(lambda i: preflight_in_subprocess(groups[i], logs[i], dry_run), range(len(groups))))
+    for part in logs:
+        log += part
+    return {k: v for r in results for k, v in r.items()}
+
+
 def preflight_in_subprocess(cands, log: list, dry_run: bool = False) -> dict[str, str]:
     """Run `preflight` in child processes until every candidate has run; a candidate that crashes
     or hangs its process (an illegal access would poison this process's CUDA context for the whole
-    sweep) or computes a wrong answer is left out of the sweep. Also fills Triton's cache with the
-    sweep's kernels."""
+    sweep) or computes a wrong answer is left out of the sweep."""
     todo = [c.label() for c in cands]
     crashed = {}
     while todo:
@@ -304,7 +318,6 @@ def preflight_in_subprocess(cands, log: list, dry_run: bool = False) -> dict[str
             def text(x):
                 return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
             out, err, rc = text(e.stdout), text(e.stderr), f"timeout {PREFLIGHT_TIMEOUT_S}s"
-        print(out, end="", flush=True)
         log += out.splitlines()
         started = [line.split(" ", 1)[1] for line in out.splitlines() if line.startswith("START ")]
         for line in out.splitlines():
@@ -320,7 +333,7 @@ def preflight_in_subprocess(cands, log: list, dry_run: bool = False) -> dict[str
     return crashed
 
 
-PREFLIGHT_TIMEOUT_S = 300
+PREFLIGHT_TIMEOUT_S = 240
 
 
 def _write(args, payload, write_results, table_out):
