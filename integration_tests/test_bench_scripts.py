@@ -1,5 +1,7 @@
-"""The benchmark scripts still run (on the CPU, tiny), and the shipped dispatch table is exactly what
-bench/make_dispatch_table.py makes of the shipped H200 results: the table's evidence is reproducible."""
+"""The benchmark scripts run end to end on the CPU at tiny size (stock and the flag interleaved, per-pair
+ratios, the HTTP rate sweep), the README's headline table is what the newest results make, and the
+shipped dispatch table is exactly what bench/make_dispatch_table.py makes of the shipped H200 results:
+the table's evidence is reproducible."""
 
 import json
 import os
@@ -25,19 +27,133 @@ def test_shipped_dispatch_table_is_reproducible(tmp_path):
     assert (tmp_path / "table.md").read_text() == (RESULTS / "dispatch-h200-tp2-2026-11-22.md").read_text()
 
 
+def _run(script, *args, timeout=380):
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True,
+                       timeout=timeout, env={**os.environ})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def _has_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
 @pytest.mark.timeout(400)
-def test_e2e_benchmark_runs_both_engines_in_either_order(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--model", "demo", "--device", "cpu",
-                        "--quick", "--tp", "2", "--order", "overlap,stock", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=380, env={**os.environ})
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    (js,) = tmp_path.glob("e2e-demo-tp2-overlap-first-*.json")
+def test_e2e_runs_stock_and_flag_interleaved_with_per_pair_ratios(tmp_path):
+    r = _run("e2e.py", "--model", "demo", "--device", "cpu", "--quick", "--tp", "2", "--pairs", "2",
+             "--order", "overlap,stock", "--min-seconds", "0.3", "--decode-requests", "4", "--out", str(tmp_path))
+    # the CPU has no dispatch table: the output must say that the flag ran stock
+    assert "NO DISPATCH TABLE for cpu at TP=2" in r.stdout
+    (js,) = tmp_path.glob("e2e-interleaved-demo-tp2-overlap-first-*.json")
     res = json.loads(js.read_text())
-    assert res["environment"]["order"] == ["overlap", "stock"]
-    for flag in ("stock", "overlap"):
-        assert [s["batch"] for s in res[flag]] == [2, 4]
-        assert all(s["output_tokens_per_s"] > 0 for s in res[flag])
-    assert "overlap/stock" in js.with_suffix(".md").read_text()
+    assert res["schema"] == "e2e-interleaved/1"
+    assert [(run["pair"], run["engine"]) for run in res["runs"]] == [(0, "overlap"), (0, "stock"),
+                                                                     (1, "overlap"), (1, "stock")]
+    assert set(res["summary"]) == {"prefill-q", "decode-q", "mix-q"}
+    for run in res["runs"]:
+        assert run["load_s"] > 0 and run["process_s"] >= run["load_s"]
+        for name, got in run["results"].items():
+            # long enough: the time, or for decode the request count, whichever came first
+            assert got["elapsed_s"] >= 0.3 or (name.startswith("decode") and got["num_requests"] >= 4), (name, got)
+            assert got["output_tokens_per_s"] > 0
+    for s in res["summary"].values():
+        ratio = s["overlap_over_stock"]
+        assert len(ratio["ratios"]) == 2 and ratio["min"] <= ratio["median"] <= ratio["max"]
+        assert ratio["call"].startswith("no call")  # two pairs never make a call
+        assert len(s["stock"]["measured_s"]) == len(s["overlap"]["measured_s"]) == 2
+    # the mix is the same long-tailed list in both engines
+    mix = res["config"]["scenarios"]["mix-q"]
+    assert mix["kind"] == "mix" and all(run["results"]["mix-q"]["num_requests"] % mix["requests"] == 0
+                                        for run in res["runs"])
+    md = js.with_suffix(".md").read_text()
+    assert "overlap/stock [min–max]" in md and "NO DISPATCH TABLE" in md
+    if _has_matplotlib():
+        assert js.with_suffix(".png").stat().st_size > 0
+    # the markdown and PNG can be redrawn from the JSON alone (the GPU machines have no matplotlib)
+    js.with_suffix(".md").unlink()
+    _run("e2e.py", "--replot", str(js))
+    assert js.with_suffix(".md").read_text() == md
+
+    # The README table made from this run, as if it had come from a GPU (CPU runs never count).
+    sys.path.insert(0, str(ROOT / "bench"))
+    import readme_table
+    assert readme_table.render(str(tmp_path)).startswith("No interleaved")
+    res["environment"]["device"], res["config"]["quick"] = "NVIDIA H200", False
+    (tmp_path / "gpu").mkdir()
+    (tmp_path / "gpu" / js.name).write_text(json.dumps(res))
+    table = readme_table.render(str(tmp_path / "gpu"))
+    for name, s in res["summary"].items():
+        ratio = s["overlap_over_stock"]
+        assert f"| {name}: {s['workload']} | 2 |" in table
+        assert f"{ratio['median']:.3f} [{ratio['min']:.3f}–{ratio['max']:.3f}] | {ratio['call']} |" in table
+
+
+@pytest.mark.timeout(400)
+def test_serve_load_sweeps_poisson_rates_with_both_servers(tmp_path):
+    _run("serve_load.py", "--model", "demo", "--tp", "2", "--quick", "--pairs", "1", "--out", str(tmp_path))
+    (js,) = tmp_path.glob("serve-interleaved-demo-tp2-*.json")
+    res = json.loads(js.read_text())
+    assert res["schema"] == "serve-interleaved/1"
+    assert [(run["pair"], run["engine"]) for run in res["runs"]] == [(0, "stock"), (0, "overlap")]
+    assert res["config"]["rates"] == ["4", "inf"] and res["config"]["dataset"] == "lognormal"
+    for run in res["runs"]:
+        assert not run.get("errors")
+        for rate, lv in run["levels"].items():
+            assert lv["failed"] == 0 and lv["completed"] == (6 if rate == "inf" else 4)
+            assert lv["dataset"] == "lognormal"
+            for m in ("ttft", "tpot", "itl"):
+                assert 0 < lv[f"median_{m}_ms"] <= lv[f"p99_{m}_ms"]
+    for s in res["summary"].values():
+        assert len(s["throughput_ratio"]["ratios"]) == 1 and len(s["tpot_speedup"]["ratios"]) == 1
+    md = js.with_suffix(".md").read_text()
+    assert "TPOT p50 stock/overlap" in md and "ITL p99" in md
+    if _has_matplotlib():
+        assert js.with_suffix(".png").stat().st_size > 0
+
+
+def test_readme_headline_table_is_generated_from_the_newest_results():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import readme_table
+    assert readme_table.main(["--check"]) == 0, "run python bench/readme_table.py"
+
+
+def test_pair_ratios_call_a_win_or_loss_only_when_every_pair_agrees():
+    sys.path.insert(0, str(ROOT / "bench"))
+    from benchlib import interleaved, pair_ratios
+    assert interleaved(("stock", "overlap"), 3) == [(0, "stock"), (0, "overlap"), (1, "stock"), (1, "overlap"),
+                                                     (2, "stock"), (2, "overlap")]
+    win = pair_ratios([100, 100, 100], [103, 101, 102])
+    assert win["call"] == "win" and win["median"] == pytest.approx(1.02) and win["spread"] == pytest.approx(1.03 / 1.01)
+    assert pair_ratios([100, 100, 100], [97, 99, 98])["call"] == "loss"
+    assert pair_ratios([100, 100, 100], [103, 99, 102])["call"].startswith("no call")
+    assert pair_ratios([100, 100], [110, 110])["call"].startswith("no call")
+
+
+def test_lognormal_workload_is_seeded_long_tailed_and_fits_the_model():
+    from tp_overlap_plugin.serving.workloads import lognormal_lengths
+    a = lognormal_lengths(2000, 256, 128, 1.0, 2048, seed=3)
+    assert a == lognormal_lengths(2000, 256, 128, 1.0, 2048, seed=3) != lognormal_lengths(2000, 256, 128, 1.0, 2048, 4)
+    assert all(4 <= i and 4 <= o and i + o <= 2048 for i, o in a)
+    ins = sorted(i for i, _ in a)
+    assert 200 < ins[len(ins) // 2] < 320        # the median is where it was asked to be
+    assert ins[int(0.99 * len(ins))] > 5 * ins[len(ins) // 2]   # and the tail is long
+
+
+@pytest.mark.timeout(180)
+def test_bench_throughput_lognormal_repeats_rounds_until_min_seconds(tmp_path):
+    from tp_overlap_plugin.cli import main
+    out = tmp_path / "bench.json"
+    assert main(["bench", "throughput", "--model", "demo", "--dataset", "lognormal", "--num-prompts", "6",
+                 "--input-len", "10", "--output-len", "4", "--max-model-len", "64", "--max-concurrency", "3",
+                 "--min-seconds", "0.5", "--output-json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["elapsed_s"] >= 0.5 and res["num_requests"] == 6 * res.get("rounds", 1)
+    assert res["dataset"] == "lognormal" and len(res["input_lens"]) == 6
+    assert all(i + o <= 64 for i, o in zip(res["input_lens"], res["output_lens"]))
 
 
 def _gemm_bench():

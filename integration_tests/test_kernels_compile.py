@@ -2,7 +2,9 @@
 where we measure) and CDNA3 (gfx942, MI300X, where we ship). One code path, checked on every CI run.
 """
 
+import functools
 import os
+import re
 
 import pytest
 import triton
@@ -69,7 +71,8 @@ KERNELS = {
     "gemm_tma_ws": (gemm_kernel, _sig(_GEMM_ARGS, None, _GEMM_TMA_WS), _GEMM_TMA_WS, {"num_warps": 4}),
     "gemm_split_k": (gemm_kernel, _tma_sig(_GEMM_SPLIT), _GEMM_SPLIT, {"num_warps": 4, "num_stages": 4}),
     "gemm_split_k_ptr": (gemm_kernel, _sig(_GEMM_ARGS, None, _GEMM_SPLIT_PTR), _GEMM_SPLIT_PTR, {"num_warps": 4}),
-    "gemm_rs_signal": (signal_kernel, _sig("flag_ptr:*i64 value:i64 rank:i32 peer:i32 heap_bases:*i64", None, {}),
+    "gemm_rs_signal": (signal_kernel, _sig("flag_ptr:*i64 value:i64 rank:i32 peer:i32 heap_bases:*i64 error_ptr:*i64",
+                                            None, {}),
                        {}),
     "gemm_rs_reduce": (reduce_kernel,
                        _sig("recv_ptr:*bf16 out_ptr:*bf16 flags_ptr:*i64 epoch:i64 n:i32 slot_stride:i32", _COMM,
@@ -100,12 +103,51 @@ KERNELS = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def _compiled(name, target):
+    fn, signature, constexprs, *options = KERNELS[name]
+    return triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs), target=TARGETS[target],
+                          options=options[0] if options else None)
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles real kernels")
 @pytest.mark.parametrize("target", sorted(TARGETS))
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_kernel_compiles_for_target(name, target):
-    fn, signature, constexprs, *options = KERNELS[name]
-    compiled = triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs),
-                              target=TARGETS[target], options=options[0] if options else None)
     binary = "cubin" if target == "sm90" else "hsaco"
-    assert compiled.asm.get(binary), f"{name}: no {binary} produced for {target}"
+    assert _compiled(name, target).asm.get(binary), f"{name}: no {binary} produced for {target}"
+
+
+WAITING = ("barrier", "gemm_wait", "gemm_rs_reduce", "one_shot_all_reduce_bf16", "two_shot_all_reduce_bf16")
+
+
+def _spin_loops(ttgir: str):
+    """(text of each scf.while, the text after it up to the next scf.if)"""
+    lines = ttgir.splitlines()
+    for i, line in enumerate(lines):
+        if "scf.while" not in line:
+            continue
+        depth, j = 0, i
+        while True:
+            depth += lines[j].count("{") - lines[j].count("}")
+            if depth == 0 and j > i:
+                break
+            j += 1
+        rest = "\n".join(lines[j + 1:])
+        yield "\n".join(lines[i:j + 1]), rest.split("scf.if", 1)[0]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles real kernels")
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("name", WAITING)
+def test_a_wait_decides_once_for_all_threads(name, target):
+    """Threads of rma.signal_wait poll on their own and may leave the loop at different polls; the
+    branches after it hold CTA barriers. So the loop must hold no barrier (nor an atomic, which
+    brings one), and the decision must come from a reduction over a tensor of fresh volatile loads,
+    which crosses warps, not from a scalar, which Triton assumes uniform without making it so."""
+    loops = list(_spin_loops(_compiled(name, target).asm["ttgir"]))
+    assert loops, f"{name}: no spin loop found"
+    for loop, after in loops:
+        assert "gpu.barrier" not in loop and "tt.atomic" not in loop, f"{name}: a barrier inside the spin"
+        assert re.search(r"tt\.load .*isVolatile = true.*: tensor<\d+x", after), f"{name}: no fresh tensor load"
+        assert '"tt.reduce"' in after, f"{name}: the decision is not reduced across the program"

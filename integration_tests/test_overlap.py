@@ -59,8 +59,7 @@ def _overlap_cases(ctx, seed, dtype):
         for rep in range(2):
             a, b = _operands(seed + 10 * i + rep, W, rows, k, n, dtype)
             c, gathered = ag[k](a[r].to(dev), b[0].to(dev), return_gathered=True)
-            # gathered is a view into the heap, valid until the call after next: keep a copy
-            out["ag"].append((rows, k, n, c.cpu(), gathered.cpu().clone()))
+            out["ag"].append((rows, k, n, c.cpu(), gathered))
     rs = {n: GemmReduceScatter(ctx.heap, max_rows=40, n=n, dtype=dtype) for n in (17, 48, 33, 20)}
     for i, (m, k, n) in enumerate(RS_SHAPES):
         for rep in range(2):
@@ -76,7 +75,19 @@ def _overlap_cases(ctx, seed, dtype):
     # beyond capacity: the stock path, never a wrong answer
     a, b = _operands(seed + 999, W, 50, 40, 17, dtype)
     big_ag = ag[40](a[r].to(dev), b[0].to(dev)).cpu()
+    # rows == max_rows: the gathered rows are a whole heap half, which a view would alias; the third
+    # call's pushes land in the first call's half
+    whole = AllGatherGemm(ctx.heap, max_rows=4, k=40, dtype=dtype)
+    kept = []
+    for rep in range(3):
+        a, b = _operands(seed + 500 + rep, W, 4, 40, 17, dtype)
+        kept.append(whole(a[r].to(dev), b[0].to(dev), return_gathered=True)[1])
+    out["kept"] = kept
     ctx.heap.check()
+    # return_gathered hands out a copy: later calls, whose peers push into the same heap halves,
+    # leave it alone
+    out["ag"] = [(rows, k, n, c, gathered.cpu()) for rows, k, n, c, gathered in out["ag"]]
+    out["kept"] = [g.cpu() for g in out["kept"]]
     return out, big_ag, stats.snapshot()
 
 
@@ -114,6 +125,8 @@ def test_ag_gemm_and_gemm_rs(world, device):
                 assert torch.equal(c, exact), ("rs not bit-exact", m, k, n, rep)
         a, b = _operands(seed + 999, world, 50, 40, 17, dtype)
         assert _rel_err(big_ag, torch.cat(a).double() @ b[0].double()) < 1e-2
-        assert counts["ag_gemm.kernel"] == 2 * len(AG_SHAPES)
+        for rep, gathered in enumerate(out["kept"]):
+            assert torch.equal(gathered, torch.cat(_operands(seed + 500 + rep, world, 4, 40, 17, dtype)[0])), rep
+        assert counts["ag_gemm.kernel"] == 2 * len(AG_SHAPES) + 3
         assert counts["gemm_rs.kernel"] == 2 * len(RS_SHAPES)
         assert counts["ag_gemm.fallback"] == 1

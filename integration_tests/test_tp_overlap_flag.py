@@ -39,12 +39,15 @@ def _run(model_dir: str, flag, table_path: str) -> dict:
             "stats": stats.snapshot()}
 
 
-def _in_subprocess(model_dir, name, table_path):
+def _in_subprocess(model_dir, name, table_path, out_path):
+    # The result goes through a file: the rank processes share the subprocess's stdout, and a line of
+    # theirs can land inside a long JSON line written there.
     env = {**os.environ, "TRITON_INTERPRET": "1", "TP_OVERLAP": ""}
-    proc = subprocess.run([sys.executable, __file__, model_dir, name, table_path], env=env, capture_output=True,
-                          text=True, timeout=400)
+    proc = subprocess.run([sys.executable, __file__, model_dir, name, table_path, str(out_path)], env=env,
+                          capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    with open(out_path) as f:
+        return json.load(f)
 
 
 @pytest.mark.timeout(900)
@@ -58,7 +61,7 @@ def test_flag_on_matches_flag_off(arch, tmp_path):
     table = tmp_path / "table.json"
     table.write_text(json.dumps(IPC_TABLE))
     names = ["off", "overlap", "ipc"] if arch == "llama" else ["off", "overlap"]
-    runs = {n: _in_subprocess(model_dir, n, str(table)) for n in names}
+    runs = {n: _in_subprocess(model_dir, n, str(table), tmp_path / f"{n}.json") for n in names}
     ref = runs["off"]
     assert not any(k.startswith(("ag_gemm", "gemm_rs", "all_reduce")) for k in ref["stats"])
     for name in names[1:]:
@@ -76,5 +79,7 @@ def test_flag_on_matches_flag_off(arch, tmp_path):
 
 
 if __name__ == "__main__":
-    directory, config_name, table_file = sys.argv[1:4]
-    print(json.dumps(_run(directory, CONFIGS[config_name], table_file)))
+    directory, config_name, table_file, result_file = sys.argv[1:5]
+    result = _run(directory, CONFIGS[config_name], table_file)
+    with open(result_file, "w") as f:
+        json.dump(result, f)

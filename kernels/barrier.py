@@ -10,6 +10,9 @@ from tp_overlap_plugin.kernels import rma
 @triton.jit
 def barrier_kernel(flags_ptr, epoch_ptr, rank, world, heap_bases, error_ptr, max_spins):
     epoch = tl.load(epoch_ptr) + 1
+    # Every thread loads the epoch and one stores it: without the barrier a late warp could load the
+    # advanced value and wait for an epoch that no peer will raise.
+    tl.debug_barrier()
     tl.store(epoch_ptr, epoch)
     rma.barrier(flags_ptr, epoch, rank, world, heap_bases, error_ptr, max_spins)
 

@@ -132,7 +132,7 @@ def device_descriptors(a_ptr, b_ptr, c_ptr, c_desc, M, N, K, stride_am, stride_b
     return a_desc, b_desc, c_desc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["wait_value"])
 def gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                 wait_ptr, wait_count, wait_value, rank, peer, heap_bases, error_ptr, max_spins,
                 c_desc, split_ws_ptr, split_count_ptr, split_k,
@@ -148,22 +148,30 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, s
     so the next tile's first loads are in flight during this tile's epilogue. WARP_SPEC instead
     gives the loads to a producer warp group (Hopper: num_warps=4 per consumer group, not
     flattened). C may be a peer's memory (GEMM-RS stores its partials straight into the owner's
-    heap). With SPLIT, `split_k` slices of K per tile (see the module docstring)."""
+    heap). With SPLIT, `split_k` slices of K per tile (see the module docstring).
+
+    With WAIT the program computes no tile once this rank has given up on a peer (its error slot
+    is set, or a wait here fails): A may be stale, and C in a peer's heap may still be read by
+    that peer. wait_count = 0 keeps only that check."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles = tiles_m * tiles_n
     if WAIT:
+        ok = rma.no_error(error_ptr)
         for i in range(wait_count):
-            rma.signal_wait(wait_ptr + i, wait_value, rank, peer, heap_bases, error_ptr, max_spins)
+            ok = ok & rma.signal_wait(wait_ptr + i, wait_value, rank, peer, heap_bases, error_ptr, max_spins)
+        if not ok:
+            tiles = 0
     if DEVICE_DESC:
         a_ptr, b_ptr, c_desc = device_descriptors(a_ptr, b_ptr, c_ptr, c_desc, M, N, K, stride_am, stride_bk, stride_bn,
                                                   stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, B_KMAJOR, C_TMA, SUBTILE)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
     k_blocks = tl.cdiv(K, BLOCK_K)
     if SPLIT:
         slices = split_k
     else:
         slices = 1
     k_per = tl.cdiv(k_blocks, slices)
-    for item in tl.range(tl.program_id(0), tiles_m * tiles_n * slices, tl.num_programs(0), flatten=FLATTEN,
+    for item in tl.range(tl.program_id(0), tiles * slices, tl.num_programs(0), flatten=FLATTEN,
                          warp_specialize=WARP_SPEC):
         tile = item // slices
         pid_m, pid_n = tile_coords(tile, tiles_m, tiles_n, GROUP_M)

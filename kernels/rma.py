@@ -12,6 +12,12 @@ Every spin is bounded. A wait that gives up records (rank, peer, flag offset, ex
 heap's error slot and returns False; later waits on the same rank see the slot and give up at once,
 so a dead peer costs one spin limit, not one per flag. The host turns the slot into an exception
 (SymmetricHeap.check).
+
+A failed wait must stop what depends on it, so its answer drives control flow, and control flow that
+holds a CTA barrier (every scalar atomic has one) must be taken alike by all threads. Triton treats a
+scalar as uniform without checking: a scalar volatile load is executed by every thread, each may see
+a different value, and nothing reconciles them. So `signal_wait` and `no_error` decide through
+`_everyone_reads`, a tensor load that the following reduction exchanges between warps.
 """
 
 import triton
@@ -29,6 +35,11 @@ _ERR_SEEN = tl.constexpr(5)
 # default through unwrapped and fails to compile the call.
 _ACQ_REL = tl.constexpr("acq_rel")
 _SYS = tl.constexpr("sys")
+
+# At least one element per thread of the largest program (32 warps x 32 threads, or 16 x 64 on CDNA).
+# With fewer elements than threads, whole warps would hold copies of the same elements; a reduction
+# then stays inside each warp, and each warp could reach its own answer.
+_VOTE = tl.constexpr(1024)
 
 
 @triton.jit
@@ -80,9 +91,34 @@ def signal_set(flag_ptr, value, rank, peer, heap_bases):
 
 
 @triton.jit
+def _everyone_reads(ptr):
+    """Fresh volatile loads of *ptr spread over every thread of the program, for a reduction that gives
+    all threads one value."""
+    return tl.load(ptr + tl.zeros((_VOTE,), dtype=tl.int32), volatile=True)
+
+
+@triton.jit
+def no_error(error_ptr):
+    """True, alike in every thread, while no wait of this rank has given up."""
+    return tl.max(tl.abs(_everyone_reads(error_ptr)), axis=0) == 0
+
+
+@triton.jit
 def signal_wait(flag_ptr, expected, rank, peer, heap_bases, error_ptr, max_spins):
-    """Wait until my flag (written by `peer`) reaches `expected`; False if it gave up.
-    Polls with volatile loads (cheapest round trip measured) and acquires once at the end."""
+    """Wait until my flag (written by `peer`) reaches `expected`. Returns one decision for the program,
+    the same in every thread: True when the flag has landed (acquired), False when it gave up at the
+    spin bound or because an earlier wait of this rank had (the error slot then names the first).
+
+    Threads poll on their own, with volatile loads (the cheapest round trip measured) and no barrier
+    in the loop, so they may leave it at different polls, e.g. when the flag lands as the bound is
+    hit. Flags only grow, so a fresh load after the loop is at least what any thread saw; the minimum
+    of those loads over all threads is the decision. Both branches after it contain barriers.
+    `expected` must be the same in every thread too: a kernel argument, or a value every thread
+    loaded before any thread could change it.
+
+    To mask a block with the result, combine it first (`ok = True` ... `ok = ok & signal_wait(...)`):
+    the Triton 3.9 interpreter gives a bare scalar comparison its operands' integer type, and a
+    mask broadcast from it is rejected by tl.load/tl.store."""
     seen = tl.load(flag_ptr, volatile=True)
     failed = tl.load(error_ptr, volatile=True)
     spins = 0
@@ -90,7 +126,8 @@ def signal_wait(flag_ptr, expected, rank, peer, heap_bases, error_ptr, max_spins
         seen = tl.load(flag_ptr, volatile=True)
         failed = tl.load(error_ptr, volatile=True)
         spins += 1
-    ok = seen >= expected
+    landed = tl.min(_everyone_reads(flag_ptr), axis=0)
+    ok = landed >= expected
     if ok:
         tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     else:
@@ -101,7 +138,7 @@ def signal_wait(flag_ptr, expected, rank, peer, heap_bases, error_ptr, max_spins
             tl.store(error_ptr + _ERR_PEER, peer)
             tl.store(error_ptr + _ERR_FLAG_OFFSET, flag_ptr.to(tl.int64) - my_base)
             tl.store(error_ptr + _ERR_EXPECTED, expected)
-            tl.store(error_ptr + _ERR_SEEN, seen)
+            tl.store(error_ptr + _ERR_SEEN, landed)
             tl.atomic_xchg(error_ptr, 1, sem="release", scope="gpu")
     tl.debug_barrier()
     return ok
@@ -109,10 +146,13 @@ def signal_wait(flag_ptr, expected, rank, peer, heap_bases, error_ptr, max_spins
 
 @triton.jit
 def barrier(flags_ptr, epoch, rank, world, heap_bases, error_ptr, max_spins):
-    """All `world` ranks meet at `epoch`. flags_ptr[s] in my heap is written only by rank s."""
-    for peer in range(world):
-        signal_set(flags_ptr + rank, epoch, rank, peer, heap_bases)
-    ok = True
-    for peer in range(world):
-        ok = ok & signal_wait(flags_ptr + peer, epoch, rank, peer, heap_bases, error_ptr, max_spins)
+    """All `world` ranks meet at `epoch`. flags_ptr[s] in my heap is written only by rank s.
+    A rank that has already given up on a peer does not announce its arrival: its peers then time
+    out and report too, rather than run on as if it had reached the barrier."""
+    ok = no_error(error_ptr)
+    if ok:
+        for peer in range(world):
+            signal_set(flags_ptr + rank, epoch, rank, peer, heap_bases)
+        for peer in range(world):
+            ok = ok & signal_wait(flags_ptr + peer, epoch, rank, peer, heap_bases, error_ptr, max_spins)
     return ok

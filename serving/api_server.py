@@ -733,6 +733,13 @@ def serve_main(a: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         engine = AsyncLLM(cfg)
+    except Exception as e:
+        # Nothing is served without an engine: exit with the reason as the last line, not a server
+        # that answers 503.
+        logger.debug("engine start-up failed", exc_info=True)
+        print(f"tp-overlap serve: the engine did not start: {e}"
+              + ("" if logger.isEnabledFor(logging.DEBUG) else " (--log-level debug shows where)"), file=sys.stderr)
+        return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
     if not engine.is_driver:      # a torchrun worker rank: it served rank 0's steps until shutdown

@@ -4,9 +4,12 @@ engine's step loop so that TTFT and TPOT are per request:
     tp-overlap bench throughput --model llama-3-8b --load-format dummy --tp 2 --input-len 128 \
         --output-len 512 --num-prompts 64 [--tp-overlap]
     tp-overlap bench latency   --model llama-3-8b --load-format dummy --tp 2 --batch-size 1
+    tp-overlap bench throughput --model llama-3-8b --load-format dummy --tp 2 --dataset lognormal \
+        --input-len 256 --output-len 128 --num-prompts 256 --max-concurrency 64 --min-seconds 15
 
 Prompts are random token ids (seeded), `ignore_eos`, greedy: every request produces exactly
-`output_len` tokens, so runs with and without `--tp-overlap` do the same work.
+`output_len` tokens, so runs with and without `--tp-overlap` do the same work. `--dataset lognormal`
+draws long-tailed lengths instead (serving/workloads.py), the same list for the same --seed.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ import argparse
 import json
 import statistics
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 
 from .config import EngineConfig, SamplingParams
 from .engine import LLM
+from .workloads import lognormal_lengths
 
 
 def random_prompts(vocab: int, n: int, input_len: int, seed: int) -> list[list[int]]:
@@ -29,11 +34,27 @@ def random_prompts(vocab: int, n: int, input_len: int, seed: int) -> list[list[i
     return torch.randint(min(10, vocab - 1), vocab, (n, input_len), generator=g).tolist()
 
 
-def run_batch(llm: LLM, prompts: list[list[int]], output_len: int, max_concurrency: Optional[int] = None) -> dict:
-    """Submit `prompts` (all at once, or keeping at most `max_concurrency` in flight) and time them."""
+def _prompts_of(vocab: int, input_lens: list[int], seed: int) -> list[list[int]]:
+    rows = random_prompts(vocab, len(input_lens), max(input_lens), seed)
+    return [r[:n] for r, n in zip(rows, input_lens)]
+
+
+@dataclass
+class _Run:
+    num_requests: int
+    elapsed: float
+    in_tokens: int
+    out_tokens: int
+    ttft: list[float]
+    tpot: list[float]
+
+
+def _timed_run(llm: LLM, prompts: list[list[int]], output_lens: Union[int, list[int]],
+               max_concurrency: Optional[int] = None) -> _Run:
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    pending = list(prompts)
+    if isinstance(output_lens, int):
+        output_lens = [output_lens] * len(prompts)
+    pending = list(zip(prompts, output_lens))
     submitted: dict[str, float] = {}
     first: dict[str, float] = {}
     finished: dict[str, float] = {}
@@ -43,7 +64,9 @@ def run_batch(llm: LLM, prompts: list[list[int]], output_len: int, max_concurren
 
     def submit():
         while pending and len(submitted) - len(finished) < limit:
-            seq = engine.make_sequence(None, pending.pop(0), params)
+            prompt, n_out = pending.pop(0)
+            params = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
+            seq = engine.make_sequence(None, prompt, params)
             submitted[seq.request_id] = time.perf_counter()
             engine.add_sequence(seq)
 
@@ -59,14 +82,30 @@ def run_batch(llm: LLM, prompts: list[list[int]], output_len: int, max_concurren
             if o.finished:
                 finished[o.request_id] = now
         submit()
-    elapsed = time.perf_counter() - t0
-    ttft = [first[r] - submitted[r] for r in submitted]
-    tpot = [(finished[r] - first[r]) / (tokens[r] - 1) for r in submitted if tokens[r] > 1]
-    out_tokens = sum(tokens.values())
-    in_tokens = sum(len(p) for p in prompts)
-    return {"num_requests": len(prompts), "elapsed_s": elapsed, "requests_per_s": len(prompts) / elapsed,
-            "output_tokens_per_s": out_tokens / elapsed, "total_tokens_per_s": (out_tokens + in_tokens) / elapsed,
-            "ttft_ms": _summary(ttft), "tpot_ms": _summary(tpot)}
+    return _Run(len(prompts), time.perf_counter() - t0, sum(len(p) for p in prompts), sum(tokens.values()),
+                [first[r] - submitted[r] for r in submitted],
+                [(finished[r] - first[r]) / (tokens[r] - 1) for r in submitted if tokens[r] > 1])
+
+
+def _report(runs: list[_Run]) -> dict:
+    n = sum(r.num_requests for r in runs)
+    elapsed = sum(r.elapsed for r in runs)
+    out_tokens = sum(r.out_tokens for r in runs)
+    res = {"num_requests": n, "elapsed_s": elapsed, "requests_per_s": n / elapsed,
+           "output_tokens_per_s": out_tokens / elapsed,
+           "total_tokens_per_s": (out_tokens + sum(r.in_tokens for r in runs)) / elapsed,
+           "ttft_ms": _summary([x for r in runs for x in r.ttft]),
+           "tpot_ms": _summary([x for r in runs for x in r.tpot])}
+    if len(runs) > 1:
+        # the spread of rounds within one process: noise the pairs cannot be blamed for
+        res.update(rounds=len(runs), round_output_tokens_per_s=[r.out_tokens / r.elapsed for r in runs])
+    return res
+
+
+def run_batch(llm: LLM, prompts: list[list[int]], output_len: Union[int, list[int]],
+              max_concurrency: Optional[int] = None) -> dict:
+    """Submit `prompts` (all at once, or keeping at most `max_concurrency` in flight) and time them."""
+    return _report([_timed_run(llm, prompts, output_len, max_concurrency)])
 
 
 def _summary(xs: list[float]) -> dict:
@@ -76,14 +115,40 @@ def _summary(xs: list[float]) -> dict:
     return {"mean": statistics.fmean(xs), "median": statistics.median(xs), "p99": xs[min(len(xs) - 1, int(0.99 * len(xs)))]}
 
 
-def scenario(llm: LLM, batch: int, input_len: int, output_len: int, seed: int = 0, warmup: bool = True) -> dict:
+def measure(llm: LLM, lengths: list[tuple[int, int]], seed: int = 0, *, max_concurrency: Optional[int] = None,
+            min_seconds: float = 0.0, max_requests: Optional[int] = None, warmup: bool = True,
+            warmup_output_len: int = 2) -> dict:
+    """Rounds of the requests `lengths` ((input, output) per request) until the measured time reaches
+    min_seconds or, given max_requests, the requests do; one round when both are 0/None.
+
+    Every round has the same lengths and fresh prompt ids (the prefix cache must not turn a round's
+    prefill into hits). The engine schedules by token counts, not by the clock, so with a fixed KV pool
+    each round takes the same steps in every engine, and rates compare however many rounds each ran."""
     vocab = llm.engine.mcfg.vocab_size
+    ins = [i for i, _ in lengths]
+    outs = [o for _, o in lengths]
     if warmup:
-        # The same batch and prompt length, two tokens each: every step shape the measured run takes
-        # (the prefill chunks, the decode batch) has compiled its kernels and settled its allocations.
-        # A smaller warm-up left a 5 s Triton compile inside one measured TTFT on H200x2.
-        run_batch(llm, random_prompts(vocab, batch, input_len, seed + 1), 2)
-    res = run_batch(llm, random_prompts(vocab, batch, input_len, seed), output_len)
+        # The same prompts' shapes with outputs cut short: every step shape the measured rounds take
+        # (the prefill chunks, prefill mixed with decodes, the decode batches) has compiled its kernels
+        # and settled its allocations. A smaller warm-up left a 5 s Triton compile inside one measured
+        # TTFT on H200x2.
+        _timed_run(llm, _prompts_of(vocab, ins, seed + 1), [min(o, warmup_output_len) for o in outs],
+                   max_concurrency)
+    runs: list[_Run] = []
+    while True:
+        round_seed = seed if not runs else seed + 1 + len(runs)
+        runs.append(_timed_run(llm, _prompts_of(vocab, ins, round_seed), outs, max_concurrency))
+        if sum(r.elapsed for r in runs) >= min_seconds:
+            break
+        if max_requests and sum(r.num_requests for r in runs) >= max_requests:
+            break
+    return _report(runs)
+
+
+def scenario(llm: LLM, batch: int, input_len: int, output_len: int, seed: int = 0, warmup: bool = True,
+             **kw) -> dict:
+    """`batch` requests of one length; keywords as `measure`'s."""
+    res = measure(llm, [(input_len, output_len)] * batch, seed, warmup=warmup, **kw)
     res.update(batch=batch, input_len=input_len, output_len=output_len)
     return res
 
@@ -97,6 +162,13 @@ def add_bench_offline_subcommands(bench_sub) -> None:
     t.add_argument("--input-len", type=int, default=128)
     t.add_argument("--output-len", type=int, default=128)
     t.add_argument("--num-prompts", type=int, default=64)
+    t.add_argument("--dataset", default="fixed", choices=["fixed", "lognormal"],
+                   help="lognormal: long-tailed lengths (ShareGPT-like) with --input-len/--output-len as medians, "
+                        "clipped to max-model-len")
+    t.add_argument("--lognormal-sigma", type=float, default=1.0, help="shape of the lognormal lengths")
+    t.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: all)")
+    t.add_argument("--min-seconds", type=float, default=0.0,
+                   help="repeat the num-prompts round (fresh prompts) until this much time is measured")
     t.add_argument("--output-json", default=None)
     t.set_defaults(func=_main, mode="throughput")
     lat = bench_sub.add_parser("latency", help="one batch, end to end, repeated: TTFT and decode step time")
@@ -116,8 +188,14 @@ def _main(args: argparse.Namespace) -> int:
     with LLM(cfg) as llm:
         if not llm.is_driver:
             return 0
-        if args.mode == "throughput":
-            res = scenario(llm, args.num_prompts, args.input_len, args.output_len, cfg.seed)
+        if args.mode == "throughput" and args.dataset == "lognormal":
+            lengths = lognormal_lengths(args.num_prompts, args.input_len, args.output_len, args.lognormal_sigma,
+                                        llm.engine.max_model_len, cfg.seed)
+            res = measure(llm, lengths, cfg.seed, max_concurrency=args.max_concurrency, min_seconds=args.min_seconds)
+            res.update(dataset="lognormal", input_lens=[i for i, _ in lengths], output_lens=[o for _, o in lengths])
+        elif args.mode == "throughput":
+            res = scenario(llm, args.num_prompts, args.input_len, args.output_len, cfg.seed,
+                           max_concurrency=args.max_concurrency, min_seconds=args.min_seconds)
         else:
             runs = [scenario(llm, args.batch_size, args.input_len, args.output_len, cfg.seed + i, warmup=i == 0)
                     for i in range(args.iters)]

@@ -14,6 +14,10 @@ Dataset `random`: /v1/completions prompts are token ids drawn uniformly from [0,
 so the input length is exact for any tokenizer; /v1/chat/completions prompts are random lower-case words
 of about --random-input-len characters (the server's count is what is reported). Input and output lengths
 are drawn uniformly from [len * (1 - ratio), len * (1 + ratio)].
+
+Dataset `lognormal`: the same prompts, with input and output lengths drawn from lognormal distributions
+whose medians are --random-input-len / --random-output-len (serving/workloads.py): many short requests
+and a long tail, as in ShareGPT-style serving sets, without downloading one.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 
+from .workloads import lognormal_lengths
+
 
 def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("target")
@@ -41,7 +47,8 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get("TP_OVERLAP_API_KEY") or os.environ.get("OPENAI_API_KEY"),
                    help="bearer token (default: $TP_OVERLAP_API_KEY, else $OPENAI_API_KEY)")
     d = p.add_argument_group("dataset")
-    d.add_argument("--dataset-name", default="random", choices=["random"])
+    d.add_argument("--dataset-name", default="random", choices=["random", "lognormal"],
+                   help="lognormal: long-tailed lengths like a ShareGPT-style set, made in code (see above)")
     d.add_argument("--num-prompts", type=int, default=100)
     d.add_argument("--random-input-len", type=int, default=128)
     d.add_argument("--random-output-len", type=int, default=64)
@@ -49,6 +56,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
                    help="lengths are drawn from [len*(1-r), len*(1+r)] (default 0: fixed)")
     d.add_argument("--random-vocab-size", type=int, default=256,
                    help="completion prompts use token ids in [0, N); 256 fits every supported tokenizer")
+    d.add_argument("--lognormal-sigma", type=float, default=1.0, help="lognormal: the lengths' shape")
+    d.add_argument("--lognormal-max-len", type=int, default=2048,
+                   help="lognormal: input + output of a request at most this (the server's max-model-len)")
     d.add_argument("--seed", type=int, default=0)
     t = p.add_argument_group("traffic")
     t.add_argument("--request-rate", type=float, default=float("inf"),
@@ -85,8 +95,13 @@ def _lengths(rng: random.Random, n: int, mean: int, ratio: float) -> list[int]:
 
 def make_random_requests(a: argparse.Namespace, model: str) -> list[dict]:
     rng = random.Random(a.seed)
-    ins = _lengths(rng, a.num_prompts, a.random_input_len, a.random_range_ratio)
-    outs = _lengths(rng, a.num_prompts, a.random_output_len, a.random_range_ratio)
+    if a.dataset_name == "lognormal":
+        pairs = lognormal_lengths(a.num_prompts, a.random_input_len, a.random_output_len, a.lognormal_sigma,
+                                  a.lognormal_max_len, a.seed)
+        ins, outs = [i for i, _ in pairs], [o for _, o in pairs]
+    else:
+        ins = _lengths(rng, a.num_prompts, a.random_input_len, a.random_range_ratio)
+        outs = _lengths(rng, a.num_prompts, a.random_output_len, a.random_range_ratio)
     bodies = []
     for n_in, n_out in zip(ins, outs):
         body = {"model": model, "max_tokens": n_out, "temperature": a.temperature, "ignore_eos": a.ignore_eos,
@@ -215,6 +230,8 @@ async def run_benchmark(a: argparse.Namespace) -> dict:
         "random_input_len": a.random_input_len,
         "random_output_len": a.random_output_len,
         "random_range_ratio": a.random_range_ratio,
+        **({"lognormal_sigma": a.lognormal_sigma, "lognormal_max_len": a.lognormal_max_len}
+           if a.dataset_name == "lognormal" else {}),
         "request_rate": "inf" if math.isinf(a.request_rate) else a.request_rate,
         "burstiness": a.burstiness,
         "max_concurrency": a.max_concurrency,
@@ -272,6 +289,9 @@ def bench_serve_main(a: argparse.Namespace) -> int:
             return 2
     if not 0 <= a.random_range_ratio < 1:
         print("tp-overlap bench serve: --random-range-ratio must be in [0, 1)", file=sys.stderr)
+        return 2
+    if a.dataset_name == "lognormal" and (a.lognormal_sigma < 0 or a.lognormal_max_len < 8):
+        print("tp-overlap bench serve: --lognormal-sigma must be >= 0 and --lognormal-max-len >= 8", file=sys.stderr)
         return 2
     if a.request_rate <= 0 or a.burstiness <= 0 or (a.max_concurrency is not None and a.max_concurrency < 1):
         print("tp-overlap bench serve: --request-rate, --burstiness and --max-concurrency must be positive",

@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from .block_manager import BlockManager
-from .config import EngineConfig, SamplingParams, env_rank_world, resolve_model_dir
-from .runner import ModelRunner, StepInput, destroy_group_bounded, init_distributed, worker_main
+from .config import EngineConfig, SamplingParams, default_device, env_rank_world, resolve_model_dir
+from .runner import (ModelRunner, StepInput, destroy_group_bounded, init_distributed, require_triton_interpreter,
+                     worker_main)
 from .sampler import sample
 from .scheduler import Scheduler, Sequence, Status
 from .tokenizer import ByteTokenizer, IncrementalDetokenizer, load_tokenizer
@@ -68,6 +69,7 @@ class LLMEngine:
         self.cfg = cfg
         self.mcfg = cfg.load_model_config()
         self.mcfg.check_tp(cfg.tensor_parallel_size)   # fail before any process is spawned
+        require_triton_interpreter(cfg, default_device(cfg), cfg.tensor_parallel_size)
         self._procs: list = []
         self._owns_group = False
         self._closed = False
@@ -312,28 +314,28 @@ class LLMEngine:
             reason = "stop"
         elif seq.detok is not None:
             delta = seq.detok.push(tok)
-            if delta and p.stop:
-                # Only the new text and the longest stop string's worth before it can hold a new match.
-                tail = max(len(s) for s in p.stop) + len(delta)
-                start = max(0, len(seq.text) + len(delta) - tail)
-                full = seq.text + delta
-                hits = [(full.find(s, start), s) for s in p.stop]
-                hits = [(i, s) for i, s in hits if i >= 0]
-                if hits:
-                    i, s = min(hits)
-                    cut = i + len(s) if p.include_stop_str_in_output else i
-                    delta = full[len(seq.text):cut] if cut > len(seq.text) else ""
-                    full = full[:cut]
-                    reason = "stop"
-                seq.text = full
-            else:
-                seq.text += delta
         if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
-        if reason == "length" and seq.detok is not None:
-            tail = seq.detok.flush()
-            seq.text += tail
-            delta += tail
+        if reason is not None and seq.detok is not None:
+            # Text held back for a character that might continue (also when an end-of-sequence or
+            # stop token ends the output) is final now.
+            delta += seq.detok.flush()
+        if delta and p.stop:
+            # Only the new text and the longest stop string's worth before it can hold a new match.
+            tail = max(len(s) for s in p.stop) + len(delta)
+            start = max(0, len(seq.text) + len(delta) - tail)
+            full = seq.text + delta
+            hits = [(full.find(s, start), s) for s in p.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                i, s = min(hits)
+                cut = i + len(s) if p.include_stop_str_in_output else i
+                delta = full[len(seq.text):cut] if cut > len(seq.text) else ""
+                full = full[:cut]
+                reason = "stop"
+            seq.text = full
+        else:
+            seq.text += delta
         if reason is not None:
             self.scheduler.finish(seq, reason)
         return self._output(seq, delta, [tok])

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from tp_overlap_plugin import runtime
 from tp_overlap_plugin.layers import TPGroup, TPLayers
 
 from .attention import AttnMeta
@@ -50,6 +51,28 @@ def resolve_dtype(cfg: EngineConfig, mcfg: ModelConfig, device: str) -> torch.dt
         if mcfg.torch_dtype in ("bfloat16", "float16") else torch.bfloat16
 
 
+def require_triton_interpreter(cfg: EngineConfig, device_type: str, world_size: int) -> bool:
+    """With the flag on the CPU, the overlap kernels can only run under the Triton interpreter.
+    Checked at start-up (before workers are spawned, and on each rank before its heap is built),
+    so that a process which cannot run them refuses to start instead of failing its first request.
+    Returns whether the kernels will be interpreted."""
+    if not (cfg.overlap_enabled and world_size > 1 and device_type == "cpu"):
+        return False
+    from tp_overlap_plugin.dispatch import Dispatcher
+
+    oc = cfg.tp_overlap
+    if not Dispatcher.load(oc.dispatch, "cpu", world_size, oc.dispatch_table).may_use_kernels:
+        return False
+    if runtime.use_triton_interpreter():
+        return True
+    raise RuntimeError(
+        "tp_overlap on the CPU runs its Triton kernels under the Triton interpreter, but this process "
+        "imported Triton without it, and Triton cannot switch afterwards. Start the process with "
+        "TRITON_INTERPRET=1 in its environment (e.g. `TRITON_INTERPRET=1 python script.py`; the "
+        "`tp-overlap` command sets it by itself on a machine without a GPU unless the environment "
+        "sets it), or turn the flag off.")
+
+
 def resolve_max_model_len(cfg: EngineConfig, mcfg: ModelConfig) -> int:
     if cfg.max_model_len is None:
         return mcfg.max_position_embeddings
@@ -78,6 +101,11 @@ class ModelRunner:
             self.model = CausalLM(self.mcfg, tp, self.max_model_len).eval()
         self._load_weights()
         self.scratch_block = 0          # until the cache exists; the profile run fills its tables fully
+        if self.heap is not None and (device.type != "cuda" or cfg.num_kv_blocks is not None):
+            # One small step through the overlap layers on every rank (on GPUs the profile run
+            # does this), so that kernels which cannot run here fail the start, not a request.
+            self._profile_run(world_size)
+            self.heap.check()
         self.graphs: dict[int, tuple] = {}
         self.max_graph_bs = 0
 
@@ -110,7 +138,9 @@ class ModelRunner:
             return TPLayers(tp, self.dtype, self.device)
         from tp_overlap_plugin.dispatch import Dispatcher
         from tp_overlap_plugin.heap import SymmetricHeap
+        from tp_overlap_plugin.overlap import KERNEL_DTYPES
         from tp_overlap_plugin.overlap_layers import OverlapTPLayers, required_heap_bytes
+        interpreted = require_triton_interpreter(self.cfg, self.device.type, self.world_size)
         oc = self.cfg.tp_overlap
         max_tokens = max(self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs)
         size = oc.heap_size or required_heap_bytes(self.mcfg.hidden_size, max_tokens, self.world_size, self.dtype)
@@ -125,6 +155,18 @@ class ModelRunner:
         dispatcher = Dispatcher.load(oc.dispatch, name, self.world_size, oc.dispatch_table)
         if self.rank == 0:
             log.info("tp_overlap: heap %d MiB/rank, dispatch %s (%s)", size >> 20, oc.dispatch, dispatcher.source)
+            if interpreted:
+                log.info("tp_overlap: on the CPU the kernels run under the Triton interpreter "
+                         "(TRITON_INTERPRET=1): correct, and slow")
+            no_table = dispatcher.missing_table_warning(name, self.world_size)
+            if no_table:
+                log.warning(no_table)
+            elif self.dtype not in KERNEL_DTYPES and dispatcher.may_use_kernels:
+                log.warning("tp_overlap: the AG-GEMM and GEMM-RS kernels take %s only, so with dtype %s "
+                            "those ops fall back to the stock path (all-gather / reduce-scatter, then torch "
+                            "matmul); the all-reduce kernel does take it. Use --dtype bfloat16 to run them.",
+                            " and ".join(str(d).replace("torch.", "") for d in KERNEL_DTYPES),
+                            str(self.dtype).replace("torch.", ""))
         return OverlapTPLayers(tp, self.dtype, self.device, self.heap, max_tokens, dispatcher)
 
     # ---- setup -------------------------------------------------------------------------------
@@ -160,8 +202,8 @@ class ModelRunner:
         budget = int(total * self.cfg.gpu_memory_utilization) - used_by_others - peak
         return max(budget // per_block, 0)
 
-    def _profile_run(self) -> None:
-        n = min(self.cfg.max_num_batched_tokens, self.max_model_len)
+    def _profile_run(self, tokens: Optional[int] = None) -> None:
+        n = min(tokens or self.cfg.max_num_batched_tokens, self.max_model_len)
         bs = self.block_size
         nb = -(-n // bs)
         shape = (nb, bs, self.mcfg.num_kv_heads // self.world_size, self.mcfg.head_dim)
@@ -170,7 +212,7 @@ class ModelRunner:
                       for _ in range(self.mcfg.num_layers)]
         step = StepInput(input_ids=[0] * n, positions=list(range(n)), slot_mapping=list(range(n)), q_lens=[n],
                          context_lens=[n], block_tables=[list(range(nb))], num_decodes=0, logit_rows=[n - 1])
-        self._forward(step, scratch_kv, use_triton=True)
+        self._forward(step, scratch_kv, use_triton=self.device.type == "cuda")
         del scratch_kv
 
     def _agree(self, n_blocks: int) -> int:

@@ -107,33 +107,66 @@ def load_tokenizer(model_dir: Optional[Path], tokenizer_dir: Optional[str] = Non
 
 
 class IncrementalDetokenizer:
-    """Emits only text that is final: a trailing partial UTF-8 sequence waits for the next token."""
+    """Turns output tokens into text deltas whose concatenation, once `flush()` has run, is exactly
+    the tokenizer's decode of the output ids (read in the context of the prompt's last tokens).
+
+    A delta is only emitted when it cannot change later: text ending in U+FFFD may be a character
+    whose remaining bytes are still to come, so it waits for a token after which the text no longer
+    ends that way, or for `flush()`. Decoding a window of the last few tokens, not all of them,
+    keeps each push cheap on long outputs."""
+
+    CONTEXT = 4
 
     def __init__(self, tokenizer, prompt_ids: Sequence[int]):
         self.tok = tokenizer
-        # A few prompt tokens of context make sentencepiece-style leading spaces decode correctly.
-        self.ids: list[int] = list(prompt_ids[-4:])
-        self.prefix = len(self.ids)
-        self.read = len(self.ids)
-        self.text = ""
+        # A few prompt tokens of context make sentencepiece-style leading spaces decode as they do
+        # after the prompt. A context cut inside a character would merge with the output's first
+        # bytes, so such a context is dropped.
+        ctx = list(prompt_ids[-self.CONTEXT:])
+        ctx_text = self.tok.decode(ctx) if ctx else ""
+        if ctx_text.endswith("\ufffd"):
+            ctx, ctx_text = [], ""
+        self.context, self.context_text = len(ctx), ctx_text
+        self.ids: list[int] = ctx
+        self.prefix = 0                   # the window being decoded starts here ...
+        self.read = len(ctx)              # ... and its text up to here has been emitted (or is context)
+        self.read_text = ctx_text         # decode(ids[prefix:read])
+        self.text = ""                    # everything emitted so far
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        prev = self.tok.decode(self.ids[self.prefix:self.read])
-        full = self.tok.decode(self.ids[self.prefix:])
-        # A UTF-8 character spans at most 4 tokens; beyond that the replacement char is final.
-        if (full.endswith("\ufffd") and len(self.ids) - self.read < 4) or len(full) < len(prev):
+        window = self.tok.decode(self.ids[self.prefix:])
+        if window.endswith("\ufffd") or not window.startswith(self.read_text):
             return ""
-        delta = full[len(prev):]
+        delta = window[len(self.read_text):]
+        if not delta:
+            # (a special token the decode skips) The window stays: a sentencepiece decode drops the
+            # leading space of a window's first token, which the next token would become.
+            return ""
         self.prefix, self.read = self.read, len(self.ids)
+        self.read_text = self.tok.decode(self.ids[self.prefix:])
         self.text += delta
         return delta
 
+    def final_text(self) -> str:
+        """The decode of all output ids after the context: what `text` is once flushed."""
+        if self.context:
+            full = self.tok.decode(self.ids)
+            if full.startswith(self.context_text):
+                return full[len(self.context_text):]
+        return self.tok.decode(self.ids[self.context:])
+
     def flush(self) -> str:
-        """Whatever is still held back (an incomplete character at the very end) once the output is over."""
-        full = self.tok.decode(self.ids[self.prefix:])
-        prev = self.tok.decode(self.ids[self.prefix:self.read])
-        delta = full[len(prev):] if len(full) >= len(prev) else ""
+        """What is still held back, once the output is over; afterwards `text == final_text()`."""
+        final = self.final_text()
+        if final.startswith(self.text):
+            delta = final[len(self.text):]
+        else:
+            # Only a tokenizer whose decode rewrites text across token boundaries (clean-up of
+            # spaces before punctuation) gets here: what was streamed cannot be taken back.
+            window = self.tok.decode(self.ids[self.prefix:])
+            delta = window[len(self.read_text):] if window.startswith(self.read_text) else ""
         self.prefix = self.read = len(self.ids)
+        self.read_text = ""
         self.text += delta
         return delta

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -97,7 +98,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interpret_kernels_without_gpu(argv) -> None:
+    """Without a GPU (or with `--device cpu`) our Triton kernels can only run under the Triton
+    interpreter, and Triton reads TRITON_INTERPRET once, when it is imported: so it is set here,
+    before the parser imports the engine. The CPU engine runs no other Triton kernel, and an
+    explicit TRITON_INTERPRET in the environment wins."""
+    if "triton" in sys.modules or "TRITON_INTERPRET" in os.environ:
+        return
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cpu = "--device=cpu" in argv or any(a == "--device" and b == "cpu" for a, b in zip(argv, argv[1:]))
+    if not cpu:
+        import torch
+        cpu = not torch.cuda.is_available()
+    if cpu:
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
 def main(argv=None) -> int:
+    _interpret_kernels_without_gpu(argv)
     args = build_parser().parse_args(argv)
     if getattr(args, "tp", 1) < 1:
         print(f"tp-overlap: --tp must be >= 1, got {args.tp}", file=sys.stderr)

@@ -57,6 +57,10 @@ def all_reduce(x: torch.Tensor, key: str) -> torch.Tensor:
         raise RuntimeError(f"tp_overlap::all_reduce: nothing registered under {key!r} in this process "
                            f"(registered: {sorted(_reducers)})")
     in_graph = runtime.capturing(x.device)
+    if not in_graph:
+        # The engine adapters (vLLM's) have no sync point at which to check the heap's error slot:
+        # a non-blocking poll on every eager call surfaces a peer that stopped answering.
+        reducer.heap_all_reduce.heap.poll()
     if reducer.choose is not None and not reducer.choose(x.numel() * x.element_size(), in_graph):
         stats.record("custom_op.all_reduce.fallback.dispatch")
     elif reducer.bf16_via_fp32 and x.dtype == torch.bfloat16:

@@ -7,6 +7,9 @@ path: without a measurement we cannot claim "never slower than stock".
 
 Modes: "table" (default), "overlap" (always our kernels: tests, and for measuring new shapes),
 "stock" (never).
+
+Tables ship for the devices we measured (H200 at TP=2). Anywhere else, MI300X included, "table"
+means stock everywhere; `missing_table_warning()` says so, for the engines to log at start-up.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class Dispatcher:
     all_reduce: list[dict] = field(default_factory=list)  # {bytes, graph_winner, eager_winner}
     source: str = "none"
     margin: float = 1.02  # a layout change must win by this much (the table's own margin when loaded)
+    missing: str | None = None  # the table file that was looked for and not found
     _layouts: dict = field(default_factory=dict, repr=False, compare=False)  # ops -> per-M layout rows
 
     def __post_init__(self):
@@ -43,10 +47,28 @@ class Dispatcher:
             return cls(mode=mode)
         path = Path(path) if path is not None else table_path(device_name or "cpu", world)
         if not path.exists():
-            return cls(mode=mode, source=f"no table at {path}: stock everywhere")
+            return cls(mode=mode, source=f"no table at {path}: stock everywhere", missing=str(path))
         data = json.loads(path.read_text())
         return cls(mode=mode, gemm=data.get("gemm", []), all_reduce=data.get("all_reduce", []),
                    source=str(path), margin=data.get("margin", cls.margin))
+
+    @property
+    def may_use_kernels(self) -> bool:
+        """False when every op is sure to take the stock path (mode "stock", or no measurement)."""
+        if self.mode != "table":
+            return self.mode == "overlap"
+        return any(r.get("winner") == "overlap" for r in self.gemm) or any(
+            "ipc" in (r.get("graph_winner"), r.get("eager_winner")) for r in self.all_reduce)
+
+    def missing_table_warning(self, device_name: str, world: int) -> str | None:
+        """The start-up warning for a flag that, for want of a table, changes nothing here."""
+        if self.mode != "table" or self.missing is None:
+            return None
+        return (f"tp_overlap: no dispatch table for {device_name} at TP={world} ({self.missing} does not "
+                f"exist), so the flag runs the stock path for every op on this device. To measure one, run "
+                f"bench/overlap.py and bench/foundation.py with --tp {world} on this machine, then "
+                f"bench/make_dispatch_table.py on their results; or set the tp_overlap option "
+                f"\"dispatch\": \"overlap\" to force our kernels.")
 
     def fused_gemm(self, op: str, m: int, k: int, n: int) -> bool:
         """True: use AG-GEMM ("ag") / GEMM-RS ("rs"); False: the sequential NCCL + GEMM op."""
@@ -102,7 +124,15 @@ def _wins(rows: list[dict], key: str, value: int, winner_key: str, ours: str) ->
     return all(r[winner_key] == ours for r in near)
 
 
+def device_key(device_name: str) -> str:
+    """The device part of a table's name: "NVIDIA H200" -> "h200", "AMD Instinct MI300X" -> "mi300x".
+    A virtual function (SR-IOV "MI300X VF", as cloud VMs report it) is the same chip, so the same key."""
+    words = [w for w in device_name.lower().split() if w not in ("nvidia", "amd", "instinct")]
+    if len(words) > 1 and words[-1] == "vf":
+        words.pop()
+    return "-".join(words) or "unknown"
+
+
 def table_path(device_name: str, world: int) -> Path:
     """Where the table for this device and world size lives (bench/make_dispatch_table.py writes it)."""
-    slug = device_name.replace("NVIDIA ", "").replace("AMD ", "").replace(" ", "-").lower()
-    return TABLE_DIR / f"{slug}-tp{world}.json"
+    return TABLE_DIR / f"{device_key(device_name)}-tp{world}.json"

@@ -83,6 +83,8 @@ class Allocation:
 class SymmetricHeap:
     """One rank's view of the symmetric heap. Collective: every rank constructs it together."""
 
+    POLL_EVERY = 16  # poll(): one device-to-host copy of the error word per this many calls
+
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device | str,
                  heap_size: int | None = None, backend: str | None = None,
                  spin_limit: int | None = None):
@@ -108,6 +110,8 @@ class SymmetricHeap:
         self._offset = 0
         self._allocations: list[Allocation] = []
         self._closed = False
+        self._error_seen = None  # poll()'s pinned copy of the error word
+        self._polls = 0
         self.error = self.alloc((ERR_WORDS,), torch.int64, name="error_slot")
         self.error.zero_()
         self._barrier_flags = self.alloc((self.world_size,), torch.int64, name="host_barrier.flags")
@@ -186,6 +190,29 @@ class SymmetricHeap:
             f"{err[ERR_PEER]} to set flag {self.describe_offset(err[ERR_FLAG_OFFSET])} to epoch "
             f"{err[ERR_EXPECTED]} (saw {err[ERR_SEEN]}); the peer crashed, hung, or the ranks "
             f"issued different collectives. The heap is unusable now; restart the group.")
+
+    def poll(self) -> None:
+        """Raise like check() when the device has already recorded a failed wait, without waiting
+        for the device; for engines that have no sync point of their own to check at.
+
+        On a GPU it reads the error word that an earlier poll copied to pinned host memory, and
+        every POLL_EVERY-th call queues the next such copy behind the work queued so far. So an
+        error surfaces some polls after the kernel that recorded it has run. Nothing happens
+        while a CUDA graph is being captured (a copy queued then would become part of the graph)."""
+        if self.device.type != "cuda":
+            self.check()
+            return
+        from tp_overlap_plugin import runtime
+        if runtime.capturing(self.device):
+            return
+        if self._error_seen is None:
+            self._error_seen = torch.zeros(1, dtype=torch.int64).pin_memory()
+            self._error_seen_view = self._error_seen.numpy()
+        elif self._error_seen_view[0] != 0:
+            self.check()
+        if self._polls % self.POLL_EVERY == 0:
+            self._error_seen.copy_(self.error[:1], non_blocking=True)
+        self._polls += 1
 
     def check_if_free(self) -> None:
         """After a launch: check where reading the error slot costs nothing (the CPU). On a GPU it is a
@@ -283,70 +310,140 @@ class _TorchSymmBackend:
         pass
 
 
+class IpcMemHandle(ctypes.Structure):
+    """cudaIpcMemHandle_t / hipIpcMemHandle_t: a struct of 64 opaque bytes. IpcOpenMemHandle takes it
+    by value; ctypes passes an array as a pointer, which made cudaIpcOpenMemHandle fail (rc=1) on
+    H200. A Structure declared in argtypes is passed by value."""
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
+
+
+def runtime_signatures() -> dict:
+    """C signatures of the runtime calls the ipc backend makes, by name without the cuda/hip prefix:
+    name -> (restype, argtypes). Both runtimes declare them alike (errors are a C enum, an int)."""
+    err = ctypes.c_int
+    return {
+        "SetDevice": (err, [ctypes.c_int]),
+        "Malloc": (err, [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]),
+        "Free": (err, [ctypes.c_void_p]),
+        "IpcGetMemHandle": (err, [ctypes.POINTER(IpcMemHandle), ctypes.c_void_p]),
+        "IpcOpenMemHandle": (err, [ctypes.POINTER(ctypes.c_void_p), IpcMemHandle, ctypes.c_uint]),
+        "IpcCloseMemHandle": (err, [ctypes.c_void_p]),
+        "GetErrorString": (ctypes.c_char_p, [err]),
+    }
+
+
+def configure_runtime(lib, prefix: str):
+    """Set restype and argtypes of every runtime function the ipc backend calls on `lib` (a
+    ctypes.CDLL, or any object whose `<prefix><name>` attributes take them). Without argtypes ctypes
+    guesses each argument's C type from the Python value, and the guess is wrong for the handle."""
+    for name, (restype, argtypes) in runtime_signatures().items():
+        fn = getattr(lib, prefix + name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+    return lib
+
+
+class IpcRuntime:
+    """The CUDA or HIP runtime calls behind the ipc backend, through ctypes with declared signatures."""
+
+    LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess = hipIpcMemLazyEnablePeerAccess
+
+    def __init__(self, lib, prefix: str):
+        self.lib = configure_runtime(lib, prefix)
+        self.prefix = prefix
+
+    def _call(self, name: str, *args) -> None:
+        rc = getattr(self.lib, self.prefix + name)(*args)
+        if rc != 0:
+            what = getattr(self.lib, self.prefix + "GetErrorString")(rc)
+            raise RuntimeError(f"{self.prefix}{name} failed with error code {rc}"
+                               f" ({what.decode(errors='replace') if what else 'no description'})")
+
+    def set_device(self, index: int) -> None:
+        self._call("SetDevice", index)
+
+    def malloc(self, nbytes: int) -> int:
+        ptr = ctypes.c_void_p()
+        self._call("Malloc", ctypes.byref(ptr), nbytes)
+        return ptr.value
+
+    def free(self, ptr: int) -> None:
+        self._call("Free", ptr)
+
+    def get_handle(self, ptr: int) -> bytes:
+        handle = IpcMemHandle()
+        self._call("IpcGetMemHandle", ctypes.byref(handle), ptr)
+        return bytes(handle)
+
+    def open_handle(self, handle: bytes) -> int:
+        ptr = ctypes.c_void_p()
+        self._call("IpcOpenMemHandle", ctypes.byref(ptr), IpcMemHandle.from_buffer_copy(handle),
+                   self.LAZY_ENABLE_PEER_ACCESS)
+        return ptr.value
+
+    def close_handle(self, ptr: int) -> None:
+        self._call("IpcCloseMemHandle", ptr)
+
+
 class _IpcBackend:
     """Runtime malloc + IPC handles through ctypes (libamdhip64 on ROCm, libcudart on CUDA).
 
     The heap must come from the runtime's own malloc (IPC on memory from torch's caching allocator
     failed here), and peers' handles are opened on the local device: opening them under the
-    peer's device guard gave addresses the kernel faulted on."""
-
-    HANDLE_BYTES = 64
+    peer's device guard gave addresses the kernel faulted on. The runtime is told the device
+    itself: if this process has two copies of the runtime (torch's and a system one), torch's
+    device guard sets only its own copy's current device."""
 
     def __init__(self, heap: SymmetricHeap):
         self.heap = heap
-        self.hip = torch.version.hip is not None
-        self.lib = _load_runtime(self.hip)
-        self.prefix = "hip" if self.hip else "cuda"
-        self.local_ptr = ctypes.c_void_p()
+        hip = torch.version.hip is not None
+        self.rt = IpcRuntime(_load_runtime(hip), "hip" if hip else "cuda")
+        self.local_ptr = 0
         self.opened: list[int] = []
-
-    def _call(self, fn, *args):
-        rc = getattr(self.lib, self.prefix + fn)(*args)
-        if rc != 0:
-            raise RuntimeError(f"{self.prefix}{fn} failed with error code {rc}")
 
     def map(self):
         h = self.heap
         with torch.cuda.device(h.device):
-            self._call("Malloc", ctypes.byref(self.local_ptr), ctypes.c_size_t(h.heap_size))
-            handle = (ctypes.c_byte * self.HANDLE_BYTES)()
-            self._call("IpcGetMemHandle", ctypes.byref(handle), self.local_ptr)
+            self.rt.set_device(h.device.index)
+            self.local_ptr = self.rt.malloc(h.heap_size)
             handles = [None] * h.world_size
-            dist.all_gather_object(handles, bytes(handle), group=h.group)
+            dist.all_gather_object(handles, self.rt.get_handle(self.local_ptr), group=h.group)
             ptrs = []
-            for r, hb in enumerate(handles):
+            for r, handle in enumerate(handles):
                 if r == h.rank:
-                    ptrs.append(self.local_ptr.value)
+                    ptrs.append(self.local_ptr)
                     continue
-                peer_ptr = ctypes.c_void_p()
-                peer_handle = (ctypes.c_byte * self.HANDLE_BYTES).from_buffer_copy(hb)
-                self._call("IpcOpenMemHandle", ctypes.byref(peer_ptr), peer_handle,
-                           ctypes.c_uint(1))  # LazyEnablePeerAccess
-                self.opened.append(peer_ptr.value)
-                ptrs.append(peer_ptr.value)
+                peer_ptr = self.rt.open_handle(handle)
+                self.opened.append(peer_ptr)
+                ptrs.append(peer_ptr)
         buffers = [_wrap_device_pointer(p, h.heap_size, h.device, owner=self) for p in ptrs]
         return buffers[h.rank], buffers
 
     def close(self):
         with torch.cuda.device(self.heap.device):
             torch.cuda.synchronize()
+            self.rt.set_device(self.heap.device.index)
             for p in self.opened:
-                getattr(self.lib, self.prefix + "IpcCloseMemHandle")(ctypes.c_void_p(p))
+                with contextlib.suppress(RuntimeError):
+                    self.rt.close_handle(p)
             self.opened.clear()
-            if self.local_ptr.value:
-                getattr(self.lib, self.prefix + "Free")(self.local_ptr)
-                self.local_ptr = ctypes.c_void_p()
+            if self.local_ptr:
+                with contextlib.suppress(RuntimeError):
+                    self.rt.free(self.local_ptr)
+                self.local_ptr = 0
 
 
 _BACKENDS = {"shm": _ShmBackend, "torch": _TorchSymmBackend, "ipc": _IpcBackend}
 
 
 def _load_runtime(hip: bool):
-    names = (["libamdhip64.so", "libamdhip64.so.6", "libamdhip64.so.7"] if hip else
-             ["libcudart.so", "libcudart.so.13", "libcudart.so.12"])
+    stem = "libamdhip64.so" if hip else "libcudart.so"
+    names = ([stem, stem + ".6", stem + ".7"] if hip else [stem, stem + ".13", stem + ".12"])
     found = ctypes.util.find_library("amdhip64" if hip else "cudart")
     if found:
         names.insert(0, found)
+    # The copy torch already loaded comes first: one runtime, one device state, one set of mappings.
+    names[:0] = _loaded_libraries(stem)
     if not hip:
         # pip wheels of the CUDA runtime sit beside torch rather than on the loader path
         try:
@@ -366,6 +463,18 @@ def _load_runtime(hip: bool):
         except OSError as e:
             errors.append(f"{n}: {e}")
     raise RuntimeError("heap backend 'ipc' could not load the GPU runtime: " + "; ".join(errors))
+
+
+def _loaded_libraries(stem: str) -> list[str]:
+    """Paths of shared objects named `stem*` already mapped into this process (Linux)."""
+    paths = []
+    with contextlib.suppress(OSError):
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split(maxsplit=5)[-1].strip()
+                if os.path.basename(path).startswith(stem) and path not in paths:
+                    paths.append(path)
+    return paths
 
 
 class _DeviceArray:

@@ -5,8 +5,9 @@ Triton interpreter), or NCCL + a device heap on GPUs. Used by the tests and the 
 
 `fn(ctx, *args)` runs on every rank; its return values come back as a list indexed by rank. The
 first rank to fail raises RankFailedError here with its rank and traceback; a rank that dies
-without a word, or a run past `timeout`, kills every rank. `fn` may live in a test file that is
-not importable by module name: the children load it from its file.
+without a word, or a run past `timeout`, kills every rank. A test that kills a rank on purpose
+names it in `may_exit`: its exit without a result is then its result, a RankExited. `fn` may live
+in a test file that is not importable by module name: the children load it from its file.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ class RankFailedError(RuntimeError):
         super().__init__(f"rank {rank} failed:\n{detail}")
         self.rank = rank
         self.detail = detail
+
+
+@dataclass(frozen=True)
+class RankExited:
+    """The result of a rank in `may_exit` that exited without returning one."""
+    exitcode: int
 
 
 @dataclass
@@ -79,9 +86,11 @@ class _FnRef:
 
 
 def run_ranks(fn, world_size: int, args: tuple = (), *, device: str = "cpu", heap_size: int | None = None,
-              heap_kwargs: dict | None = None, timeout: float = 120.0, env: dict | None = None) -> list:
+              heap_kwargs: dict | None = None, timeout: float = 120.0, env: dict | None = None,
+              may_exit=()) -> list:
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    may_exit = set(may_exit)
     if device == "cuda" and torch.cuda.device_count() < world_size:
         raise RuntimeError(f"run_ranks needs {world_size} GPUs, found {torch.cuda.device_count()}")
     child_env = dict(env or {})
@@ -123,6 +132,9 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, device: str = "cpu", hea
                         # give its last message time to arrive before calling it a silent death
                         first_seen = exited.setdefault(r, time.monotonic())
                         if time.monotonic() - first_seen > 2.0:
+                            if r in may_exit:
+                                results[r] = RankExited(p.exitcode)
+                                continue
                             failure = (r, f"process exited with code {p.exitcode} without a result")
                             break
                 continue

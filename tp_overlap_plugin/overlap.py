@@ -51,7 +51,8 @@ def _kernel_applies(a: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class _Wait:
-    """gemm_kernel's prologue: wait until every flag in `flags` (in my heap, written by `peer`) reaches `value`."""
+    """gemm_kernel's prologue: wait until every flag in `flags` (in my heap, written by `peer`) reaches `value`.
+    With no flags it only checks that this rank has not given up on a peer (see gemm_kernel)."""
     heap: SymmetricHeap
     flags: torch.Tensor
     value: int
@@ -175,7 +176,8 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig
         from triton.tools.tensor_descriptor import TensorDescriptor
         c_desc = TensorDescriptor(out, list(out.shape), [out.stride(0), 1],
                                   [cfg.block_m, cfg.block_n // 2 if cfg.subtile else cfg.block_n])
-    slices = split_slices(cfg, tiles, k_blocks, programs)
+    # not behind a wait: a program that gives up would leave its tiles' arrival counters behind
+    slices = split_slices(cfg, tiles, k_blocks, programs) if wait is None else 1
     ws, counts = _split_scratch(dev, tiles * slices * cfg.block_m * cfg.block_n, tiles) if slices > 1 else (out, out)
     work = tiles * slices
     grid = (min(work, programs) if cfg.persistent else work,)
@@ -284,7 +286,12 @@ class AllGatherGemm:
             main.wait_stream(self.stream)
         h.check_if_free()
         if return_gathered:
-            return c, self.gathered[parity, :, :rows].reshape(W * rows, k)
+            # A copy, on the caller's stream after the GEMMs that waited for every shard: the heap's
+            # half is overwritten by peers' pushes two calls later, and nothing orders those pushes
+            # after reads the caller makes of a view.
+            a_full = torch.empty((W * rows, k), dtype=a_shard.dtype, device=h.device)
+            a_full.view(W, rows, k).copy_(self.gathered[parity, :, :rows])
+            return c, a_full
         return c
 
     def _push(self, a_shard: torch.Tensor, parity: int, include_self: bool) -> None:
@@ -296,7 +303,10 @@ class AllGatherGemm:
             a_shard.record_stream(self.stream)
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with ctx:
-            self.epoch.fill_(self.calls)
+            # The value the copy engine pushes as my flags. The kernel leaves it at the previous call's
+            # value once this rank has given up on a peer, so peers time out instead of taking a shard
+            # from a rank that is no longer in step (peer == rank: my own memory, no translation).
+            signal_kernel[(1,)](self.epoch, self.calls, h.rank, h.rank, h.heap_bases, h.error, num_warps=1)
             for dst, flags in self._peer_views[parity]:
                 for c in range(self.chunks):
                     lo, hi = c * step, min((c + 1) * step, rows)
@@ -358,9 +368,13 @@ class GemmReduceScatter:
         slot = self.recv[parity]
         cfg = config or pick_config(rows, n, k, h.device)
         to_peer = dataclasses.replace(cfg, c_tma=False)  # a peer's heap is stored to by pointer
+        # Peers' GEMMs and flags check the error slot first: once this rank has given up on a peer, its
+        # stream no longer orders its stores into an owner's half after that owner's last read of it.
+        gate = _Wait(h, self.flags[:0], 0, h.rank)
         for owner, mine_there in self._at_owner[parity]:
-            _launch(a[owner * rows:(owner + 1) * rows], b, mine_there[:rows], to_peer)
-            signal_kernel[(1,)](self.flags[h.rank:h.rank + 1], self.calls, h.rank, owner, h.heap_bases, num_warps=1)
+            _launch(a[owner * rows:(owner + 1) * rows], b, mine_there[:rows], to_peer, gate)
+            signal_kernel[(1,)](self.flags[h.rank:h.rank + 1], self.calls, h.rank, owner, h.heap_bases, h.error,
+                                num_warps=1)
         _launch(a[h.rank * rows:(h.rank + 1) * rows], b, slot[h.rank, :rows], cfg)
         c = torch.empty((rows, n), dtype=a.dtype, device=h.device)
         count = rows * n

@@ -1,10 +1,13 @@
 """What the host ops take from torch's runtime: the device's multiprocessor count (read once), whether
-a CUDA graph is being captured, and the stock torch.distributed collectives that every path falls
-back to (gloo has no reduce-scatter, so that one is an all-reduce and a slice there)."""
+a CUDA graph is being captured, the stock torch.distributed collectives that every path falls
+back to (gloo has no reduce-scatter, so that one is an all-reduce and a slice there), and whether
+Triton interprets kernels in this process (as kernels on CPU tensors need)."""
 
 from __future__ import annotations
 
 import functools
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -35,3 +38,21 @@ def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
     return out
+
+
+def use_triton_interpreter() -> bool:
+    """Whether Triton runs kernels under its interpreter in this process, switching it on if it
+    still can. Triton chooses interpreter or compiler as each kernel is defined (its own library
+    functions when it is imported), so a process that has imported it without TRITON_INTERPRET=1
+    cannot switch any more."""
+    if "triton" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"
+        return True
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.cdiv, InterpretedFunction):
+        return False
+    from tp_overlap_plugin.kernels import allreduce, gemm
+
+    return all(isinstance(k, InterpretedFunction) for k in (gemm.gemm_kernel, allreduce.one_shot_all_reduce_kernel))

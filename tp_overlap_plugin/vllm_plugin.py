@@ -41,10 +41,19 @@ Limits
 ------
 * `tp_overlap_plugin.stats` counts op calls that run Python: under CUDA/HIP graph replay the
   captured kernel runs without it, so counts stop at capture.
-* On a GPU nothing in vLLM's step loop calls `heap.check()` (it costs a device sync and is not
-  allowed during graph capture): a peer that never arrives makes the kernel give up after its spin
-  bound and record it in the heap's error slot, but vLLM is not told. vLLM's own worker-death
-  handling is what surfaces a crashed rank.
+* A peer that stops answering: the kernel gives up after its spin bound (TP_OVERLAP_SPIN_LIMIT),
+  writes no output for the chunks it could not reduce, raises no flag of its own (so the peers give
+  up too), and records rank, peer and flag in the heap's error slot. vLLM's step loop has no sync
+  point of ours to read the slot at (heap.check() costs a device sync, and is not allowed during
+  graph capture), so the op polls instead: every eager call of `torch.ops.tp_overlap.all_reduce`,
+  whichever all-reduce serves it, reads the error word that an earlier call copied to pinned host
+  memory without waiting (SymmetricHeap.poll: one small copy per 16 calls) and raises
+  RankTimeoutError in the worker, which fails the step. The call that finds it comes some calls
+  after the one that timed out, once the device has run it. Under CUDA-graph replay the op's Python
+  does not run: a decode-only stretch of replays is reported at the next eager call (a step larger
+  than the captured sizes, e.g. a new prompt's prefill), and until then the timed-out all-reduce's
+  output keeps the previous replay's values. A crashed worker is also caught by vLLM's own
+  worker-death handling.
 """
 
 from __future__ import annotations
@@ -267,6 +276,9 @@ def _ensure_all_reduce(opts: Options) -> str:
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     dispatcher = Dispatcher.load(opts.dispatch, device_name=device_name, world=tp.world_size,
                                  path=opts.dispatch_table)
+    no_table = dispatcher.missing_table_warning(device_name, tp.world_size)
+    if no_table and tp.rank_in_group == 0:
+        logger.warning(no_table)
     heap = SymmetricHeap(tp.cpu_group, device, heap_size=opts.resolved_heap_size(tp.world_size),
                          backend=opts.backend)
     reducer = HeapAllReduce(heap, max_bytes=opts.max_bytes, device_group=tp.device_group)

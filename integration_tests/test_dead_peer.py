@@ -1,0 +1,162 @@
+"""A rank dies while its peers run a collective. Every survivor raises RankTimeoutError naming the
+dead rank, after the spin bound (TP_OVERLAP_SPIN_LIMIT, set small here) and not a hang. After that,
+the survivors' collectives give up at once instead of spinning again, raise at the next check, and
+write no output that could pass for a result (the all-reduce's output stays as poisoned)."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tp_overlap_plugin.heap import RankTimeoutError
+from tp_overlap_plugin.multirank import RankExited, run_ranks
+
+DEAD = 1                                        # not rank 0, whose number an unset error word would give
+EXIT_CODE = 17
+SPINS = {"cpu": 4000, "cuda": 2_000_000}        # about 2 s and 1 s of polling
+WARM_SPINS = {"cpu": 200_000, "cuda": 40_000_000}  # the defaults: warm-up may include compiles
+OPS = ("all_reduce", "ag_gemm", "gemm_rs")
+
+
+def _build(ctx):
+    """Every op of this test, set up collectively; each entry runs it once and returns its output."""
+    from tp_overlap_plugin.collectives import HeapAllReduce
+    from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter
+
+    h, W, r, dev = ctx.heap, ctx.world_size, ctx.rank, ctx.device
+    dtype = torch.float16 if dev.type == "cpu" else torch.bfloat16
+    ar = HeapAllReduce(h, max_bytes=128 << 10)
+    ag = AllGatherGemm(h, max_rows=8, k=32, dtype=dtype)
+    rs = GemmReduceScatter(h, max_rows=8, n=16, dtype=dtype)
+    gen = torch.Generator().manual_seed(r)
+    # 80 KB: ten 8 KB chunks, more than the CPU grid's four programs, so programs own several
+    x = torch.randn(20_480, generator=gen).to(dev)
+    a = torch.randn(8, 32, generator=gen).to(dtype).to(dev)
+    a_rs = torch.randn(8 * W, 32, generator=gen).to(dtype).to(dev)
+    b = torch.randn(32, 16, generator=gen).to(dtype).to(dev)
+
+    def all_reduce():
+        y = torch.full_like(x, float("nan"))
+        try:
+            ar(x, out=y)
+        finally:
+            _last_out[0] = y
+        return y
+
+    return {"all_reduce": all_reduce, "ag_gemm": lambda: ag(a, b), "gemm_rs": lambda: rs(a_rs, b)}
+
+
+_last_out = [None]
+
+
+def _attempt(ctx, op):
+    """Run `op` and check the error slot where a caller would (the CPU checks inside every op, a GPU
+    at a device sync); (the error's text or None, seconds taken)."""
+    t0 = time.monotonic()
+    try:
+        op()
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        ctx.heap.check()
+        return None, time.monotonic() - t0
+    except RankTimeoutError as e:
+        return str(e), time.monotonic() - t0
+
+
+def _one_rank_dies(ctx, doomed):
+    h, dev = ctx.heap, ctx.device
+    small = h.spin_limit  # from TP_OVERLAP_SPIN_LIMIT
+    h.spin_limit = WARM_SPINS[dev.type]
+    ops = _build(ctx)
+    for name in OPS:  # every kernel compiled and run on every rank, so no rank waits on a compile
+        ops[name]()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    h.check()
+    dist.barrier(group=ctx.group)
+    if ctx.rank == DEAD:
+        os._exit(EXIT_CODE)
+    h.spin_limit = small
+    first = _attempt(ctx, ops[doomed])
+    written_first = doomed == "all_reduce" and not torch.isnan(_last_out[0]).all().item()
+    later = {name: _attempt(ctx, ops[name]) for name in OPS}
+    written_later = not torch.isnan(_last_out[0]).all().item()
+    return {"first": first, "later": later, "written": (written_first, written_later), "spins": small}
+
+
+@pytest.mark.parametrize("doomed", OPS)
+@pytest.mark.parametrize("world", [2, 4])
+def test_survivors_name_the_dead_rank(world, doomed, device):
+    results = run_ranks(_one_rank_dies, world, (doomed,), device=device, heap_size=2 << 20,
+                        env={"TP_OVERLAP_SPIN_LIMIT": str(SPINS[device])}, may_exit=(DEAD,), timeout=300)
+    assert results[DEAD] == RankExited(EXIT_CODE)
+    for me, out in enumerate(results):
+        if me == DEAD:
+            continue
+        assert out["spins"] == SPINS[device]
+        msg, secs = out["first"]
+        assert msg is not None, f"rank {me}: {doomed} with a dead peer raised nothing"
+        assert f"rank {me} gave up after {SPINS[device]} spins waiting for rank {DEAD} to set flag" in msg, msg
+        assert secs < 120, (me, secs)
+        for name, (later_msg, later_secs) in out["later"].items():
+            # the error slot keeps the first failure; nothing spins through a second bound
+            assert later_msg == msg, (me, name, later_msg)
+            assert later_secs < secs, (me, name, later_secs, secs)
+        assert out["written"] == (False, False), (me, out["written"])
+
+
+CALLS_PER_STEP = 8
+
+
+def _never(x):
+    raise AssertionError("the heap kernel covers this message; the fallback must not run")
+
+
+def _custom_op_after_a_death(ctx):
+    """vLLM's adapter: only `torch.ops.tp_overlap.all_reduce` runs, no heap.check(). As in vLLM's
+    step loop, the host syncs once per step (sampled tokens), after several all-reduces."""
+    from tp_overlap_plugin import custom_ops
+    from tp_overlap_plugin.collectives import HeapAllReduce
+
+    h, dev = ctx.heap, ctx.device
+    small = h.spin_limit
+    h.spin_limit = WARM_SPINS[dev.type]
+    key = "test_dead_peer"
+    custom_ops.register_all_reduce(key, HeapAllReduce(h, max_bytes=64 << 10), _never)
+    x = torch.full((1024,), float(ctx.rank + 1), device=dev)
+    y = torch.ops.tp_overlap.all_reduce(x, key)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    assert torch.equal(y, torch.full_like(x, sum(range(1, ctx.world_size + 1))))
+    dist.barrier(group=ctx.group)
+    if ctx.rank == DEAD:
+        os._exit(EXIT_CODE)
+    h.spin_limit = small
+    for call in range(1, 10 * h.POLL_EVERY):
+        try:
+            torch.ops.tp_overlap.all_reduce(x, key)
+        except RankTimeoutError as e:
+            return call, str(e)
+        if call % CALLS_PER_STEP == 0 and dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    return None, None
+
+
+@pytest.mark.parametrize("world", [2])
+def test_custom_op_raises_for_a_dead_peer(world, device):
+    from tp_overlap_plugin.heap import SymmetricHeap
+    results = run_ranks(_custom_op_after_a_death, world, device=device, heap_size=2 << 20,
+                        env={"TP_OVERLAP_SPIN_LIMIT": str(SPINS[device])}, may_exit=(DEAD,), timeout=300)
+    for me, result in enumerate(results):
+        if me == DEAD:
+            assert result == RankExited(EXIT_CODE)
+            continue
+        call, msg = result
+        assert call is not None, f"rank {me}: the op never reported the dead peer"
+        assert f"waiting for rank {DEAD} to set flag" in msg, msg
+        # the CPU checks in every call; a GPU poll sees the error once a copy queued after the
+        # failed kernel has landed: by the first step boundary after the next copy
+        bound = 1 if device == "cpu" else SymmetricHeap.POLL_EVERY + 2 * CALLS_PER_STEP + 1
+        assert call <= bound, (me, call, bound)
