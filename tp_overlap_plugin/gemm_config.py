@@ -72,7 +72,9 @@ SMALL_M = 64  # at or below: the small-M constants
 
 
 def device_slug(name: str) -> str:
-    return name.replace("NVIDIA ", "").replace("AMD ", "").replace(" ", "-").lower()
+    """The dispatcher's device key ("NVIDIA H200" -> "h200", "AMD Instinct MI300X VF" -> "mi300x")."""
+    from tp_overlap_plugin.dispatch import device_key
+    return device_key(name)
 
 
 def table_path(device_name: str) -> Path:
