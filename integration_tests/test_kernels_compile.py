@@ -21,8 +21,19 @@ TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942
 
 _COMM = {"rank": "i32", "world": "i32", "heap_bases": "*i64", "error_ptr": "*i64", "max_spins": "i32"}
 _TILES = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "EVEN_K": True, "INTERPRET": False}
-_GEMM = {**_TILES, "FLATTEN": True, "WAIT": False}
-_GEMM_WAIT = {**_TILES, "FLATTEN": True, "WAIT": True}
+_PTR = {"TMA": False, "B_KMAJOR": False, "C_TMA": False, "SUBTILE": False, "WARP_SPEC": False, "SPLIT": False,
+        "DEVICE_DESC": False}
+_GEMM = {**_TILES, "FLATTEN": True, "WAIT": False, **_PTR}
+_GEMM_WAIT = {**_TILES, "FLATTEN": True, "WAIT": True, **_PTR}
+# the descriptor variants Hopper runs (B as a Linear weight, [N, K]): host-built descriptors, and
+# warp-specialized with descriptors built in the kernel (pointer arguments)
+_TMA = {**_PTR, "TMA": True, "B_KMAJOR": True}
+_GEMM_TMA = {**_TILES, "FLATTEN": True, "WAIT": False, **_TMA, "C_TMA": True, "SUBTILE": True}
+_GEMM_TMA_WS = {**_TILES, "FLATTEN": False, "WAIT": False, **_TMA, "C_TMA": True, "WARP_SPEC": True,
+                "DEVICE_DESC": True}
+_GEMM_SPLIT = {**_TILES, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "FLATTEN": False, "WAIT": False, **_TMA,
+               "SPLIT": True}
+_GEMM_SPLIT_PTR = {**_GEMM_SPLIT, **_PTR, "SPLIT": True}
 
 
 def _sig(params: str, extra: dict | None = None, constexprs=_TILES) -> dict:
@@ -37,12 +48,29 @@ def _sig(params: str, extra: dict | None = None, constexprs=_TILES) -> dict:
 
 _GEMM_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 M:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 "
               "stride_bn:i32 stride_cm:i32 stride_cn:i32 wait_ptr:*i64 wait_count:i32 wait_value:i64 rank:i32 "
-              "peer:i32 heap_bases:*i64 error_ptr:*i64 max_spins:i32")
+              "peer:i32 heap_bases:*i64 error_ptr:*i64 max_spins:i32 c_desc:*bf16 split_ws_ptr:*fp32 "
+              "split_count_ptr:*i32 split_k:i32")
+
+
+def _tma_sig(constexprs: dict) -> dict:
+    """gemm_kernel's signature with A, B (and C) as tensor descriptors of the tiles' block shapes."""
+    bm, bn, bk = constexprs["BLOCK_M"], constexprs["BLOCK_N"], constexprs["BLOCK_K"]
+    c_cols = bn // 2 if constexprs["SUBTILE"] else bn
+    sig = _sig(_GEMM_ARGS, None, constexprs)
+    sig.update(a_ptr=f"tensordesc<bf16[{bm}, {bk}]>", b_ptr=f"tensordesc<bf16[{bn}, {bk}]>")
+    if constexprs["C_TMA"]:
+        sig["c_desc"] = f"tensordesc<bf16[{bm}, {c_cols}]>"
+    return sig
+
 
 KERNELS = {
     # the plain GEMM and AG-GEMM's per-shard GEMM (the same kernel with its waiting prologue)
     "gemm": (gemm_kernel, _sig(_GEMM_ARGS, None, _GEMM), _GEMM),
     "gemm_wait": (gemm_kernel, _sig(_GEMM_ARGS, None, _GEMM_WAIT), _GEMM_WAIT),
+    "gemm_tma": (gemm_kernel, _tma_sig(_GEMM_TMA), _GEMM_TMA),
+    "gemm_tma_ws": (gemm_kernel, _sig(_GEMM_ARGS, None, _GEMM_TMA_WS), _GEMM_TMA_WS, {"num_warps": 4}),
+    "gemm_split_k": (gemm_kernel, _tma_sig(_GEMM_SPLIT), _GEMM_SPLIT, {"num_warps": 4, "num_stages": 4}),
+    "gemm_split_k_ptr": (gemm_kernel, _sig(_GEMM_ARGS, None, _GEMM_SPLIT_PTR), _GEMM_SPLIT_PTR, {"num_warps": 4}),
     "gemm_rs_signal": (signal_kernel, _sig("flag_ptr:*i64 value:i64 rank:i32 peer:i32 heap_bases:*i64 error_ptr:*i64",
                                             None, {}),
                        {}),
@@ -77,8 +105,9 @@ KERNELS = {
 
 @functools.lru_cache(maxsize=None)
 def _compiled(name, target):
-    fn, signature, constexprs = KERNELS[name]
-    return triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs), target=TARGETS[target])
+    fn, signature, constexprs, *options = KERNELS[name]
+    return triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs), target=TARGETS[target],
+                          options=options[0] if options else None)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles real kernels")

@@ -22,11 +22,15 @@ def _per_call_args():
     from tp_overlap_plugin.kernels.gemm_rs import reduce_kernel, signal_kernel
     bf16 = torch.zeros(64, dtype=torch.bfloat16)
     i64 = torch.zeros(8, dtype=torch.int64)
+    f32 = torch.zeros(8, dtype=torch.float32)
+    i32 = torch.zeros(8, dtype=torch.int32)
     tiles = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, EVEN_K=True, INTERPRET=False, FLATTEN=True,
-                 WAIT=True)
+                 WAIT=True, TMA=False, B_KMAJOR=False, C_TMA=False, SUBTILE=False, WARP_SPEC=False, SPLIT=False,
+                 DEVICE_DESC=False)
     return [
         (gemm_kernel, {"wait_value"},
-         lambda v: ((bf16, bf16, bf16, 64, 64, 64, 64, 1, 64, 1, 64, 1, i64, 2, v, 0, 1, i64, i64, 1000), tiles)),
+         lambda v: ((bf16, bf16, bf16, 64, 64, 64, 64, 1, 64, 1, 64, 1, i64, 2, v, 0, 1, i64, i64, 1000,
+                     bf16, f32, i32, 1), tiles)),
         (reduce_kernel, {"epoch"},
          lambda v: ((bf16, bf16, i64, v, 100, 64, 0, 2, i64, i64, 1000), {"BLOCK": 2048})),
         (signal_kernel, {"value"}, lambda v: ((i64, v, 0, 1, i64, i64), {})),

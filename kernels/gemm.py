@@ -1,13 +1,33 @@
 """The one GEMM core. Every matmul in this package (plain, all-gather + GEMM, GEMM + reduce-scatter)
-is `gemm_kernel`: a persistent loop over output tiles that calls `tile_coords` and `gemm_tile`. The
-fused ops add their communication around it: a prologue that waits for a peer's A rows (AG-GEMM),
-and C written straight into a peer's heap (GEMM-RS). Nothing else multiplies matrices.
+is `gemm_kernel`: a persistent loop over output tiles that calls `tile_coords`, `gemm_tile` and
+`store_tile`. The fused ops add their communication around it: a prologue that waits for a peer's A
+rows (AG-GEMM), and C written straight into a peer's heap (GEMM-RS). Nothing else multiplies
+matrices.
+
+Two ways to read the operands, one body (constexpr `TMA`):
+- TMA: `a_ptr`/`b_ptr` are tensor descriptors, so on Hopper the loads are bulk tensor copies the
+  compiler can pipeline and, with `WARP_SPEC`, hand to a producer warp group. Out-of-range rows,
+  columns and K are zero-filled by the copy itself. The host builds them
+  (triton.tools.tensor_descriptor) unless `DEVICE_DESC`: then the kernel builds them from the
+  pointers and strides, which costs each program a descriptor write and a global scratch buffer
+  from the host, but is what Hopper's warp specialization can repartition (it splits the A tile
+  between consumer groups, and a host descriptor's block shape is fixed). B as the transpose of an
+  nn.Linear weight (`B_KMAJOR`) is described as the weight, [N, K], and transposed in registers.
+- Pointers (interpreter, unaligned operands, targets without descriptors): rows are taken modulo
+  the valid row count and columns modulo N, so the K loop needs no row/column masks (duplicated
+  rows are computed and never stored); only a ragged K is masked (`EVEN_K` drops it).
+
+C is always addressable by pointer (GEMM-RS stores into a peer's heap that way); `C_TMA` stores
+through a descriptor `c_desc` instead. `SUBTILE` stores the tile in two column halves, which halves
+the staging buffer the store needs (shared memory that can go to a pipeline stage instead).
+
+Split-K (`SPLIT`, for few tiles and long K): work item = (tile, k-slice). Each slice writes its
+fp32 partial to a workspace; the slice that finishes last (a per-tile counter) sums all partials in
+slice order and stores C, then zeroes the counter for the next launch. One launch, no host state,
+deterministic, capturable in a CUDA graph.
 
 `INTERPRET` is set when the kernel runs under the Triton interpreter (CPU tests): its tl.dot
 multiplies bf16 operands as raw 16-bit integers, so there the operands are widened to fp32 first.
-
-Rows are taken modulo the valid row count and columns modulo N, so the K loop needs no row/column
-masks (the duplicated rows are computed and never stored); only a ragged K is masked.
 """
 
 import triton
@@ -28,43 +48,107 @@ def tile_coords(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def gemm_tile(a_ptr, b_ptr, rows, cols, K, stride_am, stride_ak, stride_bk, stride_bn,
+def gemm_tile(a_ptr, b_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_am, stride_ak, stride_bk, stride_bn,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-              INTERPRET: tl.constexpr):
-    """fp32 accumulator of A[rows, :] @ B[:, cols]; rows/cols must already be in bounds."""
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
-    b_ptrs = b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+              INTERPRET: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr):
+    """fp32 accumulator of A[tile rows, K blocks k_lo..k_hi) @ B[same K, tile cols]."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
-            b = tl.load(b_ptrs, mask=ks[:, None] < k_left, other=0.0)
-        if INTERPRET:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-        else:
-            acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+    if TMA:
+        row0 = pid_m * BLOCK_M
+        col0 = pid_n * BLOCK_N
+        for k in range(k_lo, k_hi):
+            a = a_ptr.load([row0, k * BLOCK_K])
+            if B_KMAJOR:  # the descriptor is over B^T (an nn.Linear weight, [N, K])
+                b = b_ptr.load([col0, k * BLOCK_K]).T
+            else:
+                b = b_ptr.load([k * BLOCK_K, col0])
+            if INTERPRET:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+            else:
+                acc = tl.dot(a, b, acc)
+    else:
+        rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+        cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rows[:, None] * stride_am + (k_lo * BLOCK_K + ks)[None, :] * stride_ak
+        b_ptrs = b_ptr + (k_lo * BLOCK_K + ks)[:, None] * stride_bk + cols[None, :] * stride_bn
+        for k in range(k_lo, k_hi):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_left = K - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
+                b = tl.load(b_ptrs, mask=ks[:, None] < k_left, other=0.0)
+            if INTERPRET:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+            else:
+                acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
     return acc
+
+
+@triton.jit
+def _store_part(c_ptr, c_desc, part, pid_m, col0, M, N, stride_cm, stride_cn,
+                BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, C_TMA: tl.constexpr):
+    if C_TMA:
+        c_desc.store([pid_m * BLOCK_M, col0], part.to(c_ptr.dtype.element_ty))
+    else:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = col0 + tl.arange(0, WIDTH)
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn,
+                 part.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def store_tile(c_ptr, c_desc, acc, pid_m, pid_n, M, N, stride_cm, stride_cn,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, C_TMA: tl.constexpr, SUBTILE: tl.constexpr):
+    col0 = pid_n * BLOCK_N
+    if SUBTILE:
+        halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+        left, right = tl.split(halves)
+        _store_part(c_ptr, c_desc, left, pid_m, col0, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N // 2, C_TMA)
+        _store_part(c_ptr, c_desc, right, pid_m, col0 + BLOCK_N // 2, M, N, stride_cm, stride_cn, BLOCK_M,
+                    BLOCK_N // 2, C_TMA)
+    else:
+        _store_part(c_ptr, c_desc, acc, pid_m, col0, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, C_TMA)
+
+
+@triton.jit
+def device_descriptors(a_ptr, b_ptr, c_ptr, c_desc, M, N, K, stride_am, stride_bk, stride_bn, stride_cm,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B_KMAJOR: tl.constexpr,
+                       C_TMA: tl.constexpr, SUBTILE: tl.constexpr):
+    """The descriptors the host would have built; it checked the alignment they need."""
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if B_KMAJOR:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, BLOCK_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_bk, 1], block_shape=[BLOCK_K, BLOCK_N])
+    if C_TMA:
+        c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_N // 2 if SUBTILE else BLOCK_N])
+    return a_desc, b_desc, c_desc
 
 
 @triton.jit(do_not_specialize=["wait_value"])
 def gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                 wait_ptr, wait_count, wait_value, rank, peer, heap_bases, error_ptr, max_spins,
+                c_desc, split_ws_ptr, split_count_ptr, split_k,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, FLATTEN: tl.constexpr, WAIT: tl.constexpr):
-    """C = A @ B, persistent: program p takes tiles p, p + P, p + 2P, ...
+                EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, FLATTEN: tl.constexpr, WAIT: tl.constexpr,
+                TMA: tl.constexpr, B_KMAJOR: tl.constexpr, C_TMA: tl.constexpr, SUBTILE: tl.constexpr,
+                WARP_SPEC: tl.constexpr, SPLIT: tl.constexpr, DEVICE_DESC: tl.constexpr):
+    """C = A @ B, persistent: program p takes work items p, p + P, p + 2P, ...
 
     Prologue (WAIT): first wait until `wait_count` flags from `peer` reach `wait_value` (A's rows
     are arriving from that peer). Waiting once, before the tile loop, keeps the loop a plain loop
     the compiler can flatten: with FLATTEN the tile loop and the K loop become one pipelined loop,
-    so the next tile's first loads are in flight during this tile's epilogue. C may be a peer's
-    memory (GEMM-RS stores its partials straight into the owner's heap).
+    so the next tile's first loads are in flight during this tile's epilogue. WARP_SPEC instead
+    gives the loads to a producer warp group (Hopper: num_warps=4 per consumer group, not
+    flattened). C may be a peer's memory (GEMM-RS stores its partials straight into the owner's
+    heap). With SPLIT, `split_k` slices of K per tile (see the module docstring).
 
     With WAIT the program computes no tile once this rank has given up on a peer (its error slot
     is set, or a wait here fails): A may be stale, and C in a peer's heap may still be read by
@@ -78,12 +162,36 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, s
             ok = ok & rma.signal_wait(wait_ptr + i, wait_value, rank, peer, heap_bases, error_ptr, max_spins)
         if not ok:
             tiles = 0
-    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=FLATTEN):
+    if DEVICE_DESC:
+        a_ptr, b_ptr, c_desc = device_descriptors(a_ptr, b_ptr, c_ptr, c_desc, M, N, K, stride_am, stride_bk, stride_bn,
+                                                  stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, B_KMAJOR, C_TMA, SUBTILE)
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    if SPLIT:
+        slices = split_k
+    else:
+        slices = 1
+    k_per = tl.cdiv(k_blocks, slices)
+    for item in tl.range(tl.program_id(0), tiles * slices, tl.num_programs(0), flatten=FLATTEN,
+                         warp_specialize=WARP_SPEC):
+        tile = item // slices
         pid_m, pid_n = tile_coords(tile, tiles_m, tiles_n, GROUP_M)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = gemm_tile(a_ptr, b_ptr, rows % M, cols % N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET)
-        mask = (rows < M)[:, None] & (cols < N)[None, :]
-        tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn,
-                 acc.to(c_ptr.dtype.element_ty), mask=mask)
+        k_lo = (item % slices) * k_per
+        k_hi = tl.minimum(k_lo + k_per, k_blocks)
+        acc = gemm_tile(a_ptr, b_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_am, stride_ak, stride_bk, stride_bn,
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, TMA, B_KMAJOR)
+        if SPLIT:
+            cells = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            tile_ws = split_ws_ptr + tile.to(tl.int64) * slices * BLOCK_M * BLOCK_N
+            tl.store(tile_ws + (item % slices) * BLOCK_M * BLOCK_N + cells, acc)
+            # every thread's partial is written before the one thread that counts releases them
+            tl.debug_barrier()
+            arrived = tl.atomic_add(split_count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == slices - 1:
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in range(slices):  # slice order, whoever came last: the sum is deterministic
+                    total += tl.load(tile_ws + s * BLOCK_M * BLOCK_N + cells, cache_modifier=".cg")
+                tl.atomic_xchg(split_count_ptr + tile, 0, sem="relaxed", scope="gpu")
+                store_tile(c_ptr, c_desc, total, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N,
+                           C_TMA, SUBTILE)
+        else:
+            store_tile(c_ptr, c_desc, acc, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, C_TMA, SUBTILE)

@@ -11,58 +11,19 @@ a wrong answer; `stats` records which path ran.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from tp_overlap_plugin import runtime, stats
+from tp_overlap_plugin.gemm_config import TileConfig, pick_config, prefers_cublas  # noqa: F401 (re-exported)
 from tp_overlap_plugin.heap import SymmetricHeap
 from tp_overlap_plugin.kernels.gemm import gemm_kernel
 from tp_overlap_plugin.kernels.gemm_rs import reduce_kernel, signal_kernel
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-
-
-@dataclass(frozen=True)
-class TileConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int = 8
-    num_warps: int = 8
-    num_stages: int = 3
-    flatten: bool = False       # fuse the tile and K loops (see gemm_kernel); ignored by the interpreter
-    persistent: bool = True     # False: one program per tile, the hardware schedules them
-
-    def launch_kwargs(self, k: int, device: torch.device) -> dict:
-        # kernels run on CPU tensors only under the Triton interpreter
-        interpret = device.type == "cpu"
-        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=self.group_m,
-                    EVEN_K=k % self.block_k == 0, INTERPRET=interpret, FLATTEN=self.flatten and not interpret,
-                    num_warps=self.num_warps, num_stages=self.num_stages)
-
-
-# Measured on H200 (bench/gemm_configs.py; bench/results/gemm-configs-*.md): the flattened
-# 128x256x64 loop with GROUP_M=16 was the best or within 3% of the best on every M=8192 Llama shape
-# with B as the transpose of an nn.Linear weight (the layers' layout). CDNA3 (MI300X) entries are on
-# paper: 256x256 tiles with 2 stages fit its 64 KB LDS and feed its larger matrix cores.
-HOPPER_LARGE = TileConfig(128, 256, 64, 16, 8, 3, flatten=True)
-HOPPER_SMALL_M = TileConfig(64, 128, 64, 8, 4, 4)
-CDNA3_LARGE = TileConfig(256, 256, 64, 4, 8, 2)
-CDNA3_SMALL_M = TileConfig(64, 128, 64, 4, 4, 2)
-INTERPRETER = TileConfig(32, 32, 32, 4, 4, 1)
-
-
-def pick_config(rows: int, n: int, k: int, device: torch.device) -> TileConfig:
-    """Tiles for a GEMM of `rows` rows (the fused ops call it per shard). Deterministic in the shape
-    and device, so every rank tiles alike."""
-    if device.type == "cpu":
-        return INTERPRETER
-    small = rows <= 64
-    if torch.version.hip is not None:
-        return CDNA3_SMALL_M if small else CDNA3_LARGE
-    return HOPPER_SMALL_M if small else HOPPER_LARGE
 
 
 def num_programs(device: torch.device) -> int:
@@ -98,18 +59,145 @@ class _Wait:
     peer: int
 
 
+def _describable(t: torch.Tensor) -> bool:
+    """A tensor descriptor can cover t as a row-major 2-D array: unit inner stride, 16-byte aligned
+    base and row stride, 16-bit elements."""
+    return (t.dtype in KERNEL_DTYPES and t.shape[0] > 0 and t.shape[1] > 0 and t.stride(1) == 1
+            and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0)
+
+
+def _operand_descriptors(a: torch.Tensor, b: torch.Tensor, cfg: TileConfig):
+    """(a_desc, b_desc, b_kmajor), or None where the operands must go by pointer. B as an nn.Linear
+    weight transposed (K contiguous) is described as the weight itself, [N, K]. With device_desc
+    the kernel builds the descriptors from the pointers and strides: the tensors go as they are."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    if not _describable(a):
+        return None
+    kmajor = b.stride(0) == 1 and _describable(b.t())
+    if not kmajor and not _describable(b):
+        return None
+    if cfg.device_desc:
+        return a, b, kmajor
+    a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [cfg.block_m, cfg.block_k])
+    if kmajor:
+        return a_desc, TensorDescriptor(b.t(), [b.shape[1], b.shape[0]], [b.stride(1), 1],
+                                        [cfg.block_n, cfg.block_k]), True
+    return a_desc, TensorDescriptor(b, list(b.shape), [b.stride(0), 1], [cfg.block_k, cfg.block_n]), False
+
+
+MIN_K_BLOCKS_PER_SLICE = 4  # shorter slices cannot fill a pipeline
+
+
+def split_slices(cfg: TileConfig, tiles: int, k_blocks: int, programs: int) -> int:
+    """K slices per tile for this launch. Auto (split_k=0) splits only when the tiles would leave at
+    least half of the SMs idle, as far as the SMs fill; slice count rounded so none is empty."""
+    if cfg.split_k == 1:
+        return 1
+    if cfg.split_k > 1:
+        s = cfg.split_k
+    elif tiles * 2 > programs:
+        return 1
+    else:
+        s = min(programs // tiles, k_blocks // MIN_K_BLOCKS_PER_SLICE)
+    s = max(1, min(s, k_blocks))
+    per = -(-k_blocks // s)
+    return -(-k_blocks // per)
+
+
+# Split-K scratch per (device, stream): fp32 partials and per-tile arrival counters (zero between
+# launches: the last arrival resets its counter). Outgrown buffers stay referenced, because a
+# captured CUDA graph may still write them.
+_SPLIT_SCRATCH: dict = {}
+_RETIRED_SCRATCH: list = []
+
+
+def _split_scratch(device: torch.device, cells: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    ws, counts = _SPLIT_SCRATCH.get(key, (None, None))
+    if ws is None or ws.numel() < cells or counts.numel() < tiles:
+        if ws is not None:
+            _RETIRED_SCRATCH.append((ws, counts))
+        ws = torch.empty(max(cells, 0 if ws is None else ws.numel()), dtype=torch.float32, device=device)
+        counts = torch.zeros(max(tiles, 0 if counts is None else counts.numel()), dtype=torch.int32, device=device)
+        _SPLIT_SCRATCH[key] = (ws, counts)
+    return ws, counts
+
+
+class _DescriptorScratch:
+    """Triton's allocator for kernels that build tensor descriptors in device memory: a buffer per
+    (device, stream), grown, never freed (a captured graph keeps its address). Installed only
+    around our own launches, so a caller's allocator stays theirs."""
+
+    def __init__(self):
+        self.buffers: dict = {}
+        self.retired: list = []
+
+    def __call__(self, size: int, alignment: int, stream):
+        dev = torch.device("cuda", torch.cuda.current_device())
+        key = (dev, stream)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < size + alignment:
+            if buf is not None:
+                self.retired.append(buf)
+            buf = self.buffers[key] = torch.empty(size + alignment, dtype=torch.int8, device=dev)
+        return buf[(-buf.data_ptr()) % alignment:]
+
+
+_DESCRIPTOR_SCRATCH = _DescriptorScratch()
+
+
+@contextlib.contextmanager
+def _descriptor_allocator(active: bool):
+    if not active:
+        yield
+        return
+    from triton.runtime import _allocation  # the ContextVar behind triton.set_allocator (3.6-3.9)
+    token = _allocation._allocator.set(_DESCRIPTOR_SCRATCH)
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
+
+
 def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig, wait: _Wait | None = None) -> None:
     m, k = a.shape
     n = b.shape[1]
+    dev = a.device
+    interpret = dev.type == "cpu"
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-    grid = (min(tiles, num_programs(a.device)) if cfg.persistent else tiles,)
+    k_blocks = -(-k // cfg.block_k)
+    programs = num_programs(dev)
+    descs = _operand_descriptors(a, b, cfg) if cfg.tma else None
+    a_arg, b_arg, b_kmajor = descs if descs is not None else (a, b, False)
+    c_desc = out
+    c_tma = descs is not None and cfg.c_tma and _describable(out)
+    device_desc = descs is not None and cfg.device_desc
+    if c_tma and not device_desc:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        c_desc = TensorDescriptor(out, list(out.shape), [out.stride(0), 1],
+                                  [cfg.block_m, cfg.block_n // 2 if cfg.subtile else cfg.block_n])
+    # not behind a wait: a program that gives up would leave its tiles' arrival counters behind
+    slices = split_slices(cfg, tiles, k_blocks, programs) if wait is None else 1
+    ws, counts = _split_scratch(dev, tiles * slices * cfg.block_m * cfg.block_n, tiles) if slices > 1 else (out, out)
+    work = tiles * slices
+    grid = (min(work, programs) if cfg.persistent else work,)
     if wait is None:  # the prologue's arguments are unused: any pointer and zeros
         comm = (out, 0, 0, 0, 0, out, out, 0)
     else:
         h = wait.heap
         comm = (wait.flags, wait.flags.numel(), wait.value, h.rank, wait.peer, h.heap_bases, h.error, h.spin_limit)
-    gemm_kernel[grid](a, b, out, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                      out.stride(0), out.stride(1), *comm, WAIT=wait is not None, **cfg.launch_kwargs(k, a.device))
+    # flattening and warp groups need a plain tile loop: not with split-K's counter and reduction
+    plain = slices == 1 and not interpret
+    warp_spec = cfg.warp_spec and plain and descs is not None
+    with _descriptor_allocator(device_desc and not interpret):
+        gemm_kernel[grid](a_arg, b_arg, out, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                          out.stride(0), out.stride(1), *comm, c_desc, ws, counts, slices,
+                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                          EVEN_K=k % cfg.block_k == 0, INTERPRET=interpret,
+                          FLATTEN=cfg.flatten and plain and not warp_spec, WAIT=wait is not None,
+                          TMA=descs is not None, B_KMAJOR=b_kmajor, C_TMA=c_tma, SUBTILE=cfg.subtile,
+                          WARP_SPEC=warp_spec, SPLIT=slices > 1, DEVICE_DESC=device_desc,
+                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
@@ -279,11 +367,12 @@ class GemmReduceScatter:
         parity = self.calls % 2
         slot = self.recv[parity]
         cfg = config or pick_config(rows, n, k, h.device)
+        to_peer = dataclasses.replace(cfg, c_tma=False)  # a peer's heap is stored to by pointer
         # Peers' GEMMs and flags check the error slot first: once this rank has given up on a peer, its
         # stream no longer orders its stores into an owner's half after that owner's last read of it.
         gate = _Wait(h, self.flags[:0], 0, h.rank)
         for owner, mine_there in self._at_owner[parity]:
-            _launch(a[owner * rows:(owner + 1) * rows], b, mine_there[:rows], cfg, gate)
+            _launch(a[owner * rows:(owner + 1) * rows], b, mine_there[:rows], to_peer, gate)
             signal_kernel[(1,)](self.flags[h.rank:h.rank + 1], self.calls, h.rank, owner, h.heap_bases, h.error,
                                 num_warps=1)
         _launch(a[h.rank * rows:(h.rank + 1) * rows], b, slot[h.rank, :rows], cfg)

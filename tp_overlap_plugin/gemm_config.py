@@ -1,0 +1,150 @@
+"""Tile configs of the GEMM core (kernels/gemm.py) and where they come from.
+
+`pick_config(rows, n, k, device)` reads the table measured on the device
+(`tp_overlap_plugin/gemm_tables/<device>.json`, written by `bench/gemm_configs.py`): per M bucket and
+(N, K) the fastest measured config. Shapes the table lacks take the bucket's most frequent winner;
+devices without a table take the constants below (CDNA3's are on paper). Deterministic in the shape
+and device, so every rank tiles alike; nothing is autotuned at run time.
+
+`prefers_cublas(m, n, k, device)`: whether, at this M, our core trails cuBLAS by more than the
+table's margin (the measured crossover), so a caller with the choice should run torch.matmul.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+TABLE_DIR = Path(__file__).with_name("gemm_tables")
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    flatten: bool = False       # fuse the tile and K loops (see gemm_kernel); ignored by the interpreter
+    persistent: bool = True     # False: one program per tile, the hardware schedules them
+    tma: bool = False           # operands through tensor descriptors (when aligned; else pointers)
+    device_desc: bool = False   # descriptors built in the kernel (warp specialization needs them)
+    c_tma: bool = False         # C through a descriptor too (never for a peer's heap)
+    subtile: bool = False       # store C in two column halves
+    warp_spec: bool = False     # producer/consumer warp groups (Hopper: num_warps=4, not flattened)
+    split_k: int = 1            # K slices per tile; 0: as many as fill the SMs when tiles are few
+
+    def label(self) -> str:
+        """Short stable name (bench tables, results JSON)."""
+        kind = ("dtma" if self.device_desc else "tma") if self.tma else "ptr"
+        s = f"{kind} {self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} " \
+            f"w{self.num_warps} s{self.num_stages}"
+        for flag, tag in ((self.flatten, "flat"), (not self.persistent, "grid"), (self.c_tma, "ctma"),
+                          (self.subtile, "sub"), (self.warp_spec, "ws")):
+            s += f" {tag}" if flag else ""
+        if self.split_k != 1:
+            s += " splitk" if self.split_k == 0 else f" split{self.split_k}"
+        return s
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TileConfig":
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+# Devices without a measured table. Hopper: v2's sweep winner (pointer path) for large M.
+# CDNA3 (MI300X), on paper: no TMA; 256x256 tiles with 2 stages fit its 64 KB LDS and feed its
+# larger matrix cores; small M splits K, as its 304 CUs starve sooner than Hopper's 132 SMs.
+HOPPER_LARGE = TileConfig(128, 256, 64, 16, 8, 3, flatten=True)
+HOPPER_SMALL_M = TileConfig(64, 128, 64, 8, 4, 4)
+CDNA3_LARGE = TileConfig(256, 256, 64, 4, 8, 2)
+CDNA3_SMALL_M = TileConfig(64, 128, 64, 4, 4, 2, split_k=0)
+INTERPRETER = TileConfig(32, 32, 32, 4, 4, 1)
+SMALL_M = 64  # at or below: the small-M constants
+
+
+def device_slug(name: str) -> str:
+    """The dispatcher's device key ("NVIDIA H200" -> "h200", "AMD Instinct MI300X VF" -> "mi300x")."""
+    from tp_overlap_plugin.dispatch import device_key
+    return device_key(name)
+
+
+def table_path(device_name: str) -> Path:
+    return TABLE_DIR / f"{device_slug(device_name)}.json"
+
+
+@dataclass(frozen=True)
+class GemmTable:
+    buckets: tuple[int, ...]                        # measured M, ascending
+    configs: dict                                   # (bucket, n, k) -> TileConfig
+    defaults: dict                                  # bucket -> TileConfig
+    cublas_below: dict                              # (n, k) -> M (None: cuBLAS at every measured M)
+    default_cublas_below: int | None
+    margin: float
+
+    @classmethod
+    def from_json(cls, data: dict) -> "GemmTable":
+        by_label = {label: TileConfig.from_dict(c) for label, c in data["configs"].items()}
+        return cls(buckets=tuple(data["buckets"]),
+                   configs={(e["M"], e["N"], e["K"]): by_label[e["label"]] for e in data["entries"]},
+                   defaults={int(m): by_label[label] for m, label in data["defaults"].items()},
+                   cublas_below={(e["N"], e["K"]): e["M"] for e in data["cublas_below"]},
+                   default_cublas_below=data.get("default_cublas_below"), margin=data["margin"])
+
+    def bucket(self, m: int) -> int:
+        """The smallest measured M >= m (its tiles cover m rows), or the largest."""
+        return next((b for b in self.buckets if b >= m), self.buckets[-1])
+
+    def config(self, m: int, n: int, k: int) -> TileConfig | None:
+        b = self.bucket(m)
+        return self.configs.get((b, n, k), self.defaults.get(b))
+
+    def prefers_cublas(self, m: int, n: int, k: int) -> bool:
+        below = self.cublas_below.get((n, k), self.default_cublas_below)
+        return below is None or m < below
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(device_name: str) -> GemmTable | None:
+    path = table_path(device_name)
+    return GemmTable.from_json(json.loads(path.read_text())) if path.exists() else None
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+def device_table(device: torch.device) -> GemmTable | None:
+    if device.type == "cpu":
+        return None
+    return load_table(_device_name(device))
+
+
+def pick_config(rows: int, n: int, k: int, device: torch.device) -> TileConfig:
+    """Tiles for a GEMM of `rows` rows (the fused ops call it per shard)."""
+    if device.type == "cpu":
+        return INTERPRETER
+    table = device_table(device)
+    cfg = table.config(rows, n, k) if table is not None else None
+    if cfg is not None:
+        return cfg
+    small = rows <= SMALL_M
+    if torch.version.hip is not None:
+        return CDNA3_SMALL_M if small else CDNA3_LARGE
+    return HOPPER_SMALL_M if small else HOPPER_LARGE
+
+
+def prefers_cublas(m: int, n: int, k: int, device: torch.device) -> bool:
+    """True where our core trails cuBLAS by more than the table's margin at this M (below the
+    measured crossover), and on devices with no table (unmeasured: stock, like the dispatcher)."""
+    table = device_table(device)
+    return True if table is None else table.prefers_cublas(m, n, k)
