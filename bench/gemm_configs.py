@@ -58,6 +58,9 @@ BASELINE = "ptr 128x256x64 g16 w8 s3 flat"  # v2's pick: the pointer path this i
 
 
 def candidates():
+    """No warp-specialized candidate: on H200 with Triton 3.6 the ones with a pointer epilogue gave
+    wrong results on some shapes and not others (a race; bench/notes/gemm.md), and the descriptor-
+    epilogue ones share that code path. They come back once the race is understood."""
     from tp_overlap_plugin.gemm_config import TileConfig as T
     large = [
         T(128, 256, 64, 16, 8, 3, flatten=True),                                        # v2 (pointers)
@@ -65,11 +68,8 @@ def candidates():
         T(128, 256, 64, 16, 8, 3, flatten=True, tma=True, c_tma=True),
         T(128, 256, 64, 8, 8, 4, flatten=True, tma=True, c_tma=True, subtile=True),     # 4 stages fit with half C
         T(128, 256, 64, 16, 8, 4, flatten=True, tma=True, subtile=True),
-        T(128, 256, 64, 8, 4, 3, tma=True, device_desc=True, c_tma=True, warp_spec=True),
-        T(128, 256, 64, 8, 4, 4, tma=True, device_desc=True, warp_spec=True),
         T(256, 128, 64, 8, 8, 3, flatten=True, tma=True, c_tma=True),
         T(128, 128, 64, 8, 8, 4, flatten=True, tma=True, c_tma=True),                  # small N: more tiles
-        T(128, 128, 64, 8, 4, 4, tma=True, device_desc=True, c_tma=True, warp_spec=True),
         T(128, 128, 128, 8, 8, 3, flatten=True, tma=True, c_tma=True),                  # short K: fewer steps
     ]
     small = [
@@ -80,7 +80,6 @@ def candidates():
         T(64, 256, 64, 8, 4, 4, tma=True, split_k=0),
         T(128, 128, 64, 8, 4, 4, tma=True, split_k=0),
         T(64, 128, 128, 8, 4, 4, split_k=0),                                            # split-K by pointers
-        T(128, 128, 64, 8, 4, 4, tma=True, device_desc=True, warp_spec=True),
     ]
     return large, small
 
@@ -355,7 +354,10 @@ def build_table(payload: dict, margin: float = MARGIN) -> tuple[dict, str]:
         from_dict = dict(c)
         by_label[_label(from_dict)] = from_dict
     rows = [r for r in payload["results"] if r["layout"] == LAYOUT]
-    timed = {(r["M"], r["N"], r["K"]): {lb: t for lb, t in r["configs"].items() if isinstance(t, float)} for r in rows}
+    # Warp-specialized configs are never chosen, whatever they measured: see candidates().
+    usable = {lb for lb, c in by_label.items() if not c.get("warp_spec")}
+    timed = {(r["M"], r["N"], r["K"]): {lb: t for lb, t in r["configs"].items() if isinstance(t, float) and lb in usable}
+             for r in rows}
     cublas = {(r["M"], r["N"], r["K"]): r["cublas_ms"] for r in rows}
     names = {(r["N"], r["K"]): r["names"] for r in rows}
     buckets = sorted({m for m, _, _ in timed})

@@ -167,7 +167,10 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
     k_blocks = -(-k // cfg.block_k)
     programs = num_programs(dev)
-    descs = _operand_descriptors(a, b, cfg) if cfg.tma else None
+    # Rows that a peer delivers are read with plain loads: the flag's acquire orders ordinary loads
+    # after it, but nothing portable orders the tensor-copy engine's reads (another memory proxy).
+    waits_for_rows = wait is not None and wait.flags.numel() > 0
+    descs = _operand_descriptors(a, b, cfg) if cfg.tma and not waits_for_rows else None
     a_arg, b_arg, b_kmajor = descs if descs is not None else (a, b, False)
     c_desc = out
     c_tma = descs is not None and cfg.c_tma and _describable(out)
