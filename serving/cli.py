@@ -41,6 +41,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="launch step i+1 before step i's tokens reach the host (the host works while the GPU does)")
     g.add_argument("--tp-overlap", action="store_true",
                    help="overlapped TP kernels over the symmetric heap (also: TP_OVERLAP=1)")
     g.add_argument("--tp-overlap-config", default=None, metavar="JSON",
@@ -58,7 +60,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                         max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
                         gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_bytes=a.kv_cache_bytes,
-                        num_kv_blocks=a.num_kv_blocks, seed=a.seed, enforce_eager=a.enforce_eager)
+                        num_kv_blocks=a.num_kv_blocks, seed=a.seed, enforce_eager=a.enforce_eager,
+                        async_scheduling=a.async_scheduling)
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:

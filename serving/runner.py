@@ -41,6 +41,8 @@ class StepInput:
     block_tables: list[list[int]]
     num_decodes: int
     logit_rows: list[int]     # token rows whose logits the step must return
+    # An input id -(k + 1) stands for the k-th token sampled by the previous step, which is still on
+    # the device when this step is launched (async scheduling): every rank holds it in `sampled`.
 
 
 class StepMessage:
@@ -190,6 +192,7 @@ class ModelRunner:
         self.graphs: dict[int, tuple] = {}
         self.max_graph_bs = 0
         self.messages = StepMessage(ctrl_group, rank) if world_size > 1 else None
+        self.sampled = torch.zeros(cfg.max_num_seqs, dtype=torch.int64, device=device)
 
         self.num_blocks = self._agree(self._kv_blocks_budget())
         # One extra physical block that the block manager never hands out: padded CUDA-graph rows write there.
@@ -334,9 +337,23 @@ class ModelRunner:
         width = max(len(b) for b in tables)
         return torch.tensor([b + [self.scratch_block] * (width - len(b)) for b in tables], dtype=torch.int32)
 
+    def _resolve_refs(self, ids: torch.Tensor) -> None:
+        """Replace in place the ids that stand for tokens sampled by the previous step (see StepInput)."""
+        ref = (-ids - 1).clamp_(min=0)
+        ids.copy_(torch.where(ids < 0, self.sampled.gather(0, ref), ids))
+
+    def share_sampled(self, tokens: torch.Tensor) -> None:
+        """Rank 0, async scheduling: this step's sampled ids, for the next step's input on every rank.
+        Stays on the device; on GPUs the broadcast is queued on the stream like the forward."""
+        self.sampled[:tokens.numel()].copy_(tokens)
+        if self.world_size > 1:
+            dist.broadcast(self.sampled, src=0, group=self.group)
+
     @torch.inference_mode()
     def _forward(self, step: StepInput, kv_caches, use_triton: bool) -> torch.Tensor:
         ids = torch.tensor(step.input_ids, dtype=torch.int64, device=self.device)
+        if step.input_ids and min(step.input_ids) < 0:
+            self._resolve_refs(ids)
         pos = torch.tensor(step.positions, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, pos, self._meta(step, use_triton), kv_caches)
         rows = torch.tensor(step.logit_rows, dtype=torch.int64, device=self.device)
@@ -364,6 +381,8 @@ class ModelRunner:
             if step is None:
                 return
             self.execute(step)
+            if self.cfg.async_scheduling:
+                dist.broadcast(self.sampled, src=0, group=self.group)   # rank 0's share_sampled
 
     def stop_workers(self) -> None:
         if self.rank == 0 and self.messages is not None:
@@ -426,6 +445,8 @@ class ModelRunner:
         self.g_ctx[:bs].copy_(self.h32[:bs], non_blocking=True)
         self.g_bt[:bs].copy_(self.h32[mb:mb + bs * width].view(bs, width), non_blocking=True)
         self.inputs_copied.record()
+        if min(step.input_ids) < 0:
+            self._resolve_refs(self.g_ids[:n])
         g, out = self.graphs[bs]
         g.replay()
         return out[:n]
