@@ -346,7 +346,9 @@ class LLMEngine:
             tokens = lps = None
             seqs = [s for s, _ in sample_at]
             if seqs:
-                sel = logits[torch.tensor([r for _, r in sample_at], device=logits.device)]
+                at = [r for _, r in sample_at]
+                # A decode batch samples every row: no index tensor to build and copy over.
+                sel = logits if at == list(range(logits.shape[0])) else logits[torch.tensor(at, device=logits.device)]
                 tokens, lps = sample_on_device(sel, [s.params for s in seqs], [s.generator for s in seqs],
                                                self.generator)
             if self.cfg.async_scheduling:
