@@ -6,12 +6,12 @@ import sys
 
 import pytest
 
-from tp_overlap_plugin.cli import main
+from tp_overlap_plugin.serving.cli import main
 
 
 @pytest.mark.timeout(180)
 def test_demo_subcommand_all_reduces_correctly():
-    proc = subprocess.run([sys.executable, "-m", "tp_overlap_plugin.cli", "demo", "--tp", "2", "--iters", "2"],
+    proc = subprocess.run([sys.executable, "-m", "tp_overlap_plugin.serving.cli", "demo", "--tp", "2", "--iters", "2"],
                           capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stderr[-2000:]
     errors = [float(line.split("rel. error ")[1].split(",")[0]) for line in proc.stdout.splitlines()

@@ -10,7 +10,8 @@ import openai
 import pytest
 
 from tp_overlap_plugin.serving import AsyncLLM, EngineConfig
-from tp_overlap_plugin.serving.api_server import ServerProcess, build_app, free_port
+from tp_overlap_plugin.serving.api_server import build_app
+from tp_overlap_plugin.serving.testing import ServerProcess, free_port
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -5,7 +5,7 @@ the documented response schemas, and the server must still be healthy afterwards
 import httpx
 import pytest
 
-from tp_overlap_plugin.serving.api_server import ServerProcess
+from tp_overlap_plugin.serving.testing import ServerProcess
 
 pytestmark = pytest.mark.timeout(240)
 

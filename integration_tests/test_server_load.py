@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from tp_overlap_plugin.cli import main as cli_main
-from tp_overlap_plugin.serving.api_server import ServerProcess
+from tp_overlap_plugin.serving.cli import main as cli_main
+from tp_overlap_plugin.serving.testing import ServerProcess
 
 pytestmark = pytest.mark.timeout(180)
 

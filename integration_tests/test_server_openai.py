@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tp_overlap_plugin.serving import LLM, EngineConfig, SamplingParams
-from tp_overlap_plugin.serving.api_server import ServerProcess, free_port
+from tp_overlap_plugin.serving.testing import ServerProcess, free_port
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tp_overlap_plugin.serving.api_server import ServerProcess
+from tp_overlap_plugin.serving.testing import ServerProcess
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -70,7 +70,7 @@ def test_engine_refuses_before_spawning_when_the_kernels_cannot_run(monkeypatch)
 def _cli(args, env_extra=None, timeout=150):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TP_OVERLAP")}
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "tp_overlap_plugin.cli", *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tp_overlap_plugin.serving.cli", *args], env=env, capture_output=True,
                           text=True, timeout=timeout, cwd=tempfile.gettempdir())
 
 

@@ -5,8 +5,27 @@
     print(llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].text)
 """
 
-from .config import EngineConfig, ModelConfig, SamplingParams
-from .engine import LLM, AsyncLLM, CompletionOutput, LLMEngine, RequestOutput
+from __future__ import annotations
 
-__all__ = ["EngineConfig", "ModelConfig", "SamplingParams", "LLM", "AsyncLLM", "LLMEngine",
-           "RequestOutput", "CompletionOutput"]
+import importlib
+
+# Resolved on first use: the `tp-overlap` command (serving/cli.py) has to set TRITON_INTERPRET before
+# anything imports Triton, and the engine imports Triton through the kernels. An eager import here
+# would run before the command's first line.
+_EXPORTS = {"EngineConfig": ".config", "ModelConfig": ".config", "SamplingParams": ".config",
+            "LLM": ".engine", "AsyncLLM": ".engine", "LLMEngine": ".engine", "RequestOutput": ".engine",
+            "CompletionOutput": ".engine"}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -1,16 +1,19 @@
-"""`tp-overlap generate`: offline generation from the command line.
+"""The `tp-overlap` command: serve, generate, bench, demo.
 
     tp-overlap generate --prompt "Hello"                          # embedded demo model, nothing downloaded
     tp-overlap generate --model /models/Llama-3.1-8B --tp 2 --prompt "Hi" --chat
-    torchrun --nproc-per-node 2 -m tp_overlap_plugin.serving.cli --model ... --tp 2 --prompt "Hi"
+    torchrun --nproc-per-node 2 -m tp_overlap_plugin.serving.cli generate --model ... --tp 2 --prompt "Hi"
 
-`add_engine_args` / `engine_config_from_args` are shared with other subcommands (server, bench).
+The entry lives with the engine, not in tp_overlap_plugin: the plugin (layers, heap, kernels) is what
+vLLM loads, and it must never import the engine. `add_engine_args` / `engine_config_from_args` are
+shared with the other subcommands (server, bench).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Optional
@@ -38,6 +41,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="launch step i+1 before step i's tokens reach the host (the host works while the GPU does)")
     g.add_argument("--tp-overlap", action="store_true",
                    help="overlapped TP kernels over the symmetric heap (also: TP_OVERLAP=1)")
     g.add_argument("--tp-overlap-config", default=None, metavar="JSON",
@@ -55,7 +60,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                         max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
                         gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_bytes=a.kv_cache_bytes,
-                        num_kv_blocks=a.num_kv_blocks, seed=a.seed, enforce_eager=a.enforce_eager)
+                        num_kv_blocks=a.num_kv_blocks, seed=a.seed, enforce_eager=a.enforce_eager,
+                        async_scheduling=a.async_scheduling)
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -122,5 +128,122 @@ def generate_main(argv: Optional[list[str]] = None) -> int:
     return a.func(a)
 
 
+# ---- the `tp-overlap` command ------------------------------------------------------------------
+
+def _demo(args) -> int:
+    """Start `--tp` ranks, build the symmetric heap, all-reduce random tensors through it and check
+    the sums against torch. On the CPU the kernels run under the Triton interpreter."""
+    import torch
+
+    from tp_overlap_plugin.multirank import run_ranks
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    results = run_ranks(_demo_rank, args.tp, (args.numel, args.iters), device=device,
+                        heap_size=args.heap_size, timeout=args.timeout)
+    for line in results[0]:
+        print(line)
+    return 0
+
+
+def _demo_rank(ctx, numel, iters):
+    import time
+
+    import torch
+
+    from tp_overlap_plugin import stats
+    from tp_overlap_plugin.collectives import HeapAllReduce
+
+    comm = HeapAllReduce(ctx.heap, max_bytes=max(numel * 4, 1))
+    lines = [f"{ctx.heap!r}", f"heap_bases = {[hex(b) for b in ctx.heap.heap_bases.tolist()]}"]
+    for dtype in (torch.float32, torch.bfloat16):
+        worst = 0.0
+        t0 = time.perf_counter()
+        for i in range(iters):
+            gen = torch.Generator().manual_seed(1000 * i)
+            xs = [torch.randn(numel, generator=gen).to(dtype) for _ in range(ctx.world_size)]
+            y = comm(xs[ctx.rank].to(ctx.device))
+            ref = torch.stack([x.double() for x in xs]).sum(0)
+            worst = max(worst, ((y.double().cpu() - ref).norm() / ref.norm()).item())
+        ctx.heap.check()
+        dt = (time.perf_counter() - t0) / iters
+        lines.append(f"all_reduce {dtype} x{numel}: rel. error {worst:.2e}, {dt * 1e3:.1f} ms/iter "
+                     f"(host loop incl. reference)")
+    lines.append(f"kernel calls: {stats.snapshot()}")
+    return lines
+
+
+def _serve(args) -> int:
+    """OpenAI-compatible HTTP server over the engine (api_server.py)."""
+    from .api_server import serve_main
+
+    return serve_main(args)
+
+
+def _bench_serve(args) -> int:
+    """Load generator against a running server (bench_serve.py)."""
+    from .bench_serve import bench_serve_main
+
+    return bench_serve_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tp-overlap", description="tensor-parallel serving with overlapped kernels")
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="symmetric heap + all-reduce across --tp local ranks")
+    d.add_argument("--tp", type=int, default=2, help="number of ranks (default 2)")
+    d.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present")
+    d.add_argument("--numel", type=int, default=4097)
+    d.add_argument("--iters", type=int, default=3)
+    d.add_argument("--heap-size", type=int, default=64 << 20)
+    d.add_argument("--timeout", type=float, default=300.0)
+    d.set_defaults(func=_demo)
+
+    # The server's and the benchmark's options live next to their code. Those modules import fastapi,
+    # prometheus_client and httpx only when serving, so the parser works without the `serve` extra.
+    from .api_server import add_server_args
+    from .bench_offline import add_bench_offline_subcommands
+    from .bench_serve import add_bench_serve_args
+
+    add_generate_subcommand(sub)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the built-in demo model)")
+    add_engine_args(s)
+    add_server_args(s)
+    s.set_defaults(func=_serve)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    bs = bsub.add_parser("serve", help="load test a running OpenAI-compatible server (like `vllm bench serve`)")
+    add_bench_serve_args(bs)
+    bs.set_defaults(func=_bench_serve)
+    add_bench_offline_subcommands(bsub)
+    return p
+
+
+def _interpret_kernels_without_gpu(argv) -> None:
+    """Without a GPU (or with `--device cpu`) our Triton kernels can only run under the Triton
+    interpreter, and Triton reads TRITON_INTERPRET once, when it is imported: so it is set here,
+    before the parser imports the engine. The CPU engine runs no other Triton kernel, and an
+    explicit TRITON_INTERPRET in the environment wins."""
+    if "triton" in sys.modules or "TRITON_INTERPRET" in os.environ:
+        return
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cpu = "--device=cpu" in argv or any(a == "--device" and b == "cpu" for a, b in zip(argv, argv[1:]))
+    if not cpu:
+        import torch
+        cpu = not torch.cuda.is_available()
+    if cpu:
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def main(argv=None) -> int:
+    _interpret_kernels_without_gpu(argv)
+    args = build_parser().parse_args(argv)
+    if getattr(args, "tp", 1) < 1:
+        print(f"tp-overlap: --tp must be >= 1, got {args.tp}", file=sys.stderr)
+        return 2
+    return args.func(args)
+
+
 if __name__ == "__main__":
-    sys.exit(generate_main())
+    sys.exit(main())

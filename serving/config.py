@@ -166,6 +166,8 @@ class EngineConfig(BaseModel):
     num_kv_blocks: Optional[int] = Field(None, ge=1, description="override the computed number of KV blocks")
     seed: int = 0
     enforce_eager: bool = False
+    async_scheduling: bool = Field(False, description="build and launch step i+1 before step i's tokens reach "
+                                   "the host; sampled ids feed the next step on the device")
     enable_prefix_caching: bool = True
     cuda_graph_batch_sizes: Optional[list[int]] = None
     dist_timeout_s: float = Field(600.0, gt=0)

@@ -26,8 +26,8 @@ from .block_manager import BlockManager
 from .config import EngineConfig, SamplingParams, default_device, env_rank_world, resolve_model_dir
 from .runner import (ModelRunner, StepInput, destroy_group_bounded, init_distributed, require_triton_interpreter,
                      worker_main)
-from .sampler import sample
-from .scheduler import Scheduler, Sequence, Status
+from .sampler import sample_on_device
+from .scheduler import NeedsPreemption, Scheduler, Sequence, Status
 from .tokenizer import ByteTokenizer, IncrementalDetokenizer, load_tokenizer
 
 Prompt = Union[str, list[int]]
@@ -53,6 +53,45 @@ class RequestOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     prompt_logits: Optional[torch.Tensor] = None   # [prompt_len, vocab] when requested, once finished
     num_preemptions: int = 0
+
+
+@dataclass
+class _Launched:
+    """A step whose device work is queued; `_finalize` turns it into outputs once `ready` has fired."""
+    scheduled: list            # (seq, tokens computed)
+    sampled: list              # the sequences that sampled, in the order of `tokens`
+    prompt_logits: list        # (seq, device tensor [n, vocab])
+    tokens_ready: tuple        # (host tensor, event) of the sampled ids
+    logprobs_ready: tuple
+
+    @property
+    def ready(self):
+        return self.tokens_ready[1]
+
+    @property
+    def tokens(self):
+        return self.tokens_ready[0]
+
+    @property
+    def logprobs(self):
+        return self.logprobs_ready[0]
+
+
+def _to_host(t: Optional[torch.Tensor]) -> tuple:
+    """Start a device-to-host copy without waiting for it: (host tensor, event or None)."""
+    if t is None:
+        return None, None
+    if t.device.type != "cuda":
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record()
+    return host, ev
+
+
+def _no_tokens(device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64, device=device)
 
 
 def _free_port() -> int:
@@ -110,6 +149,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self._pending: Optional[_Launched] = None   # async scheduling: the step launched but not finalised
         self._ids = itertools.count()
         # A weak reference, so that registering for exit does not keep every engine (and its KV cache) alive.
         ref = weakref.ref(self)
@@ -249,10 +289,31 @@ class LLMEngine:
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One model step. With async scheduling the step launched here is finalised (tokens appended,
+        stops checked, text detokenised) by the next call, after that call has launched its own step:
+        the host does this work while the device runs. A sequence that stops on a token it cannot
+        foresee (end of sequence, stop string) was already scheduled once more; that extra token is
+        computed and dropped, never emitted."""
         self._require_driver()
-        batch = self.scheduler.schedule()
+        pending = self._pending
+        self._pending = None
+        try:
+            batch = self.scheduler.schedule(allow_preemption=pending is None)
+        except NeedsPreemption:
+            # Preemption recomputes a sequence from its tokens, so they must all be on the host first.
+            outputs = self._finalize(pending)
+            batch = self.scheduler.schedule()
+            return outputs + (self._finalize(self._launch(batch)) if batch is not None else [])
         if batch is None:
-            return []
+            return self._finalize(pending) if pending is not None else []
+        launched = self._launch(batch)
+        outputs = self._finalize(pending) if pending is not None else []
+        if self.cfg.async_scheduling and not launched.prompt_logits:
+            self._pending = launched
+            return outputs
+        return outputs + self._finalize(launched)
+
+    def _launch(self, batch) -> "_Launched":
         bs = self.cfg.block_size
         ids, pos, slots, rows = [], [], [], []
         sample_at: list[tuple[Sequence, int]] = []
@@ -260,7 +321,10 @@ class LLMEngine:
         t = 0
         for seq, n in zip(batch.seqs, batch.num_new):
             c = seq.num_computed
-            ids += seq.tokens[c:c + n]
+            known = seq.tokens[c:c + n]
+            ids += known
+            if len(known) < n:   # the token sampled by the step in flight: still on the device
+                ids.append(-1 - seq.inflight_ref)
             for p in range(c, c + n):
                 pos.append(p)
                 slots.append(seq.block_table[p // bs] * bs + p % bs)
@@ -278,26 +342,54 @@ class LLMEngine:
                          [list(s.block_table) for s in batch.seqs], batch.num_decodes, rows)
         try:
             logits = self.runner.execute(step)
+            prompt_logits = [(seq, logits[r0:r0 + cnt].float()) for seq, r0, cnt in prompt_rows]
+            tokens = lps = None
+            seqs = [s for s, _ in sample_at]
+            if seqs:
+                at = [r for _, r in sample_at]
+                # A decode batch samples every row: no index tensor to build and copy over.
+                sel = logits if at == list(range(logits.shape[0])) else logits[torch.tensor(at, device=logits.device)]
+                tokens, lps = sample_on_device(sel, [s.params for s in seqs], [s.generator for s in seqs],
+                                               self.generator)
+            if self.cfg.async_scheduling:
+                self.runner.share_sampled(tokens if tokens is not None else _no_tokens(self.device))
         except Exception as e:
             # Ranks may now disagree about what was computed; nothing after this can be trusted.
             workers = self._worker_errors() if self._procs else ""
             self._broken = e
             raise RuntimeError(f"model step failed: {e}" + (f"; workers: {workers}" if workers else "")) from e
-
-        bm = self.block_manager
         for seq, n in zip(batch.seqs, batch.num_new):
             seq.num_computed += n
-            seq.num_registered, seq.last_key = bm.register(seq.block_table, seq.tokens, seq.num_computed,
+        for k, seq in enumerate(seqs):
+            seq.inflight += 1
+            seq.inflight_ref = k
+            p = seq.params
+            # Known now: this token ends the sequence whatever it is, so the next step leaves it out.
+            seq.last_inflight = (len(seq.output_ids) + seq.inflight >= p.max_tokens
+                                 or seq.num_tokens >= self.max_model_len)
+        return _Launched(list(zip(batch.seqs, batch.num_new)), seqs, prompt_logits, _to_host(tokens), _to_host(lps))
+
+    def _finalize(self, step: "_Launched") -> list[RequestOutput]:
+        bm = self.block_manager
+        for seq, _ in step.scheduled:
+            if seq.status is Status.FINISHED:   # stopped or aborted while this step ran: its blocks are gone
+                continue
+            known = min(seq.num_computed, len(seq.tokens))
+            seq.num_registered, seq.last_key = bm.register(seq.block_table, seq.tokens, known,
                                                            seq.num_registered, seq.last_key)
-        for seq, r0, cnt in prompt_rows:
-            seq.prompt_logits.append(logits[r0:r0 + cnt].float().cpu())
-            seq.num_prompt_logits += cnt
+        for seq, chunk in step.prompt_logits:
+            seq.prompt_logits.append(chunk.cpu())
+            seq.num_prompt_logits += chunk.shape[0]
         outputs = []
-        if sample_at:
-            seqs = [s for s, _ in sample_at]
-            sel = logits[torch.tensor([r for _, r in sample_at], device=logits.device)]
-            toks, lps = sample(sel, [s.params for s in seqs], [s.generator for s in seqs], self.generator)
-            for seq, tok, lp in zip(seqs, toks, lps):
+        if step.sampled:
+            if step.ready is not None:
+                step.ready.synchronize()
+            toks = step.tokens.tolist()
+            lps = step.logprobs.tolist() if step.logprobs is not None else [None] * len(toks)
+            for seq, tok, lp in zip(step.sampled, toks, lps):
+                seq.inflight -= 1
+                if seq.status is Status.FINISHED:
+                    continue   # the extra step after a stop, or an abort: computed, never emitted
                 outputs.append(self._append_token(seq, tok, lp))
         return outputs
 
@@ -314,7 +406,7 @@ class LLMEngine:
             reason = "stop"
         elif seq.detok is not None:
             delta = seq.detok.push(tok)
-        if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+        if reason is None and (len(seq.output_ids) >= p.max_tokens or len(seq.tokens) >= self.max_model_len):
             reason = "length"
         if reason is not None and seq.detok is not None:
             # Text held back for a character that might continue (also when an end-of-sequence or

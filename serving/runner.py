@@ -1,12 +1,13 @@
 """Model runner: one per rank. Holds the model shard and the KV cache, turns a step into logits.
 
-Rank 0 owns the scheduler; it broadcasts each `StepInput` (plain Python lists) over a gloo group and
-every rank, itself included, builds the same tensors and runs the same forward. Only collectives
-inside the TP layers connect the forwards.
+Rank 0 owns the scheduler; it broadcasts each `StepInput`, packed into one int64 tensor (see
+`StepMessage`), over a gloo group, and every rank, itself included, builds the same tensors and runs
+the same forward. Only collectives inside the TP layers connect the forwards.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -40,6 +41,88 @@ class StepInput:
     block_tables: list[list[int]]
     num_decodes: int
     logit_rows: list[int]     # token rows whose logits the step must return
+    # An input id -(k + 1) stands for the k-th token sampled by the previous step, which is still on
+    # the device when this step is launched (async scheduling): every rank holds it in `sampled`.
+
+
+class StepMessage:
+    """A step (or the stop command) as one flat int64 tensor, so that no Python object is pickled per
+    step. Layout: a header [command, tokens, sequences, decodes, logit rows, body length], then the
+    body: input ids, positions, slots (one per token), q lens, context lens, table lengths (one per
+    sequence), logit rows, and the block tables back to back. Tables are sent ragged: at batch 256 a
+    padded matrix would be mostly padding.
+
+    The message travels in a fixed buffer of CAPACITY entries, which holds a decode step of up to ~100
+    sequences at a few-thousand-token context; a longer one sends its tail in a second broadcast of a
+    length both sides read from the header. Rank 0 broadcasts asynchronously and only waits for the
+    transfer when it needs the buffer again (two of them alternate), so its own launch never waits on
+    gloo."""
+
+    HEADER = 6
+    CAPACITY = 4096
+    STEP, STOP = 1, 2
+
+    def __init__(self, group, rank: int):
+        self.group, self.rank = group, rank
+        self.bufs = [torch.zeros(self.CAPACITY, dtype=torch.int64) for _ in range(2)]
+        self.pending: list = [None, None]      # rank 0: the broadcasts still reading each buffer
+        self.turn = 0
+
+    @classmethod
+    def encode(cls, step: Optional[StepInput]) -> list[int]:
+        if step is None:
+            return [cls.STOP, 0, 0, 0, 0, 0]
+        body = list(itertools.chain(step.input_ids, step.positions, step.slot_mapping, step.q_lens,
+                                    step.context_lens, map(len, step.block_tables), step.logit_rows,
+                                    itertools.chain.from_iterable(step.block_tables)))
+        return [cls.STEP, len(step.input_ids), len(step.q_lens), step.num_decodes, len(step.logit_rows),
+                len(body)] + body
+
+    @classmethod
+    def decode(cls, msg: list[int]) -> Optional[StepInput]:
+        cmd, n, s, nd, r, _ = msg[:cls.HEADER]
+        if cmd == cls.STOP:
+            return None
+        if cmd != cls.STEP:
+            raise RuntimeError(f"step message with unknown command {cmd}: the ranks are out of step")
+        it = iter(msg[cls.HEADER:])
+        take = lambda k: list(itertools.islice(it, k))   # noqa: E731
+        ids, pos, slots, q_lens, ctx, widths, rows = take(n), take(n), take(n), take(s), take(s), take(s), take(r)
+        return StepInput(ids, pos, slots, q_lens, ctx, [take(w) for w in widths], nd, rows)
+
+    def send(self, step: Optional[StepInput]) -> None:
+        msg = self.encode(step)
+        i = self.turn
+        self.turn ^= 1
+        for work in self.pending[i] or ():
+            work.wait()
+        buf, cap = self.bufs[i], self.CAPACITY
+        head = msg[:cap]
+        buf[:len(head)] = torch.tensor(head, dtype=torch.int64)
+        works = [dist.broadcast(buf, src=0, group=self.group, async_op=True)]
+        if len(msg) > cap:
+            tail = torch.tensor(msg[cap:], dtype=torch.int64)
+            works.append(dist.broadcast(tail, src=0, group=self.group, async_op=True))
+        self.pending[i] = works
+        if step is None:
+            self.flush()
+
+    def flush(self) -> None:
+        for i, works in enumerate(self.pending):
+            for work in works or ():
+                work.wait()
+            self.pending[i] = None
+
+    def recv(self) -> Optional[StepInput]:
+        buf, cap = self.bufs[0], self.CAPACITY
+        dist.broadcast(buf, src=0, group=self.group)
+        total = self.HEADER + int(buf[self.HEADER - 1])
+        msg = buf[:min(total, cap)].tolist()
+        if total > cap:
+            tail = torch.empty(total - cap, dtype=torch.int64)
+            dist.broadcast(tail, src=0, group=self.group)
+            msg += tail.tolist()
+        return self.decode(msg)
 
 
 def resolve_dtype(cfg: EngineConfig, mcfg: ModelConfig, device: str) -> torch.dtype:
@@ -108,6 +191,8 @@ class ModelRunner:
             self.heap.check()
         self.graphs: dict[int, tuple] = {}
         self.max_graph_bs = 0
+        self.messages = StepMessage(ctrl_group, rank) if world_size > 1 else None
+        self.sampled = torch.zeros(cfg.max_num_seqs, dtype=torch.int64, device=device)
 
         self.num_blocks = self._agree(self._kv_blocks_budget())
         # One extra physical block that the block manager never hands out: padded CUDA-graph rows write there.
@@ -252,9 +337,23 @@ class ModelRunner:
         width = max(len(b) for b in tables)
         return torch.tensor([b + [self.scratch_block] * (width - len(b)) for b in tables], dtype=torch.int32)
 
+    def _resolve_refs(self, ids: torch.Tensor) -> None:
+        """Replace in place the ids that stand for tokens sampled by the previous step (see StepInput)."""
+        ref = (-ids - 1).clamp_(min=0)
+        ids.copy_(torch.where(ids < 0, self.sampled.gather(0, ref), ids))
+
+    def share_sampled(self, tokens: torch.Tensor) -> None:
+        """Rank 0, async scheduling: this step's sampled ids, for the next step's input on every rank.
+        Stays on the device; on GPUs the broadcast is queued on the stream like the forward."""
+        self.sampled[:tokens.numel()].copy_(tokens)
+        if self.world_size > 1:
+            dist.broadcast(self.sampled, src=0, group=self.group)
+
     @torch.inference_mode()
     def _forward(self, step: StepInput, kv_caches, use_triton: bool) -> torch.Tensor:
         ids = torch.tensor(step.input_ids, dtype=torch.int64, device=self.device)
+        if step.input_ids and min(step.input_ids) < 0:
+            self._resolve_refs(ids)
         pos = torch.tensor(step.positions, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, pos, self._meta(step, use_triton), kv_caches)
         rows = torch.tensor(step.logit_rows, dtype=torch.int64, device=self.device)
@@ -262,8 +361,8 @@ class ModelRunner:
 
     def execute(self, step: StepInput) -> torch.Tensor:
         """Run one step on this rank; on rank 0 also ships it to the workers first."""
-        if self.rank == 0 and self.world_size > 1:
-            dist.broadcast_object_list([("step", step)], src=0, group=self.ctrl_group)
+        if self.rank == 0 and self.messages is not None:
+            self.messages.send(step)
         n = len(step.input_ids)
         if (self.graphs and step.num_decodes == n and n <= self.max_graph_bs
                 and step.logit_rows == list(range(n))):
@@ -278,16 +377,16 @@ class ModelRunner:
 
     def worker_loop(self) -> None:
         while True:
-            box = [None]
-            dist.broadcast_object_list(box, src=0, group=self.ctrl_group)
-            cmd, payload = box[0]
-            if cmd == "stop":
+            step = self.messages.recv()
+            if step is None:
                 return
-            self.execute(payload)
+            self.execute(step)
+            if self.cfg.async_scheduling:
+                dist.broadcast(self.sampled, src=0, group=self.group)   # rank 0's share_sampled
 
     def stop_workers(self) -> None:
-        if self.rank == 0 and self.world_size > 1:
-            dist.broadcast_object_list([("stop", None)], src=0, group=self.ctrl_group)
+        if self.rank == 0 and self.messages is not None:
+            self.messages.send(None)
 
     # ---- CUDA graphs (decode only) ---------------------------------------------------------
     def _capture_graphs(self) -> None:
@@ -346,6 +445,8 @@ class ModelRunner:
         self.g_ctx[:bs].copy_(self.h32[:bs], non_blocking=True)
         self.g_bt[:bs].copy_(self.h32[mb:mb + bs * width].view(bs, width), non_blocking=True)
         self.inputs_copied.record()
+        if min(step.input_ids) < 0:
+            self._resolve_refs(self.g_ids[:n])
         g, out = self.graphs[bs]
         g.replay()
         return out[:n]

@@ -14,14 +14,22 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            ) -> tuple[list[int], list[Optional[float]]]:
     """logits [B, V] -> (token ids, log-probability of each chosen token under the raw model
     distribution, or None for requests that did not ask for logprobs)."""
+    tokens, lps = sample_on_device(logits, params, generators, default_gen)
+    return tokens.tolist(), (lps.tolist() if lps is not None else [None] * len(params))
+
+
+def sample_on_device(logits: torch.Tensor, params: Sequence[SamplingParams],
+                     generators: Sequence[Optional[torch.Generator]], default_gen: torch.Generator,
+                     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """`sample` without reading anything back: (token ids [B] int64, log-probabilities [B] float32 or
+    None when no request asked), both on the logits' device, so that the next step can be launched
+    before the host sees them."""
     want_lp = any(p.logprobs for p in params)
     if all(p.greedy for p in params):
-        # the common decode case, kept to one kernel and one device-to-host copy (no fp32 copy of
-        # the logits, no softmax over the vocabulary unless someone asked for logprobs)
+        # the common decode case, kept to one kernel (no fp32 copy of the logits, no softmax over
+        # the vocabulary unless someone asked for logprobs)
         tokens = logits.argmax(dim=-1)
-        if not want_lp:
-            return tokens.tolist(), [None] * len(params)
-        return _with_logprobs(logits, tokens)
+        return tokens, (_logprobs(logits, tokens) if want_lp else None)
     logits = logits.float()
     b = logits.shape[0]
     dev = logits.device
@@ -55,11 +63,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
             noise[i].exponential_(generator=generators[i])
     drawn = (probs / noise).argmax(dim=-1)
     tokens = torch.where(greedy, tokens, drawn)
-    if not want_lp:
-        return tokens.tolist(), [None] * len(params)
-    return _with_logprobs(logits, tokens)
+    return tokens, (_logprobs(logits, tokens) if want_lp else None)
 
 
-def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[list[int], list[float]]:
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     logp = torch.log_softmax(logits.float(), dim=-1)
-    return tokens.tolist(), logp.gather(1, tokens[:, None])[:, 0].tolist()
+    return logp.gather(1, tokens[:, None])[:, 0]

@@ -50,6 +50,14 @@ class Sequence:
     num_preemptions: int = 0
     num_registered: int = 0     # leading blocks published to the prefix cache
     last_key: Any = None        # prefix-cache key of the last of them
+    # Async scheduling: tokens sampled on the device whose ids the host does not have yet (at most two:
+    # the step being finalised and the one just launched). They count in num_tokens, so the scheduler
+    # plans the next step as if they were known; the step reads the newest from `inflight_ref`, its
+    # index in the previous step's sampled ids. `last_inflight`: that token ends the sequence
+    # whatever it is (max_tokens / max_model_len), so it is not scheduled again.
+    inflight: int = 0
+    inflight_ref: int = 0
+    last_inflight: bool = False
 
     def __post_init__(self):
         if not self.tokens:
@@ -57,7 +65,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens)
+        return len(self.tokens) + self.inflight
 
     @property
     def output_ids(self) -> list[int]:
@@ -77,6 +85,10 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new)
+
+
+class NeedsPreemption(Exception):
+    pass
 
 
 class Scheduler:
@@ -134,7 +146,9 @@ class Scheduler:
         # Front of the queue: it was admitted before everything still waiting.
         self.waiting.appendleft(seq)
 
-    def schedule(self) -> Optional[ScheduledBatch]:
+    def schedule(self, allow_preemption: bool = True) -> Optional[ScheduledBatch]:
+        """The next step. With allow_preemption=False (a step is in flight, and a sequence holding a
+        token the host has not seen cannot be recomputed), raises NeedsPreemption instead of preempting."""
         budget = self.max_num_batched_tokens
         chosen: list[tuple[Sequence, int]] = []
         taken: set[int] = set()
@@ -147,8 +161,12 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:   # preempted as a victim earlier in this loop
                 continue
+            if seq.last_inflight:
+                continue
             n = min(seq.remaining, budget)
             while not self.bm.ensure(seq.block_table, seq.num_computed + n):
+                if not allow_preemption:
+                    raise NeedsPreemption()
                 victim = next((s for s in reversed(self.running) if id(s) not in taken), None)
                 self._preempt(victim)
                 if victim is seq:
