@@ -80,7 +80,7 @@ def kv_blocks(args, block_size: int = 16) -> int:
 
 
 def one_run(args, engine: str, pair: int) -> dict:
-    from tp_overlap_plugin.serving.api_server import ServerProcess
+    from tp_overlap_plugin.serving.testing import ServerProcess
     from tp_overlap_plugin.serving.bench_serve import run_benchmark
 
     tag = f"serve {engine}#{pair + 1}"

@@ -145,7 +145,7 @@ def test_lognormal_workload_is_seeded_long_tailed_and_fits_the_model():
 
 @pytest.mark.timeout(180)
 def test_bench_throughput_lognormal_repeats_rounds_until_min_seconds(tmp_path):
-    from tp_overlap_plugin.cli import main
+    from tp_overlap_plugin.serving.cli import main
     out = tmp_path / "bench.json"
     assert main(["bench", "throughput", "--model", "demo", "--dataset", "lognormal", "--num-prompts", "6",
                  "--input-len", "10", "--output-len", "4", "--max-model-len", "64", "--max-concurrency", "3",
