@@ -6,6 +6,7 @@ the byte tokenizer. The engine's finished texts and streamed deltas agree with t
 import random
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -145,7 +146,8 @@ def test_engine_emits_held_back_text_when_the_output_ends(demo_engine, monkeypat
         script.append(tok.special_ids["<|end|>"])
         params.update(max_tokens=len(script), stop_token_ids=[tok.special_ids["<|end|>"]])
     scripted = iter(script)
-    monkeypatch.setattr(engine_mod, "sample", lambda logits, ps, gens, gen: ([next(scripted)], [None]))
+    monkeypatch.setattr(engine_mod, "sample_on_device",
+                        lambda logits, ps, gens, gen: (torch.tensor([next(scripted)], device=logits.device), None))
     demo_engine.add_request("scripted", "Hi", SamplingParams(**params))
     outs = []
     while demo_engine.has_unfinished():

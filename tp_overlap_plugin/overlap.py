@@ -159,6 +159,16 @@ def _descriptor_allocator(active: bool):
         _allocation._allocator.reset(token)
 
 
+def _eager_config(cfg: TileConfig) -> TileConfig:
+    """The fused ops' config: the table's tiles, with operands and C by pointer. A launch with
+    tensor descriptors costs 40-60 us more host time than one without (72-130 against 35-65 us on
+    H200, bench/results/gemm-launch-h200-2026-11-22), and the fused ops enqueue 2W or more launches
+    per call eagerly, so descriptors made them host-bound (GEMM-RS o_proj at M = 8192: 0.60 ms
+    against 0.30 ms with pointers, bench/results/overlap-tp2-h200x2-2026-11-22-v3core) for a kernel
+    gain of at most ~5% on these shapes."""
+    return dataclasses.replace(cfg, tma=False, c_tma=False, device_desc=False, warp_spec=False)
+
+
 def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig, wait: _Wait | None = None) -> None:
     m, k = a.shape
     n = b.shape[1]
@@ -270,7 +280,7 @@ class AllGatherGemm:
         self.calls += 1
         parity = self.calls % 2
         c = torch.empty((W * rows, n), dtype=a_shard.dtype, device=h.device)
-        cfg = config or pick_config(rows, n, k, h.device)
+        cfg = config or _eager_config(pick_config(rows, n, k, h.device))
         main = torch.cuda.current_stream(h.device) if self.stream is not None else None
         if self.stream is not None:
             # The pushes wait for what produced a_shard and for my previous call. That call's GEMMs
@@ -369,7 +379,7 @@ class GemmReduceScatter:
         self.calls += 1
         parity = self.calls % 2
         slot = self.recv[parity]
-        cfg = config or pick_config(rows, n, k, h.device)
+        cfg = config or _eager_config(pick_config(rows, n, k, h.device))
         to_peer = dataclasses.replace(cfg, c_tma=False)  # a peer's heap is stored to by pointer
         # Peers' GEMMs and flags check the error slot first: once this rank has given up on a peer, its
         # stream no longer orders its stores into an owner's half after that owner's last read of it.
