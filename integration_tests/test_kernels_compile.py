@@ -12,6 +12,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from tp_overlap_plugin.kernels.allreduce import one_shot_all_reduce_kernel, two_shot_all_reduce_kernel
+from tp_overlap_plugin.kernels.allreduce_norm import all_reduce_rmsnorm_kernel
 from tp_overlap_plugin.kernels.barrier import barrier_kernel
 from tp_overlap_plugin.kernels.gemm import gemm_kernel
 from tp_overlap_plugin.kernels.gemm_rs import reduce_kernel, signal_kernel
@@ -77,10 +78,6 @@ KERNELS = {
     "gemm_rs_reduce": (reduce_kernel,
                        _sig("recv_ptr:*bf16 out_ptr:*bf16 flags_ptr:*i64 epoch:i64 n:i32 slot_stride:i32", _COMM,
                             ["BLOCK"]), {"BLOCK": 2048}),
-    "two_shot_all_reduce_bf16": (two_shot_all_reduce_kernel,
-                                 _sig("x_ptr:*bf16 out_ptr:*bf16 stage_ptr:*bf16 result_ptr:*bf16 ready_ptr:*i64 "
-                                      "done_ptr:*i64 reduced_ptr:*i64 epoch_ptr:*i64 n:i32", _COMM, ["BLOCK"]),
-                                 {"BLOCK": 4096}),
     "rmsnorm": (rmsnorm_kernel, _sig("x_ptr:*bf16 res_ptr:*bf16 out_ptr:*bf16 res_out_ptr:*bf16 w_ptr:*bf16 "
                                      "stride_x:i32 stride_res:i32 stride_out:i32 stride_res_out:i32 n:i32 eps:fp32",
                                      None, ["HAS_RES", "BLOCK"]), {"HAS_RES": True, "BLOCK": 4096}),
@@ -94,20 +91,48 @@ KERNELS = {
     "barrier": (barrier_kernel,
                 {"flags_ptr": "*i64", "epoch_ptr": "*i64", "rank": "i32", "world": "i32",
                  "heap_bases": "*i64", "error_ptr": "*i64", "max_spins": "i32"}, {}),
-    "one_shot_all_reduce_bf16": (one_shot_all_reduce_kernel,
-                                 {"x_ptr": "*bf16", "out_ptr": "*bf16", "stage_ptr": "*bf16",
-                                  "ready_ptr": "*i64", "done_ptr": "*i64", "epoch_ptr": "*i64",
-                                  "n": "i32", "rank": "i32", "world": "i32", "heap_bases": "*i64",
-                                  "error_ptr": "*i64", "max_spins": "i32", "BLOCK": "constexpr"},
-                                 {"BLOCK": 4096}),
 }
+# The all-reduces (kernels/allreduce.py, allreduce_norm.py): arrival marked in the data, 16-byte
+# vectors to and from peers; checked at 2 and 8 ranks (receive tiles of 1 and 8 peers).
+_LAMPORT = {"rank": "i32", "heap_bases": "*i64", "error_ptr": "*i64", "max_spins": "i32"}
+_SLOTS = {"x_ptr": 16, "out_ptr": 16, "slots_ptr": 16, "scatter_ptr": 16, "gather_ptr": 16, "res_ptr": 16,
+          "res_out_ptr": 16, "n": 16, "slot_stride": 16, "src_stride": 16, "scatter_slot_stride": 16,
+          "scatter_src_stride": 16, "gather_slot_stride": 16, "row_stride": 16, "stride_x": 16, "stride_res": 16,
+          "stride_out": 16, "stride_res_out": 16}
+_CACHE = {"PEER_STORE": "", "POLL_LOAD": ""}
+for _w, _peers, _sub in ((2, 1, 4096), (8, 8, 512)):
+    _cx = {"W": _w, "BLOCK": 4096, **_CACHE}
+    KERNELS[f"one_shot_all_reduce_bf16_w{_w}"] = (
+        one_shot_all_reduce_kernel,
+        _sig("x_ptr:*bf16 out_ptr:*bf16 slots_ptr:*i16 epoch_ptr:*i64 n:i32 slot_stride:i32 src_stride:i32", _LAMPORT,
+             ["W", "PEERS", "BLOCK", "SUB", *_CACHE]), {**_cx, "PEERS": _peers, "SUB": _sub}, {"num_warps": 8})
+    KERNELS[f"two_shot_all_reduce_bf16_w{_w}"] = (
+        two_shot_all_reduce_kernel,
+        _sig("x_ptr:*bf16 out_ptr:*bf16 scatter_ptr:*i16 gather_ptr:*i16 epoch_ptr:*i64 n:i32 scatter_slot_stride:i32 "
+             "scatter_src_stride:i32 gather_slot_stride:i32", _LAMPORT, ["W", "BLOCK", *_CACHE]), _cx,
+        {"num_warps": 8})
+    KERNELS[f"all_reduce_rmsnorm_bf16_w{_w}"] = (
+        all_reduce_rmsnorm_kernel,
+        _sig("x_ptr:*bf16 res_ptr:*bf16 w_ptr:*bf16 bias_ptr:*bf16 out_ptr:*bf16 res_out_ptr:*bf16 slots_ptr:*i16 "
+             "epoch_ptr:*i64 rows:i32 n:i32 stride_x:i32 stride_res:i32 stride_out:i32 stride_res_out:i32 "
+             "slot_stride:i32 src_stride:i32 row_stride:i32 eps:fp32", _LAMPORT,
+             ["W", "PEERS", "BLOCK", "SUB", "HAS_BIAS", *_CACHE]),
+        {**_cx, "PEERS": _peers, "SUB": _sub, "HAS_BIAS": True}, {"num_warps": 8})
+LAMPORT = sorted(k for k in KERNELS if "all_reduce" in k)
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled(name, target):
     fn, signature, constexprs, *options = KERNELS[name]
-    return triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs), target=TARGETS[target],
-                          options=options[0] if options else None)
+    attrs = None
+    if name in LAMPORT:
+        # what Triton sees at a real launch: heap pointers, lengths and strides divisible by 16
+        names = list(signature)
+        attrs = {(names.index(a),): [["tt.divisibility", d]] for a, d in _SLOTS.items() if a in signature}
+        if target == "gfx942":  # what collectives.py passes on ROCm
+            constexprs = {**constexprs, "PEER_STORE": ".wt", "POLL_LOAD": ".cv"}
+    return triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                          target=TARGETS[target], options=options[0] if options else None)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles real kernels")
@@ -118,7 +143,7 @@ def test_kernel_compiles_for_target(name, target):
     assert _compiled(name, target).asm.get(binary), f"{name}: no {binary} produced for {target}"
 
 
-WAITING = ("barrier", "gemm_wait", "gemm_rs_reduce", "one_shot_all_reduce_bf16", "two_shot_all_reduce_bf16")
+WAITING = ("barrier", "gemm_wait", "gemm_rs_reduce")
 
 
 def _spin_loops(ttgir: str):
@@ -164,3 +189,48 @@ def test_a_scalar_atomic_reaches_every_thread(target):
     assert re.search(r"st\.shared|store .*addrspace\(3\)", window), window
     assert re.search(r"barrier", window), window
     assert re.search(r"load .*addrspace\(3\)|ld\.shared", window), window
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles real kernels")
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("name", LAMPORT)
+def test_a_data_wait_spins_on_one_value_for_all_threads(name, target):
+    """The all-reduces spin on the data itself (volatile tensor loads of the receive tile), and the
+    spin's condition is a scalar that comes out of a reduction over the whole tile, which every
+    thread receives; so all threads run the same number of polls, and the barriers in the loop
+    (the reduction's) and in the branches after it are met by all of them."""
+    loops = list(_spin_loops(_compiled(name, target).asm["ttgir"]))
+    assert loops, f"{name}: no spin loop found"
+    for loop, _ in loops:
+        head = loop.split("} do {", 1)[0]
+        assert re.search(r"scf\.while \(.*\) : \(tensor<[^)]*, i32, i32\)", head), f"{name}: the spin state is not a scalar"
+        body = loop.split("} do {", 1)[1]
+        # a volatile tensor load, or on CDNA a buffer load (which Triton makes of it) that keeps
+        # the coherent cache modifier
+        assert (re.search(r"tt\.load .*isVolatile = true.* : tensor<", body)
+                or re.search(r"amdg\.buffer_load .*cache_?[mM]odifier = cv.*tensor<", body)), \
+            f"{name}: no volatile tile load in the spin"
+        assert re.search(r"\"tt\.reduce\".*?\}\) : \(tensor<[^)]*>\) -> i32", body, re.S), \
+            f"{name}: the spin state is not a reduction"
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles real kernels")
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("name", LAMPORT)
+def test_peer_traffic_moves_in_16_byte_vectors(name, target):
+    """Pushes into peers' heaps and the polls of the receive slots are 16-byte vectors: the
+    translated peer address keeps its alignment (rma.peer_delta). On CDNA the pushes write through
+    and the polls are system-coherent (sc0 sc1), buffer loads included."""
+    asm = _compiled(name, target).asm
+    if target == "sm90":
+        ptx = asm["ptx"]
+        assert "st.global.v4.b32" in ptx, f"{name}: no 16-byte stores"
+        assert "ld.volatile.global.v4.b32" in ptx, f"{name}: the receive polls are not 16-byte loads"
+        assert not re.search(r"st\.global(\.\w+)*\.b16", ptx), f"{name}: 2-byte stores"
+    else:
+        gcn = asm["amdgcn"]
+        assert re.search(r"global_store_dwordx4 .*sc0 sc1", gcn), f"{name}: no 16-byte write-through pushes"
+        polls = re.findall(r"(?:global|buffer)_load_dwordx4 .*", gcn)
+        assert any("sc0 sc1" in p for p in polls), f"{name}: no 16-byte coherent polls"
+        incoherent_buffer_loads = [p for p in polls if p.startswith("buffer") and "sc0 sc1" not in p]
+        assert not incoherent_buffer_loads, f"{name}: buffer loads without sc0 sc1 (a poll that may never see a push)"

@@ -49,6 +49,20 @@ def translate(ptr, rank, peer, heap_bases):
 
 
 @triton.jit
+def peer_delta(ptr, rank, peer, heap_bases, ALIGN: tl.constexpr = 16):
+    """Elements from `ptr` in my heap to the same offset in `peer`'s heap: `ptr + peer_delta(...)`
+    is the peer's copy, as aligned as `ptr` is.
+
+    translate() hands Triton a pointer made from a loaded integer, so the compiler knows nothing of
+    its alignment and splits every access through it into 2-byte scalar loads and stores. The
+    distance between two heaps is a multiple of ALIGN bytes (every backend maps whole allocations at
+    page or 256-byte alignment, the heap's own alignment), so adding it keeps what Triton knows about
+    `ptr` and its offsets, and peer accesses become 16-byte vectors like local ones."""
+    delta = (tl.load(heap_bases + peer) - tl.load(heap_bases + rank)) // (ptr.dtype.element_ty.primitive_bitwidth // 8)
+    return tl.multiple_of(delta, ALIGN // (ptr.dtype.element_ty.primitive_bitwidth // 8))
+
+
+@triton.jit
 def load(ptr, rank, peer, heap_bases, mask=None, other=None):
     return tl.load(translate(ptr, rank, peer, heap_bases), mask=mask, other=other)
 
@@ -90,6 +104,23 @@ def signal_set(flag_ptr, value, rank, peer, heap_bases):
 def no_error(error_ptr):
     """True, alike in every thread, while no wait of this rank has given up."""
     return tl.atomic_add(error_ptr, 0, sem="acquire", scope="gpu") == 0
+
+
+@triton.jit
+def report_stuck(flag_ptr, expected, seen, rank, peer, heap_bases, error_ptr):
+    """Record, unless an earlier failure of this rank already has, that this rank gave up waiting
+    for `peer` to bring `flag_ptr` (an address in my heap) to `expected`. For waits that decide
+    without signal_wait (data that carries its own arrival mark): call it from a branch that every
+    thread of the program takes alike."""
+    claim = tl.atomic_cas(error_ptr, tl.cast(0, tl.int64), tl.cast(-1, tl.int64), sem="acq_rel", scope="gpu")
+    if claim == 0:
+        my_base = tl.load(heap_bases + rank)
+        tl.store(error_ptr + _ERR_RANK, rank)
+        tl.store(error_ptr + _ERR_PEER, peer)
+        tl.store(error_ptr + _ERR_FLAG_OFFSET, flag_ptr.to(tl.int64) - my_base)
+        tl.store(error_ptr + _ERR_EXPECTED, expected)
+        tl.store(error_ptr + _ERR_SEEN, seen)
+        tl.atomic_xchg(error_ptr, 1, sem="release", scope="gpu")
 
 
 @triton.jit

@@ -1,4 +1,6 @@
-"""Host ops for collectives over the symmetric heap."""
+"""Host ops for collectives over the symmetric heap: the all-reduce (one-shot, two-shot), and the
+all-reduce fused with the residual add and RMSNorm that follow a row-parallel layer in the
+replicated (decode) layout."""
 
 from __future__ import annotations
 
@@ -8,53 +10,109 @@ import triton
 
 from tp_overlap_plugin import runtime, stats
 from tp_overlap_plugin.heap import SymmetricHeap
-from tp_overlap_plugin.kernels.allreduce import CHUNK_BYTES, one_shot_all_reduce_kernel, two_shot_all_reduce_kernel
+from tp_overlap_plugin.kernels.allreduce import (CHUNK_BYTES, one_shot_all_reduce_kernel, peers_pow2, sub_block,
+                                                 two_shot_all_reduce_kernel)
+from tp_overlap_plugin.kernels.allreduce_norm import all_reduce_rmsnorm_kernel, row_blocks
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEFAULT_MAX_BYTES = 8 << 20
+DEFAULT_ONE_SHOT_BYTES = 1 << 20
 ALGORITHMS = ("auto", "one_shot", "two_shot")
+# 256 threads: a chunk is 16 bf16 per thread, and so is a receive tile (no spills at W = 2..8, sm_90)
+NUM_WARPS = 8
+_BITS = {2: torch.int16, 4: torch.int32}
 
 
 def _num_programs(device: torch.device) -> int:
-    return 2 * runtime.multiprocessor_count(device) if device.type == "cuda" else 4
+    # One program per SM at most: every program is resident at once, so none spins on a peer
+    # program that its own rank has not scheduled.
+    return runtime.multiprocessor_count(device) if device.type == "cuda" else 4
+
+
+def _cache_modifiers(device: torch.device) -> dict:
+    """On CDNA, stores to peer memory stay in the sender's L2 unless written through, and polls
+    need a cache modifier to stay coherent (kernels/allreduce.py: _wait_landed)."""
+    cdna = device.type == "cuda" and torch.version.hip is not None
+    return {"PEER_STORE": ".wt" if cdna else "", "POLL_LOAD": ".cv" if cdna else ""}
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _bits_view(buf: torch.Tensor, elsize: int) -> torch.Tensor:
+    return buf.view(_BITS[elsize])
 
 
 class HeapAllReduce:
     """Sum a tensor across the heap's ranks: `out = comm(x)`. Collective: every rank calls it with
-    the same shape and dtype, in the same order.
+    the same shape, dtype and algorithm, in the same order.
 
-    `algorithm="auto"` takes one-shot, the path measured faster than NCCL in CUDA graphs up to
-    2 MB (bench/results/foundation-*); two-shot runs when asked for, or above `two_shot_bytes`.
+    `algorithm`: "one_shot" (messages up to `one_shot_max_bytes`), "two_shot" (up to `max_bytes`),
+    or "auto": one-shot up to `one_shot_max_bytes`, two-shot above. An algorithm asked for by name
+    always runs or raises: a message it does not cover is a ValueError naming the limit, never a
+    quiet switch. With "auto", messages no kernel covers (another dtype, non-contiguous, over
+    `max_bytes`) go through torch.distributed on `device_group`; `stats` records which path ran.
 
-    Messages the kernel does not cover (another dtype, non-contiguous, over `max_bytes`) go
-    through torch.distributed on `device_group` instead; `stats` records which path ran. On the
-    CPU the heap's error slot is checked after every call; on a GPU that would cost a device sync
-    per call, so callers check `heap.check()` at their own sync points (the engine: once a step).
+    Heap use: 2 * W * one_shot_max_bytes (one-shot receive slots) + about 4 * max_bytes (two-shot
+    scatter and gather slots), see heap_bytes(). On the CPU the heap's error slot is checked after
+    every call; on a GPU that would cost a device sync per call, so callers check `heap.check()` at
+    their own sync points (the engine: once a step).
     """
 
     def __init__(self, heap: SymmetricHeap, max_bytes: int = DEFAULT_MAX_BYTES,
-                 device_group: dist.ProcessGroup | None = None, two_shot_bytes: int | None = None):
+                 device_group: dist.ProcessGroup | None = None, one_shot_max_bytes: int | None = None):
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        if one_shot_max_bytes is not None and one_shot_max_bytes <= 0:
+            raise ValueError(f"one_shot_max_bytes must be positive, got {one_shot_max_bytes}")
         self.heap = heap
         self.device_group = device_group if device_group is not None else dist.group.WORLD
-        self.max_bytes = -(-max_bytes // CHUNK_BYTES) * CHUNK_BYTES
-        chunks = self.max_bytes // CHUNK_BYTES
-        self.two_shot_bytes = two_shot_bytes
-        self.stage = heap.alloc((self.max_bytes,), torch.uint8, name="all_reduce.stage")
-        self.result = heap.alloc((self.max_bytes,), torch.uint8, name="all_reduce.result")
-        self.ready = heap.alloc((chunks, heap.world_size), torch.int64, name="all_reduce.ready")
-        self.done = heap.alloc((chunks, heap.world_size), torch.int64, name="all_reduce.done")
-        self.reduced = heap.alloc((chunks,), torch.int64, name="all_reduce.reduced")
-        self.epochs = heap.alloc((chunks,), torch.int64, name="all_reduce.epochs")
-        for t in (self.ready, self.done, self.reduced, self.epochs):
+        W = heap.world_size
+        self.world = W
+        self.chunk_bytes = CHUNK_BYTES
+        layout = self.layout(W, max_bytes, one_shot_max_bytes)
+        self.max_bytes, self.one_shot_bytes = layout["max_bytes"], layout["one_shot_bytes"]
+        self.scatter_chunks = layout["scatter_chunks"]
+        self.one_shot_slots = heap.alloc((2, W, self.one_shot_bytes), torch.uint8, name="all_reduce.one_shot")
+        self.scatter_slots = heap.alloc((2, W, self.scatter_chunks * self.chunk_bytes), torch.uint8,
+                                        name="all_reduce.scatter")
+        self.gather_slots = heap.alloc((2, self.max_bytes), torch.uint8, name="all_reduce.gather")
+        self.one_shot_epochs = heap.alloc((self.one_shot_bytes // self.chunk_bytes,), torch.int64,
+                                          name="all_reduce.one_shot_epochs")
+        self.two_shot_epochs = heap.alloc((self.max_bytes // self.chunk_bytes,), torch.int64,
+                                          name="all_reduce.two_shot_epochs")
+        for slots in (self.one_shot_slots, self.scatter_slots, self.gather_slots):
+            slots.fill_(0xFF)  # NOT_YET in every element, whatever the dtype
+        for t in (self.one_shot_epochs, self.two_shot_epochs):
             t.zero_()
         self.num_programs = _num_programs(heap.device)
+        self.cache_modifiers = _cache_modifiers(heap.device)
         heap.publish()
+
+    @staticmethod
+    def layout(world: int, max_bytes: int, one_shot_max_bytes: int | None = None) -> dict:
+        """Capacities rounded to whole chunks (for every dtype), and the heap bytes they take."""
+        cb = CHUNK_BYTES
+        max_bytes = _round_up(max_bytes, cb)
+        one_shot = _round_up(min(one_shot_max_bytes or DEFAULT_ONE_SHOT_BYTES, max_bytes), cb)
+        scatter_chunks = -(-(max_bytes // cb) // world)
+        heap = (2 * world * one_shot + 2 * world * scatter_chunks * cb + 2 * max_bytes
+                + 8 * (one_shot + max_bytes) // cb + 5 * 256)
+        return {"max_bytes": max_bytes, "one_shot_bytes": one_shot, "scatter_chunks": scatter_chunks,
+                "heap_bytes": heap}
+
+    @classmethod
+    def heap_bytes(cls, world: int, max_bytes: int = DEFAULT_MAX_BYTES, one_shot_max_bytes: int | None = None) -> int:
+        return cls.layout(world, max_bytes, one_shot_max_bytes)["heap_bytes"]
 
     def kernel_applies(self, x: torch.Tensor) -> bool:
         return (x.dtype in KERNEL_DTYPES and x.is_contiguous()
                 and x.numel() * x.element_size() <= self.max_bytes)
+
+    def algorithm_for(self, nbytes: int) -> str:
+        """What "auto" runs for a covered message of this size."""
+        return "one_shot" if nbytes <= self.one_shot_bytes else "two_shot"
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, algorithm: str = "auto") -> torch.Tensor:
         if algorithm not in ALGORITHMS:
@@ -69,33 +127,113 @@ class HeapAllReduce:
                              f"{out.device} (contiguous={out.is_contiguous()})")
         if x.numel() == 0:
             return out
+        nbytes = x.numel() * x.element_size()
         if not self.kernel_applies(x):
+            if algorithm != "auto":
+                raise ValueError(
+                    f"all_reduce algorithm {algorithm!r} cannot run this message: the kernels take contiguous "
+                    f"{', '.join(str(d) for d in KERNEL_DTYPES)} messages of up to max_bytes={self.max_bytes}; got "
+                    f"{x.dtype}, {nbytes} bytes, contiguous={x.is_contiguous()}. Use algorithm='auto' to fall back "
+                    f"to torch.distributed, or build HeapAllReduce with a larger max_bytes.")
             stats.record("all_reduce.fallback")
             out.copy_(x)
             dist.all_reduce(out, group=self.device_group)
             return out
-        nbytes = x.numel() * x.element_size()
-        block = CHUNK_BYTES // x.element_size()
-        chunks = triton.cdiv(x.numel(), block)
         if algorithm == "auto":
-            algorithm = ("two_shot" if self.two_shot_bytes is not None and nbytes >= self.two_shot_bytes
-                         else "one_shot")
-        if algorithm == "two_shot" and chunks > self.num_programs and self.heap.device.type != "cpu":
-            # Two-shot is verified on GPUs only where every program owns one chunk (see
-            # bench/notes/allreduce.md: a variant that looped over chunks raced at 8 MB).
-            algorithm = "one_shot"
+            algorithm = self.algorithm_for(nbytes)
+        elif algorithm == "one_shot" and nbytes > self.one_shot_bytes:
+            raise ValueError(f"one-shot all_reduce of {nbytes} bytes exceeds one_shot_max_bytes="
+                             f"{self.one_shot_bytes} (its receive slots take 2 * world * one_shot_max_bytes of "
+                             f"heap); use algorithm='two_shot' or build HeapAllReduce with a larger "
+                             f"one_shot_max_bytes")
         stats.record(f"all_reduce.{algorithm}")
-        grid = (min(chunks, self.num_programs),)
-        h = self.heap
-        common = dict(rank=h.rank, world=h.world_size, heap_bases=h.heap_bases, error_ptr=h.error,
-                      max_spins=h.spin_limit, BLOCK=block, num_warps=4)
+        h, W, es = self.heap, self.world, x.element_size()
+        block = self.chunk_bytes // es
+        grid = (min(triton.cdiv(x.numel(), block), self.num_programs),)
+        common = dict(rank=h.rank, heap_bases=h.heap_bases, error_ptr=h.error, max_spins=h.spin_limit, W=W,
+                      BLOCK=block, num_warps=NUM_WARPS, **self.cache_modifiers)
         if algorithm == "one_shot":
-            one_shot_all_reduce_kernel[grid](x, out, self.stage.view(x.dtype), self.ready, self.done,
-                                             self.epochs, x.numel(), **common)
+            slots = _bits_view(self.one_shot_slots, es)
+            one_shot_all_reduce_kernel[grid](x, out, slots, self.one_shot_epochs, x.numel(), slots.stride(0),
+                                             slots.stride(1), PEERS=peers_pow2(W), SUB=sub_block(block, W), **common)
         else:
-            two_shot_all_reduce_kernel[grid](x, out, self.stage.view(x.dtype), self.result.view(x.dtype),
-                                             self.ready, self.done, self.reduced, self.epochs, x.numel(),
-                                             **common)
+            scatter, gather = _bits_view(self.scatter_slots, es), _bits_view(self.gather_slots, es)
+            two_shot_all_reduce_kernel[grid](x, out, scatter, gather, self.two_shot_epochs, x.numel(),
+                                             scatter.stride(0), scatter.stride(1), gather.stride(0), **common)
         h.check_if_free()
         return out
 
+
+class HeapAllReduceNorm:
+    """The all-reduce of a row-parallel layer's partial output fused with what follows it in the
+    replicated (decode) layout, one kernel:
+
+        new_residual = all_reduce(x) [+ bias] + residual      (each rounded to the dtype, as the
+        normed = weight * rmsnorm(new_residual)                 stock all-reduce + layer_ops.rmsnorm do)
+
+    x, residual: [T, hidden] rows (contiguous rows, any row stride), T <= max_rows. One-shot: every
+    rank pushes its rows to every peer (2 * W * max_rows * hidden elements of heap). Collective like
+    HeapAllReduce; `dtype` is fixed at construction.
+    """
+
+    def __init__(self, heap: SymmetricHeap, hidden: int, max_rows: int, dtype: torch.dtype):
+        if dtype not in KERNEL_DTYPES:
+            raise ValueError(f"all_reduce_rmsnorm dtype must be one of {KERNEL_DTYPES}, got {dtype}")
+        if hidden <= 0 or max_rows <= 0:
+            raise ValueError(f"all_reduce_rmsnorm needs hidden > 0 and max_rows > 0, got {hidden}, {max_rows}")
+        self.heap, self.hidden, self.max_rows, self.dtype = heap, hidden, max_rows, dtype
+        W, es = heap.world_size, torch.empty((), dtype=dtype).element_size()
+        self.row_elems = _round_up(hidden, 16 // es)  # rows start 16-byte aligned: vector pushes
+        self.slots = heap.alloc((2, W, max_rows, self.row_elems), _BITS[es], name="all_reduce_norm.slots")
+        self.epochs = heap.alloc((max_rows,), torch.int64, name="all_reduce_norm.epochs")
+        self.slots.fill_(-1)
+        self.epochs.zero_()
+        self.block, self.sub = row_blocks(hidden, W, es)
+        self.num_programs = _num_programs(heap.device)
+        self.cache_modifiers = _cache_modifiers(heap.device)
+        heap.publish()
+
+    @staticmethod
+    def heap_bytes(world: int, hidden: int, max_rows: int, dtype: torch.dtype) -> int:
+        es = torch.empty((), dtype=dtype).element_size()
+        return 2 * world * max_rows * _round_up(hidden, 16 // es) * es + 8 * max_rows + 2 * 256
+
+    def applies(self, x: torch.Tensor) -> bool:
+        return (x.dim() == 2 and x.dtype == self.dtype and x.shape[1] == self.hidden and x.shape[0] <= self.max_rows
+                and x.stride(1) == 1)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed, new_residual): [T, hidden] each, new tensors unless `out` / `residual_out` are
+        given (neither may overlap x or residual)."""
+        if not self.applies(x):
+            raise ValueError(f"all_reduce_rmsnorm takes [T <= {self.max_rows}, {self.hidden}] {self.dtype} rows with "
+                             f"unit column stride; got {x.dtype} {tuple(x.shape)} strides {x.stride()}")
+        for name, t, shape in (("residual", residual, tuple(x.shape)), ("weight", weight, (self.hidden,)),
+                               ("bias", bias, (self.hidden,)), ("out", out, tuple(x.shape)),
+                               ("residual_out", residual_out, tuple(x.shape))):
+            if t is None:
+                continue
+            if tuple(t.shape) != shape or t.dtype != x.dtype or t.device != x.device or t.stride(-1) != 1:
+                raise ValueError(f"all_reduce_rmsnorm {name} must be a {x.dtype} tensor of shape {shape} on "
+                                 f"{x.device} with unit last stride; got {t.dtype} {tuple(t.shape)} on {t.device}, "
+                                 f"strides {t.stride()}")
+        if x.device != self.heap.device:
+            raise ValueError(f"all_reduce_rmsnorm input is on {x.device}, but the heap is on {self.heap.device}")
+        rows = x.shape[0]
+        normed = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
+        new_residual = (residual_out if residual_out is not None
+                        else torch.empty_like(x, memory_format=torch.contiguous_format))
+        if rows == 0:
+            return normed, new_residual
+        stats.record("all_reduce_norm.kernel")
+        h, W = self.heap, self.heap.world_size
+        all_reduce_rmsnorm_kernel[(min(rows, self.num_programs),)](
+            x, residual, weight, bias if bias is not None else weight, normed, new_residual, self.slots, self.epochs,
+            rows, self.hidden, x.stride(0), residual.stride(0), normed.stride(0), new_residual.stride(0),
+            self.slots.stride(0), self.slots.stride(1), self.slots.stride(2), eps, rank=h.rank,
+            heap_bases=h.heap_bases, error_ptr=h.error, max_spins=h.spin_limit, W=W, PEERS=peers_pow2(W),
+            BLOCK=self.block, SUB=self.sub, HAS_BIAS=bias is not None, num_warps=NUM_WARPS, **self.cache_modifiers)
+        h.check_if_free()
+        return normed, new_residual

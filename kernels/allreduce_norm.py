@@ -1,0 +1,99 @@
+"""The all-reduce of a row-parallel layer's output, the residual add and the RMSNorm after it, as one
+kernel (the replicated, decode layout: every rank holds all T rows of the residual).
+
+Decode runs a few microseconds per kernel even in CUDA graphs; this turns the all-reduce kernel
+plus the add + norm kernel into one, and the norm reads the sum from registers instead of from
+memory. The all-reduce is the one-shot of kernels/allreduce.py, with rows for chunks: every rank
+pushes row r of its partial sum into slot e % 2 of every peer's receive rows (e = this row's epoch
+in device memory), then waits for its peers' rows to land (NOT_YET marks what has not), sums them
+in rank order in fp32, and puts NOT_YET back. Rows longer than one tile are done in column blocks;
+the norm's sum of squares accumulates over the blocks and a second pass normalises.
+
+Rounding follows the stock path (all-reduce, then layer_ops.rmsnorm): the reduced sum is rounded
+to the dtype, the bias added and rounded, the residual added and rounded (the new residual), and
+the normalised row rounded before the weight multiplies.
+
+A wait that gives up leaves its row's normalised output unwritten and stops the program (see
+kernels/allreduce.py); blocks of that row whose sums had landed may already hold their new
+residual.
+"""
+
+import triton
+import triton.language as tl
+
+from tp_overlap_plugin.kernels import rma
+from tp_overlap_plugin.kernels.allreduce import (CHUNK_BYTES, _advance, _bits, _flag, _not_yet, _peer_tile, _sendable,
+                                                 _sum_in_rank_order, _wait_landed, sub_block)
+
+
+def row_blocks(hidden: int, world: int, elsize: int) -> tuple[int, int]:
+    """(columns pushed at a time, columns received at a time): a row, or CHUNK_BYTES of it, goes
+    out in one piece; it comes in as receive tiles of every peer at once."""
+    block = min(triton.next_power_of_2(hidden), CHUNK_BYTES // elsize)
+    return block, sub_block(block, world)
+
+
+@triton.jit
+def all_reduce_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr, slots_ptr, epoch_ptr, rows, n,
+                              stride_x, stride_res, stride_out, stride_res_out, slot_stride, src_stride, row_stride,
+                              eps, rank, heap_bases, error_ptr, max_spins, W: tl.constexpr, PEERS: tl.constexpr,
+                              BLOCK: tl.constexpr, SUB: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              PEER_STORE: tl.constexpr, POLL_LOAD: tl.constexpr):
+    """slots[e % 2][src][r] in every heap receives rank src's row r in its call e."""
+    pid = tl.program_id(0)
+    lane = tl.arange(0, BLOCK)
+    dtype = x_ptr.dtype.element_ty
+    live = _flag(tl.load(error_ptr, volatile=True) == 0)  # a rank that has given up pushes nothing
+    for r in range(pid, rows, tl.num_programs(0)):
+        epoch = _advance(epoch_ptr + r)
+        dst = slots_ptr + (epoch % 2) * slot_stride + rank * src_stride + r * row_stride
+        for start in range(0, n, BLOCK):
+            cols = start + lane
+            mask = cols < n
+            bits = _sendable(_bits(tl.load(x_ptr + r * stride_x + cols, mask=mask)))
+            for q in tl.static_range(1, W):
+                peer = (rank + q) % W
+                tl.store(dst + cols + rma.peer_delta(slots_ptr, rank, peer, heap_bases), bits, mask=mask & live,
+                         cache_modifier=PEER_STORE)
+    tl.debug_barrier()  # the epochs stored above are read back below, by other threads
+    ok = pid >= 0
+    pcols, srcs = _peer_tile(rank, W, PEERS)
+    lane = tl.arange(0, SUB)
+    for r in range(pid, rows, tl.num_programs(0)):
+        if ok:
+            epoch = tl.load(epoch_ptr + r) - 1
+            base = slots_ptr + (epoch % 2) * slot_stride + r * row_stride
+            squares = tl.zeros((SUB,), dtype=tl.float32)
+            for start in range(0, n, SUB):
+                if ok:
+                    cols = start + lane
+                    mask = cols < n
+                    mine = _sendable(_bits(tl.load(x_ptr + r * stride_x + cols, mask=mask, other=0)))
+                    res = tl.load(res_ptr + r * stride_res + cols, mask=mask, other=0).to(tl.float32)
+                    ptrs = base + srcs * src_stride + cols[:, None]
+                    m = mask[:, None] & (pcols < W - 1)
+                    tile, landed = _wait_landed(ptrs, m, srcs, epoch, rank, heap_bases, error_ptr, max_spins,
+                                                POLL_LOAD)
+                    ok = ok & landed
+                    if ok:
+                        total = _sum_in_rank_order(tile, mine.to(dtype, bitcast=True).to(tl.float32), rank, W, dtype)
+                        total = total.to(dtype).to(tl.float32)
+                        if HAS_BIAS:
+                            bias = tl.load(bias_ptr + cols, mask=mask, other=0).to(tl.float32)
+                            total = (total + bias).to(dtype).to(tl.float32)
+                        h = (total + res).to(dtype)
+                        tl.store(res_out_ptr + r * stride_res_out + cols, h, mask=mask)
+                        hf = tl.where(mask, h.to(tl.float32), 0.0)
+                        squares += hf * hf
+                        _not_yet(ptrs, m)
+            if ok:
+                rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / n + eps)
+                # the new residual is read back by the threads that normalise it, after the
+                # reduction above (a CTA barrier) has ordered its stores before these loads
+                for start in range(0, n, SUB):
+                    cols = start + lane
+                    mask = cols < n
+                    h = tl.load(res_out_ptr + r * stride_res_out + cols, mask=mask, other=0).to(tl.float32)
+                    w = tl.load(w_ptr + cols, mask=mask, other=0).to(tl.float32)
+                    y = (h * rstd).to(dtype).to(tl.float32) * w
+                    tl.store(out_ptr + r * stride_out + cols, y.to(dtype), mask=mask)
