@@ -47,11 +47,35 @@ class _Block(nn.Module):
         return self.head(h, None)
 
 
-def _compare(ctx, seed, dispatch):
+class _NormBlock(_Block):
+    """The decoder's row-layer epilogue as serving/model.py composes it: the row layer built with
+    reduce_into_norm=True feeds the next RMSNorm with the residual, which in the replicated layout
+    may take the all-reduce, the add and the norm as one kernel."""
+
+    def __init__(self, f: TPLayers):
+        super().__init__(f)
+        from tp_overlap_plugin.serving.model import RMSNorm
+        self.down = f.row(I, H, bias=True, reduce_into_norm=True)
+        self.norm = RMSNorm(H, 1e-5, DTYPE, "cpu")
+
+    def load(self, seed):
+        super().load(seed)
+        g = torch.Generator().manual_seed(seed + 1)
+        self.norm.weight.data = (1 + 0.1 * torch.randn(H, generator=g)).to(DTYPE)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        normed, residual = self.norm(self.down(nn.functional.silu(gate) * up), h)
+        return self.head(normed + residual, None)
+
+
+def _compare(ctx, seed, dispatch, block_name="_Block"):
+    block = {"_Block": _Block, "_NormBlock": _NormBlock}[block_name]
     tp = TPGroup(ctx.rank, ctx.world_size, ctx.device_group)
-    stock = _Block(TPLayers(tp, DTYPE, ctx.device))
+    stock = block(TPLayers(tp, DTYPE, ctx.device))
     dispatcher = Dispatcher(**dispatch)
-    overlap = _Block(OverlapTPLayers(tp, DTYPE, ctx.device, ctx.heap, max_tokens=16, dispatcher=dispatcher))
+    overlap = block(OverlapTPLayers(tp, DTYPE, ctx.device, ctx.heap, max_tokens=16, dispatcher=dispatcher))
     stock.load(seed)
     overlap.load(seed)
     out = []
@@ -66,13 +90,16 @@ def _heap_size():
     return required_heap_bytes(H, 16, 2, DTYPE) // 16  # the all-reduce stage dominates; 8 MB is plenty
 
 
-@pytest.mark.parametrize("dispatch", [dict(mode="overlap"),
-                                      dict(mode="table", all_reduce=[{"bytes": 1, "graph_winner": "ipc",
-                                                                      "eager_winner": "ipc"}])],
-                         ids=["sequence_parallel", "replicated_ipc_all_reduce"])
-def test_overlap_layers_match_stock(dispatch):
+IPC_ALL_REDUCE = dict(mode="table", all_reduce=[{"bytes": 1, "graph_winner": "ipc", "eager_winner": "ipc"}])
+
+
+@pytest.mark.parametrize("dispatch, block", [(dict(mode="overlap"), _Block), (IPC_ALL_REDUCE, _Block),
+                                             (IPC_ALL_REDUCE, _NormBlock), (dict(mode="stock"), _NormBlock)],
+                         ids=["sequence_parallel", "replicated_ipc_all_reduce", "replicated_fused_norm",
+                              "stock_norm"])
+def test_overlap_layers_match_stock(dispatch, block):
     seed = int(torch.randint(0, 2**30, ()))
-    results = run_ranks(_compare, 2, (seed, dispatch), heap_size=24 << 20, timeout=300)
+    results = run_ranks(_compare, 2, (seed, dispatch, block.__name__), heap_size=64 << 20, timeout=300)
     for out, counts in results:
         for t, ref, got in out:
             assert got.shape == ref.shape == (t, V)
@@ -81,10 +108,15 @@ def test_overlap_layers_match_stock(dispatch):
         if dispatch["mode"] == "overlap":
             assert counts["layers.sequence_parallel_steps"] == len(TOKENS)
             assert counts["ag_gemm.kernel"] == len(TOKENS) and counts["gemm_rs.kernel"] == len(TOKENS)
+        elif dispatch["mode"] == "stock":
+            assert not any(k.startswith(("all_reduce", "ag_gemm", "gemm_rs")) for k in counts), counts
         else:
             assert counts["layers.replicated_steps"] == len(TOKENS)
-            assert counts["all_reduce.one_shot"] == len(TOKENS)
             assert "ag_gemm.kernel" not in counts
+            if block is _NormBlock:  # one fused kernel instead of the all-reduce and the norm
+                assert counts["all_reduce_norm.kernel"] == len(TOKENS) and "all_reduce.one_shot" not in counts
+            else:
+                assert counts["all_reduce.one_shot"] == len(TOKENS)
 
 
 # (op, K, N) of a Llama-3-8B layer at TP=2: qkv, o_proj, gate_up, down

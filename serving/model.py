@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tp_overlap_plugin.kernels import layer_ops
-from tp_overlap_plugin.layers import TPLayers
+from tp_overlap_plugin.layers import PendingAllReduce, TPLayers
 
 from .attention import AttnMeta, paged_attention, write_kv
 from .config import ModelConfig
@@ -30,7 +30,11 @@ class RMSNorm(nn.Module):
             self.weight.copy_(loaded[:].to(self.weight.dtype))
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        """weight * rmsnorm(x); with `residual`, of x + residual, returning (normed, x + residual)."""
+        """weight * rmsnorm(x); with `residual`, of x + residual, returning (normed, x + residual).
+        x may be a row layer's PendingAllReduce: its all-reduce, the add and the norm are then one
+        kernel (tp_overlap_plugin.layers)."""
+        if isinstance(x, PendingAllReduce):
+            return x.add_rmsnorm(residual, self.weight, self.eps)
         if x.device.type != "cpu" and x.dim() == 2 and x.stride(-1) == 1:
             return layer_ops.rmsnorm(x, self.weight, self.eps, residual)
         if residual is not None:
@@ -91,7 +95,7 @@ class Attention(nn.Module):
         hd = cfg.head_dim
         self.qkv_proj = tp.column(cfg.hidden_size, [cfg.num_heads * hd, cfg.num_kv_heads * hd,
                                                     cfg.num_kv_heads * hd], bias=cfg.qkv_bias)
-        self.o_proj = tp.row(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = tp.row(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.o_bias, reduce_into_norm=True)
         self.rotary = rotary
         # the fused kernel takes a power-of-two head_dim (every Llama/Qwen size is one)
         self.fused_rope = hd & (hd - 1) == 0
@@ -130,7 +134,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPLayers):
         super().__init__()
         self.gate_up_proj = tp.column(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias)
-        self.down_proj = tp.row(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = tp.row(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, reduce_into_norm=True)
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)

@@ -23,10 +23,19 @@ Module contracts (T = tokens in the step, W = world size, r = rank)
 embedding(vocab_size, hidden)            ids [T] -> residual layout [T_local, hidden]
 column(input_size, output_sizes, bias)   residual layout [T_local, input] -> [T, sum(output_sizes) / W]
                                          (all tokens, this rank's columns of every sub-matrix)
-row(input_size, output_size, bias)       [T, input / W] -> residual layout [T_local, output]
+row(input_size, output_size, bias,      [T, input / W] -> residual layout [T_local, output]; with
+    reduce_into_norm)                    reduce_into_norm=True the caller promises to pass the output
+                                         straight to an RMSNorm with the residual, and the factory may
+                                         hand back a PendingAllReduce instead (see below)
 lm_head(vocab_size, hidden, tied_to)     (residual layout, rows: LongTensor of token indices in [0, T), or
                                          None for all T) -> logits [len(rows), vocab_size], full vocabulary,
                                          every rank
+
+A row layer's all-reduce and the residual add + RMSNorm after it can be one kernel. A factory that
+has one returns, from a row layer built with reduce_into_norm=True, a `PendingAllReduce` (the
+partial sums and how to finish them) instead of the reduced rows; the model's RMSNorm passes it
+its residual, weight and eps (`add_rmsnorm`) and gets (normed, new residual) back, as it would
+have computed from reduced rows. Nothing else accepts one.
 
 A factory may keep per-step state in itself (for example T as seen by the embedding, or padding of T
 to a multiple of W); all modules of one model share one factory instance, and the embedding is always
@@ -76,6 +85,19 @@ class TPGroup:
 
     def all_gather_cat(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return x if self.world_size == 1 else runtime.all_gather(x, self.group, dim)
+
+
+@dataclass
+class PendingAllReduce:
+    """A row layer's partial output whose all-reduce is left to the RMSNorm that follows, to be done
+    in one kernel with the residual add and the norm. `finish(partial, residual, weight, eps)`
+    returns (normed, new residual)."""
+
+    partial: torch.Tensor
+    finish: Any
+
+    def add_rmsnorm(self, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+        return self.finish(self.partial, residual, weight, eps)
 
 
 def _divide(n: int, w: int, what: str) -> int:
@@ -248,7 +270,8 @@ class TPLayers:
     def column(self, input_size: int, output_sizes: Sequence[int], bias: bool = False) -> ColumnParallelLinear:
         return ColumnParallelLinear(self.tp, input_size, output_sizes, bias, self.dtype, self.device)
 
-    def row(self, input_size: int, output_size: int, bias: bool = False) -> RowParallelLinear:
+    def row(self, input_size: int, output_size: int, bias: bool = False,
+            reduce_into_norm: bool = False) -> RowParallelLinear:
         return RowParallelLinear(self.tp, input_size, output_size, bias, self.dtype, self.device)
 
     def lm_head(self, vocab_size: int, hidden: int, tied_to: VocabParallelEmbedding | None = None) -> ParallelLMHead:

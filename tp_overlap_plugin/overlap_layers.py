@@ -5,9 +5,13 @@ Per step (decided by the embedding, the first module of every step) the residual
   * sequence-parallel: T is padded to a multiple of W and each rank holds T/W rows. Column layers
     all-gather their input while they multiply (AG-GEMM), row layers multiply and reduce-scatter
     (GEMM-RS), the embedding reduce-scatters its partial lookups, the LM head gathers once; or
-  * replicated (small T, decode): vLLM's layout, with row layers reduced by our IPC all-reduce.
+  * replicated (small T, decode): vLLM's layout, with row layers reduced by our IPC all-reduce;
+    a row layer whose output goes straight into the next RMSNorm (the model builds o_proj and
+    down_proj so) hands that norm a PendingAllReduce, and the all-reduce, the residual add and the
+    norm run as one kernel (HeapAllReduceNorm).
 Which, and whether each op takes the fused kernel or the sequential NCCL + GEMM pair, is the
-dispatcher's call (dispatch.py: measured tables, stock where unmeasured).
+dispatcher's call (dispatch.py: measured tables, stock where unmeasured); the fused all-reduce +
+norm runs where the dispatcher picks our all-reduce.
 """
 
 from __future__ import annotations
@@ -18,23 +22,33 @@ import torch
 from torch import nn
 
 from tp_overlap_plugin import runtime, stats
-from tp_overlap_plugin.collectives import HeapAllReduce
+from tp_overlap_plugin.collectives import HeapAllReduce, HeapAllReduceNorm
 from tp_overlap_plugin.dispatch import Dispatcher
 from tp_overlap_plugin.heap import SymmetricHeap
-from tp_overlap_plugin.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPGroup, TPLayers,
-                                      VocabParallelEmbedding)
+from tp_overlap_plugin.layers import (ColumnParallelLinear, ParallelLMHead, PendingAllReduce, RowParallelLinear,
+                                      TPGroup, TPLayers, VocabParallelEmbedding)
 from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter
 
 ALL_REDUCE_BYTES = 8 << 20
+# The fused all-reduce + norm takes steps of up to this many bytes of rows (decode batches): its
+# receive slots take 2 * W times as much heap.
+FUSED_NORM_BYTES = 1 << 20
+
+
+def fused_norm_rows(hidden: int, max_tokens: int, dtype: torch.dtype) -> int:
+    return max(1, min(max_tokens, FUSED_NORM_BYTES // (hidden * torch.empty((), dtype=dtype).element_size())))
 
 
 def required_heap_bytes(hidden: int, max_tokens: int, world: int, dtype: torch.dtype) -> int:
     """Heap for one model: AG-GEMM's and GEMM-RS's double-buffered [W, T/W, hidden] buffers (every
-    column layer reads, and every row layer writes, the hidden size), the all-reduce stage, flags."""
+    column layer reads, and every row layer writes, the hidden size), the all-reduce's and the fused
+    all-reduce + norm's receive slots, flags."""
     elsize = torch.empty((), dtype=dtype).element_size()
     rows = -(-max_tokens // world)
     big = 2 * world * rows * hidden * elsize
-    return 2 * big + 2 * ALL_REDUCE_BYTES + (16 << 20)
+    return (2 * big + HeapAllReduce.heap_bytes(world, ALL_REDUCE_BYTES)
+            + HeapAllReduceNorm.heap_bytes(world, hidden, fused_norm_rows(hidden, max_tokens, dtype), dtype)
+            + (16 << 20))
 
 
 class OverlapTPLayers(TPLayers):
@@ -53,6 +67,7 @@ class OverlapTPLayers(TPLayers):
         self._rs: dict[int, GemmReduceScatter] = {}
         self._ops: set[tuple[str, int, int]] = set()  # (op, K, N) of every linear layer built
         self.all_reduce = HeapAllReduce(heap, ALL_REDUCE_BYTES, device_group=tp.group)
+        self._norms: dict[int, HeapAllReduceNorm] = {}  # the fused all-reduce + norm, per hidden size
         self.tokens = 0              # T of the current step
         self.padded = 0              # T rounded up to a multiple of W
         self.sequence_parallel = False
@@ -73,6 +88,14 @@ class OverlapTPLayers(TPLayers):
             self._rs[n] = GemmReduceScatter(self.heap, self.max_rows, n, self.dtype, device_group=self.tp.group)
         return self._rs[n]
 
+    def norm_op(self, hidden: int) -> HeapAllReduceNorm:
+        """The fused all-reduce + residual add + RMSNorm for rows of `hidden` (built with the first
+        row layer that feeds a norm, collectively like the other heap ops)."""
+        if hidden not in self._norms:
+            self._norms[hidden] = HeapAllReduceNorm(self.heap, hidden,
+                                                    fused_norm_rows(hidden, self.max_tokens, self.dtype), self.dtype)
+        return self._norms[hidden]
+
     def begin_step(self, tokens: int) -> None:
         if tokens > self.max_tokens:
             raise ValueError(f"step has {tokens} tokens, the overlap layers were sized for {self.max_tokens} "
@@ -92,8 +115,9 @@ class OverlapTPLayers(TPLayers):
     def column(self, input_size: int, output_sizes: Sequence[int], bias: bool = False) -> "OverlapColumn":
         return OverlapColumn(self, input_size, output_sizes, bias)
 
-    def row(self, input_size: int, output_size: int, bias: bool = False) -> "OverlapRow":
-        return OverlapRow(self, input_size, output_size, bias)
+    def row(self, input_size: int, output_size: int, bias: bool = False,
+            reduce_into_norm: bool = False) -> "OverlapRow":
+        return OverlapRow(self, input_size, output_size, bias, reduce_into_norm)
 
     def lm_head(self, vocab_size: int, hidden: int, tied_to=None) -> "OverlapLMHead":
         return OverlapLMHead(self, vocab_size, hidden, tied_to)
@@ -134,12 +158,17 @@ class OverlapColumn(ColumnParallelLinear):
 
 
 class OverlapRow(RowParallelLinear):
-    def __init__(self, layers: OverlapTPLayers, input_size: int, output_size: int, bias: bool):
+    def __init__(self, layers: OverlapTPLayers, input_size: int, output_size: int, bias: bool,
+                 reduce_into_norm: bool = False):
         super().__init__(layers.tp, input_size, output_size, bias, layers.dtype, layers.device)
         self.layers = layers
         self.rs = layers.rs_op(self.weight.shape[1], output_size)
+        self.norm_op = layers.norm_op(output_size) if reduce_into_norm and layers.tp.world_size > 1 else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _reduce_add_rmsnorm(self, partial, residual, weight, eps):
+        return self.norm_op(partial, residual, weight, eps, bias=self.bias)
+
+    def forward(self, x: torch.Tensor) -> "torch.Tensor | PendingAllReduce":
         L = self.layers
         w = self.weight.t()
         if L.sequence_parallel:
@@ -153,6 +182,9 @@ class OverlapRow(RowParallelLinear):
         else:
             y = nn.functional.linear(x, self.weight)
             if self.tp.world_size > 1 and L.dispatcher.ipc_all_reduce(y.numel() * y.element_size(), runtime.capturing(y.device)):
+                if self.norm_op is not None and self.norm_op.applies(y):
+                    # the bias goes in after the sum, inside the fused kernel
+                    return PendingAllReduce(y, self._reduce_add_rmsnorm)
                 y = L.all_reduce(y)
             else:
                 self.tp.all_reduce(y)

@@ -78,9 +78,11 @@ SUPPORTED_VLLM = ">=0.32,<0.33"
 CONFIG_KEY = "tp_overlap"
 ENV_SWITCH = "TP_OVERLAP"
 DEFAULT_MAX_BYTES = 8 << 20
-# kernels/allreduce.py's CHUNK_BYTES, restated so that sizing the heap does not import (and so
-# define) the kernels before the Triton interpreter check; the vllm tests check they agree.
+# kernels/allreduce.py's CHUNK_BYTES and collectives.py's DEFAULT_ONE_SHOT_BYTES, restated so that
+# sizing the heap does not import (and so define) the kernels before the Triton interpreter check;
+# the vllm tests check they agree (and that the size is HeapAllReduce.heap_bytes's).
 _AR_CHUNK_BYTES = 8192
+_AR_ONE_SHOT_BYTES = 1 << 20
 _OFF = ("0", "false", "off", "no")
 _ON = ("1", "true", "on", "yes")
 
@@ -99,10 +101,14 @@ class Options:
     def resolved_heap_size(self, world_size: int) -> int:
         if self.heap_size is not None:
             return self.heap_size
-        chunks = -(-self.max_bytes // _AR_CHUNK_BYTES)
-        # HeapAllReduce's stage and result buffers, its int64 flags (ready and done per chunk and
-        # rank, reduced and epoch per chunk), and 64 KiB for the heap's control block and alignment
-        need = 2 * chunks * _AR_CHUNK_BYTES + 8 * chunks * (2 * world_size + 2) + (64 << 10)
+        cb, w = _AR_CHUNK_BYTES, world_size
+        max_bytes = -(-self.max_bytes // cb) * cb
+        one_shot = -(-min(_AR_ONE_SHOT_BYTES, max_bytes) // cb) * cb
+        # HeapAllReduce: one-shot receive slots (2 x W x one-shot capacity), two-shot scatter slots
+        # (2 x W x the chunks each rank owns) and gather slots (2 x max_bytes), an epoch per chunk,
+        # alignment; and 64 KiB for the heap's control block
+        need = (2 * w * one_shot + 2 * w * -(-(max_bytes // cb) // w) * cb + 2 * max_bytes
+                + 8 * (one_shot + max_bytes) // cb + 5 * 256 + (64 << 10))
         return -(-need // (1 << 20)) * (1 << 20)
 
 
