@@ -175,7 +175,8 @@ def _all_reduce_sweep(ctx, gname, sizes):
     h = ctx.heap
     rows = []
     with h.scope():
-        comm = HeapAllReduce(h, max_bytes=max(sizes))
+        # one-shot up to 8 MB (its receive slots take 2 * W times its capacity), two-shot everywhere
+        comm = HeapAllReduce(h, max_bytes=max(sizes), one_shot_max_bytes=min(max(sizes), 8 << 20))
         symm = None
         if gname:
             import torch.distributed._symmetric_memory as symm_mem
@@ -196,7 +197,13 @@ def _all_reduce_sweep(ctx, gname, sizes):
                 inp.copy_(x)
                 ops["torch_one_shot"] = lambda: torch.ops.symm_mem.one_shot_all_reduce(inp, "sum", gname)
                 ops["torch_two_shot"] = lambda: torch.ops.symm_mem.two_shot_all_reduce_(inp, "sum", gname)
+            if nbytes > comm.one_shot_bytes:
+                row["one_shot_error"] = f"over one_shot_max_bytes={comm.one_shot_bytes}"
+                del ops["one_shot"]
             for alg in ("one_shot", "two_shot"):
+                if alg not in ops:
+                    continue
+                y.fill_(float("nan"))
                 ops[alg]()
                 torch.cuda.synchronize()
                 row[f"{alg}_rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()

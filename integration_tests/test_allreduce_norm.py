@@ -36,8 +36,8 @@ def _ulps(t, dtype):
 def _reference(parts, residual, weight, bias, dtype):
     """(normed, new residual, and per element how far each may be from them): the kernel's and the
     reference's roundings to the dtype may differ by an ulp each (the interpreter truncates
-    fp32 -> bf16 where GPUs and torch round to nearest), and an element carries the difference of
-    every rounding of the values it is built from."""
+    fp32 -> bf16 where GPUs and torch round to nearest; and the reference sums in float64), and an
+    element carries the difference of every rounding of the values it is built from."""
     s64 = torch.stack([p.double() for p in parts]).sum(0)
     s = s64.to(dtype).double()
     slack = _ulps(s64, dtype)
@@ -80,17 +80,20 @@ def _run(ctx, seed):
         if (hidden, dtype) not in ops:
             ops[hidden, dtype] = HeapAllReduceNorm(ctx.heap, hidden, MAX_ROWS, dtype)
     outs = []
+    dev = ctx.device
     for i, (t, hidden, dtype, bias) in enumerate(_cases(ctx.world_size)):
         parts, residual, weight, b = _operands(seed + i, ctx.world_size, t, hidden, dtype, bias)
-        out = torch.full((t, hidden), float("nan"), dtype=dtype)
-        res_out = torch.full((t, hidden), float("nan"), dtype=dtype)
-        got = ops[hidden, dtype](parts[ctx.rank], residual, weight, EPS, bias=b, out=out, residual_out=res_out)
+        out = torch.full((t, hidden), float("nan"), dtype=dtype, device=dev)
+        res_out = torch.full((t, hidden), float("nan"), dtype=dtype, device=dev)
+        got = ops[hidden, dtype](parts[ctx.rank].to(dev), residual.to(dev), weight.to(dev), EPS,
+                                 bias=b.to(dev) if b is not None else None, out=out, residual_out=res_out)
         assert got[0] is out and got[1] is res_out
         outs.append((out, res_out))
     ctx.heap.check()
+    outs = [(o.cpu(), r.cpu()) for o, r in outs]
     errors = {}
     op = ops[_cases(ctx.world_size)[0][1], torch.bfloat16]
-    x = torch.zeros(MAX_ROWS + 1, op.hidden, dtype=torch.bfloat16)
+    x = torch.zeros(MAX_ROWS + 1, op.hidden, dtype=torch.bfloat16, device=dev)
     for name, call in {"rows": lambda: op(x, x, x[0], EPS),
                        "dtype": lambda: op(x[:2].float(), x[:2], x[0], EPS),
                        "weight": lambda: op(x[:2], x[:2], x[0, :-1], EPS)}.items():
@@ -102,9 +105,9 @@ def _run(ctx, seed):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_fused_all_reduce_rmsnorm_matches_reference(world):
+def test_fused_all_reduce_rmsnorm_matches_reference(world, device):
     seed = int(torch.randint(0, 2**30, ()))
-    results = run_ranks(_run, world, (seed,), heap_size=8 << 20, timeout=300)
+    results = run_ranks(_run, world, (seed,), device=device, heap_size=8 << 20, timeout=300)
     for i, (t, hidden, dtype, bias) in enumerate(_cases(world)):
         parts, residual, weight, b = _operands(seed + i, world, t, hidden, dtype, bias)
         ref_out, ref_res, slack_res, slack_out = _reference(parts, residual, weight, b, dtype)
