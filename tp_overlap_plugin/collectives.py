@@ -88,6 +88,15 @@ class HeapAllReduce:
             t.zero_()
         self.num_programs = _num_programs(heap.device)
         self.cache_modifiers = _cache_modifiers(heap.device)
+        # per element size: the slots as words of that size, and the tile shapes (the host's
+        # per-call work stays a lookup: eager calls are host-bound)
+        self._launch = {}
+        for es in _BITS:
+            block = CHUNK_BYTES // es
+            self._launch[es] = {"block": block, "sub": sub_block(block, W), "peers": peers_pow2(W),
+                                "one_shot": _bits_view(self.one_shot_slots, es),
+                                "scatter": _bits_view(self.scatter_slots, es),
+                                "gather": _bits_view(self.gather_slots, es)}
         heap.publish()
 
     @staticmethod
@@ -147,19 +156,21 @@ class HeapAllReduce:
                              f"heap); use algorithm='two_shot' or build HeapAllReduce with a larger "
                              f"one_shot_max_bytes")
         stats.record(f"all_reduce.{algorithm}")
-        h, W, es = self.heap, self.world, x.element_size()
-        block = self.chunk_bytes // es
-        grid = (min(triton.cdiv(x.numel(), block), self.num_programs),)
-        common = dict(rank=h.rank, heap_bases=h.heap_bases, error_ptr=h.error, max_spins=h.spin_limit, W=W,
-                      BLOCK=block, num_warps=NUM_WARPS, **self.cache_modifiers)
+        h, W = self.heap, self.world
+        launch = self._launch[x.element_size()]
+        grid = (min(triton.cdiv(x.numel(), launch["block"]), self.num_programs),)
         if algorithm == "one_shot":
-            slots = _bits_view(self.one_shot_slots, es)
+            slots = launch["one_shot"]
             one_shot_all_reduce_kernel[grid](x, out, slots, self.one_shot_epochs, x.numel(), slots.stride(0),
-                                             slots.stride(1), PEERS=peers_pow2(W), SUB=sub_block(block, W), **common)
+                                             slots.stride(1), h.rank, h.heap_bases, h.error, h.spin_limit, W=W,
+                                             PEERS=launch["peers"], BLOCK=launch["block"], SUB=launch["sub"],
+                                             num_warps=NUM_WARPS, **self.cache_modifiers)
         else:
-            scatter, gather = _bits_view(self.scatter_slots, es), _bits_view(self.gather_slots, es)
+            scatter, gather = launch["scatter"], launch["gather"]
             two_shot_all_reduce_kernel[grid](x, out, scatter, gather, self.two_shot_epochs, x.numel(),
-                                             scatter.stride(0), scatter.stride(1), gather.stride(0), **common)
+                                             scatter.stride(0), scatter.stride(1), gather.stride(0), h.rank,
+                                             h.heap_bases, h.error, h.spin_limit, W=W, BLOCK=launch["block"],
+                                             num_warps=NUM_WARPS, **self.cache_modifiers)
         h.check_if_free()
         return out
 
