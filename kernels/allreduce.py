@@ -21,9 +21,10 @@ each program's previous sizes in device memory; the reset is local stores issued
 output stores.)
 
 Chunks are CHUNK_BYTES whatever the dtype, so a chunk's epoch and slots mean the same bytes in
-every call. Program p owns chunks p, p+P, ...; it
-first pushes all of them (no waits), then receives them in order, so the round trips of its
-chunks overlap and no program waits on another program of its own rank.
+every call. Program p owns chunks p, p+P, ...: it first pushes all of them (no waits), then
+receives them in order, so the round trips of its chunks overlap, and it only ever waits on
+program p of its peers. A chunk goes out whole; it comes in as receive tiles holding a piece of
+every peer's copy at once, so one spin covers all peers.
 
 Peer addresses come from rma.peer_delta, which keeps Triton's alignment facts: pushes are 16-byte
 vector stores, as local stores are.
