@@ -38,14 +38,22 @@ _ERR_SEEN = tl.constexpr(5)
 _ACQ_REL = tl.constexpr("acq_rel")
 _SYS = tl.constexpr("sys")
 
+HEAP_ALIGN = tl.constexpr(256)  # heap bases are this far aligned: tp_overlap_plugin/heap.py ALIGN
+
 @triton.jit
 def translate(ptr, rank, peer, heap_bases):
     """`ptr` in my heap -> the same offset in `peer`'s heap, as mapped in this process.
-    Translate a scalar base pointer and add tensor offsets afterwards: it is one subtraction."""
+
+    The result is `ptr` moved by the distance between the two heaps, in elements, and that distance
+    is declared a multiple of HEAP_ALIGN bytes (SymmetricHeap checks every base). So the translated
+    pointer keeps every alignment fact the compiler knew of `ptr`, and peer data moves in the same
+    16-byte vectors as local data (rebuilding it from an integer, the compiler assumed 2-byte
+    alignment and issued scalar accesses). Translate a scalar base and add offsets afterwards: it
+    is one subtraction per program, not per element."""
+    elem: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
     my_base = tl.load(heap_bases + rank)
     peer_base = tl.load(heap_bases + peer)
-    offset = ptr.to(tl.uint64) - my_base.to(tl.uint64)
-    return (peer_base.to(tl.pointer_type(tl.int8)) + offset).to(ptr.dtype, bitcast=True)
+    return ptr + tl.multiple_of((peer_base - my_base) // elem, HEAP_ALIGN // elem)
 
 
 @triton.jit
