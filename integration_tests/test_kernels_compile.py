@@ -14,7 +14,8 @@ from triton.compiler import ASTSource
 from tp_overlap_plugin.kernels.allreduce import one_shot_all_reduce_kernel, two_shot_all_reduce_kernel
 from tp_overlap_plugin.kernels.barrier import barrier_kernel
 from tp_overlap_plugin.kernels.gemm import gemm_kernel
-from tp_overlap_plugin.kernels.gemm_rs import reduce_kernel, signal_kernel
+from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel
+from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel
 from tp_overlap_plugin.kernels.layer_ops import rmsnorm_kernel, rope_cache_kernel, silu_mul_kernel
 
 TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64)}
@@ -23,15 +24,14 @@ _COMM = {"rank": "i32", "world": "i32", "heap_bases": "*i64", "error_ptr": "*i64
 _TILES = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "EVEN_K": True, "INTERPRET": False}
 _PTR = {"TMA": False, "B_KMAJOR": False, "C_TMA": False, "SUBTILE": False, "WARP_SPEC": False, "SPLIT": False,
         "DEVICE_DESC": False}
-_GEMM = {**_TILES, "FLATTEN": True, "WAIT": False, **_PTR}
-_GEMM_WAIT = {**_TILES, "FLATTEN": True, "WAIT": True, **_PTR}
+_GEMM = {**_TILES, "FLATTEN": True, **_PTR}
 # the descriptor variants Hopper runs (B as a Linear weight, [N, K]): host-built descriptors, and
 # warp-specialized with descriptors built in the kernel (pointer arguments)
 _TMA = {**_PTR, "TMA": True, "B_KMAJOR": True}
-_GEMM_TMA = {**_TILES, "FLATTEN": True, "WAIT": False, **_TMA, "C_TMA": True, "SUBTILE": True}
-_GEMM_TMA_WS = {**_TILES, "FLATTEN": False, "WAIT": False, **_TMA, "C_TMA": True, "WARP_SPEC": True,
+_GEMM_TMA = {**_TILES, "FLATTEN": True, **_TMA, "C_TMA": True, "SUBTILE": True}
+_GEMM_TMA_WS = {**_TILES, "FLATTEN": False, **_TMA, "C_TMA": True, "WARP_SPEC": True,
                 "DEVICE_DESC": True}
-_GEMM_SPLIT = {**_TILES, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "FLATTEN": False, "WAIT": False, **_TMA,
+_GEMM_SPLIT = {**_TILES, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "FLATTEN": False, **_TMA,
                "SPLIT": True}
 _GEMM_SPLIT_PTR = {**_GEMM_SPLIT, **_PTR, "SPLIT": True}
 
@@ -47,9 +47,14 @@ def _sig(params: str, extra: dict | None = None, constexprs=_TILES) -> dict:
 
 
 _GEMM_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 M:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 "
-              "stride_bn:i32 stride_cm:i32 stride_cn:i32 wait_ptr:*i64 wait_count:i32 wait_value:i64 rank:i32 "
-              "peer:i32 heap_bases:*i64 error_ptr:*i64 max_spins:i32 c_desc:*bf16 split_ws_ptr:*fp32 "
-              "split_count_ptr:*i32 split_k:i32")
+              "stride_bn:i32 stride_cm:i32 stride_cn:i32 c_desc:*bf16 split_ws_ptr:*fp32 split_count_ptr:*i32 "
+              "split_k:i32")
+_FUSED_TILES = {**_TILES, "EVEN_K": False}  # odd K: the masked K loop
+_AG = {**_FUSED_TILES, "PUSH_COLS": 128, "GATHER": False}
+_AG_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 gathered_ptr:*bf16 full_ptr:*bf16 rows:i32 N:i32 K:i32 "
+            "stride_bk:i32 stride_bn:i32 slot_stride:i32 flags_ptr:*i64 flag_stride:i32 queue_ptr:*i64 pushers:i32")
+_RS_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 recv_ptr:*bf16 rows:i32 N:i32 K:i32 stride_am:i32 stride_bk:i32 "
+            "stride_bn:i32 slot_stride:i32 flags_ptr:*i64 flag_stride:i32 queue_ptr:*i64")
 
 
 def _tma_sig(constexprs: dict) -> dict:
@@ -66,17 +71,13 @@ def _tma_sig(constexprs: dict) -> dict:
 KERNELS = {
     # the plain GEMM and AG-GEMM's per-shard GEMM (the same kernel with its waiting prologue)
     "gemm": (gemm_kernel, _sig(_GEMM_ARGS, None, _GEMM), _GEMM),
-    "gemm_wait": (gemm_kernel, _sig(_GEMM_ARGS, None, _GEMM_WAIT), _GEMM_WAIT),
     "gemm_tma": (gemm_kernel, _tma_sig(_GEMM_TMA), _GEMM_TMA),
     "gemm_tma_ws": (gemm_kernel, _sig(_GEMM_ARGS, None, _GEMM_TMA_WS), _GEMM_TMA_WS, {"num_warps": 4}),
     "gemm_split_k": (gemm_kernel, _tma_sig(_GEMM_SPLIT), _GEMM_SPLIT, {"num_warps": 4, "num_stages": 4}),
     "gemm_split_k_ptr": (gemm_kernel, _sig(_GEMM_ARGS, None, _GEMM_SPLIT_PTR), _GEMM_SPLIT_PTR, {"num_warps": 4}),
-    "gemm_rs_signal": (signal_kernel, _sig("flag_ptr:*i64 value:i64 rank:i32 peer:i32 heap_bases:*i64 error_ptr:*i64",
-                                            None, {}),
-                       {}),
-    "gemm_rs_reduce": (reduce_kernel,
-                       _sig("recv_ptr:*bf16 out_ptr:*bf16 flags_ptr:*i64 epoch:i64 n:i32 slot_stride:i32", _COMM,
-                            ["BLOCK"]), {"BLOCK": 2048}),
+    # the fused ops: the same tiles from a work queue, with pushes, waits and peer stores around them
+    "ag_gemm": (ag_gemm_kernel, _sig(_AG_ARGS, _COMM, _AG), _AG),
+    "gemm_rs": (gemm_rs_kernel, _sig(_RS_ARGS, _COMM, _FUSED_TILES), _FUSED_TILES),
     "two_shot_all_reduce_bf16": (two_shot_all_reduce_kernel,
                                  _sig("x_ptr:*bf16 out_ptr:*bf16 stage_ptr:*bf16 result_ptr:*bf16 ready_ptr:*i64 "
                                       "done_ptr:*i64 reduced_ptr:*i64 epoch_ptr:*i64 n:i32", _COMM, ["BLOCK"]),
@@ -118,11 +119,12 @@ def test_kernel_compiles_for_target(name, target):
     assert _compiled(name, target).asm.get(binary), f"{name}: no {binary} produced for {target}"
 
 
-WAITING = ("barrier", "gemm_wait", "gemm_rs_reduce", "one_shot_all_reduce_bf16", "two_shot_all_reduce_bf16")
+WAITING = ("barrier", "ag_gemm", "gemm_rs", "one_shot_all_reduce_bf16", "two_shot_all_reduce_bf16")
 
 
 def _spin_loops(ttgir: str):
-    """(text of each scf.while, the text after it up to the next scf.if)"""
+    """(text of each spin loop, the text after it up to the next scf.if): an innermost scf.while
+    that polls with volatile loads (a fused op's work-queue loop is a while loop too)"""
     lines = ttgir.splitlines()
     for i, line in enumerate(lines):
         if "scf.while" not in line:
@@ -134,6 +136,9 @@ def _spin_loops(ttgir: str):
                 break
             j += 1
         rest = "\n".join(lines[j + 1:])
+        body = "\n".join(lines[i + 1:j + 1])
+        if "scf.while" in body or "isVolatile = true" not in body:
+            continue
         yield "\n".join(lines[i:j + 1]), rest.split("scf.if", 1)[0]
 
 

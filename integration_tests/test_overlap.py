@@ -91,7 +91,7 @@ def _overlap_cases(ctx, seed, dtype):
     return out, big_ag, stats.snapshot()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_ag_gemm_and_gemm_rs(world, device):
     # The interpreter rounds fp32 -> bf16 differently from torch, which would break the bit-exact
     # GEMM-RS check below (not the kernel); fp16 conversions agree. GPUs run bf16.
@@ -130,3 +130,48 @@ def test_ag_gemm_and_gemm_rs(world, device):
         assert counts["ag_gemm.kernel"] == 2 * len(AG_SHAPES) + 3
         assert counts["gemm_rs.kernel"] == 2 * len(RS_SHAPES)
         assert counts["ag_gemm.fallback"] == 1
+
+
+def _random_calls(seed, world):
+    """One op instance each, called alternately with M changing every call (1, below W, ragged),
+    K and N odd: (op, M, K, N) per call, the same on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    calls = []
+    for i in range(8):
+        m = [1, max(world - 1, 1), int(torch.randint(1, 3 * world * 8, (), generator=gen))][i % 3]
+        calls.append(("ag" if i % 2 == 0 else "rs", m, 45, 23))
+    return calls
+
+
+def _random_sequence(ctx, seed, dtype):
+    W, r, dev = ctx.world_size, ctx.rank, ctx.device
+    ag = AllGatherGemm(ctx.heap, max_rows=3 * 8, k=45, dtype=dtype)
+    rs = GemmReduceScatter(ctx.heap, max_rows=3 * 8, n=23, dtype=dtype)
+    got = []
+    for i, (op, m, k, n) in enumerate(_random_calls(seed, W)):
+        a, b = _operands(seed + i, W, m, k, n, dtype)
+        if op == "ag":
+            got.append(ag(a[r].to(dev), b[0].to(dev)).cpu())
+        else:
+            got.append(rs(a[r].to(dev), b[r].to(dev)).cpu())
+    ctx.heap.check()
+    return got, stats.snapshot()
+
+
+@pytest.mark.parametrize("world", [3])
+def test_fused_ops_with_m_changing_every_call(world, device):
+    seed = int(torch.randint(0, 2**30, ()))
+    dtype = torch.float16 if device == "cpu" else torch.bfloat16
+    results = run_ranks(_random_sequence, world, (seed, dtype), device=device, heap_size=4 << 20, timeout=600)
+    for r, (got, counts) in enumerate(results):
+        for i, (op, m, k, n) in enumerate(_random_calls(seed, world)):
+            a, b = _operands(seed + i, world, m, k, n, dtype)
+            if op == "ag":  # m rows per shard
+                ref = torch.cat(a).double() @ b[0].double()
+            else:  # m rows in all, padded to a multiple of W
+                full = sum(a[q].double() @ b[q].double() for q in range(world))
+                rows = -(-m // world)
+                ref = torch.cat([full, full.new_zeros(rows * world - m, n)])[r * rows:(r + 1) * rows]
+            assert got[i].shape == ref.shape, (i, op, m)
+            assert _rel_err(got[i], ref) < 1e-2, (i, op, m, _rel_err(got[i], ref))
+        assert counts["ag_gemm.kernel"] == 4 and counts["gemm_rs.kernel"] == 4, counts

@@ -80,10 +80,7 @@ class OverlapTPLayers(TPLayers):
         w = self.tp.world_size
         self.tokens = tokens
         self.padded = -(-tokens // w) * w
-        # AG-GEMM's copy-engine pushes cannot be captured, so CUDA-graph steps (decode) keep the
-        # replicated layout whatever the dispatcher would pick.
-        self.sequence_parallel = (w > 1 and not runtime.capturing(self.device)
-                                  and self.dispatcher.sequence_parallel(self.padded, self._ops))
+        self.sequence_parallel = w > 1 and self.dispatcher.sequence_parallel(self.padded, self._ops)
         stats.record("layers.sequence_parallel_steps" if self.sequence_parallel else "layers.replicated_steps")
 
     def embedding(self, vocab_size: int, hidden: int) -> "OverlapEmbedding":
