@@ -175,3 +175,58 @@ def test_fused_ops_with_m_changing_every_call(world, device):
             assert got[i].shape == ref.shape, (i, op, m)
             assert _rel_err(got[i], ref) < 1e-2, (i, op, m, _rel_err(got[i], ref))
         assert counts["ag_gemm.kernel"] == 4 and counts["gemm_rs.kernel"] == 4, counts
+
+
+def _graph_replays(ctx):
+    """Both fused ops captured at two Ms each, replayed in turn with fresh inputs: the call number
+    and buffer half advance in device memory, so every replay is a new call."""
+    W, dev, g = ctx.world_size, ctx.device, ctx.device_group
+    gen = torch.Generator(device=dev).manual_seed(ctx.rank)
+    k, n = 72, 40
+    ag = AllGatherGemm(ctx.heap, max_rows=96, k=k)
+    rs = GemmReduceScatter(ctx.heap, max_rows=96, n=n)
+    b = torch.randn(k, n, device=dev, generator=gen).to(torch.bfloat16)
+    graphs = []
+    for op, m in (("ag", 1), ("ag", 90), ("rs", W - 1 or 1), ("rs", 190)):
+        a = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+        fn = (lambda a=a: ag(a, b)) if op == "ag" else (lambda a=a: rs(a, b))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            c = fn()
+        graphs.append((op, a, c, graph))
+    errs = []
+    for i in range(24):
+        op, a, c, graph = graphs[i % len(graphs)]
+        a.copy_(torch.randn(a.shape, device=dev, generator=gen))
+        c.fill_(float("nan"))
+        graph.replay()
+        if op == "ag":
+            full = torch.empty(W * a.shape[0], k, dtype=a.dtype, device=dev)
+            torch.distributed.all_gather_into_tensor(full, a, group=g)
+            ref = full.double() @ b.double()
+        else:
+            rows = -(-a.shape[0] // W)
+            full = torch.zeros(rows * W, n, dtype=torch.float64, device=dev)
+            full[:a.shape[0]] = a.double() @ b.double()
+            torch.distributed.all_reduce(full, group=g)
+            ref = full[ctx.rank * rows:(ctx.rank + 1) * rows]
+        errs.append((op, a.shape[0], _rel_err(c, ref)))
+    torch.cuda.synchronize()
+    ctx.heap.check()
+    return errs, ag.queue[2].item(), rs.queue[2].item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_fused_ops_replay_in_cuda_graphs(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    for errs, ag_calls, rs_calls in run_ranks(_graph_replays, world, device="cuda", heap_size=64 << 20,
+                                              timeout=300):
+        assert all(err < 1e-2 for _, _, err in errs), errs
+        assert ag_calls == rs_calls == 1 + 1 + 12  # two warm-ups, then 12 replays each

@@ -228,7 +228,7 @@ class AllGatherGemm:
     Capacity is fixed at construction (heap space is symmetric): `max_rows` rows per shard, `k`
     columns. Every call's state (call number, buffer half, work queue) lives in device memory, so
     calls can be captured in CUDA graphs and replayed. `pushers`: programs that push (the rest
-    start on the GEMM at once)."""
+    start on the GEMM at once); a call may override it."""
 
     PUSH_COLS = 128
     DEFAULT_PUSHERS = 16
@@ -249,7 +249,7 @@ class AllGatherGemm:
         heap.publish()
 
     def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool = False,
-                 config: TileConfig | None = None):
+                 config: TileConfig | None = None, pushers: int | None = None):
         h = self.heap
         _check_operands("ag_gemm", a_shard, b, h.device)
         rows, k = a_shard.shape
@@ -271,8 +271,8 @@ class AllGatherGemm:
         interpret = h.device.type == "cpu"
         ag_gemm_kernel[(programs,)](
             a_shard, b, c, self.gathered, a_full, rows, n, k, b.stride(0), b.stride(1), self.max_rows * k,
-            self.flags, self.flags.shape[1], self.queue, min(self.pushers, programs), h.rank, W, h.heap_bases,
-            h.error, h.spin_limit, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            self.flags, self.flags.shape[1], self.queue, min(pushers or self.pushers, programs), h.rank, W,
+            h.heap_bases, h.error, h.spin_limit, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0, INTERPRET=interpret, PUSH_COLS=self.PUSH_COLS,
             GATHER=return_gathered, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         h.check_if_free()
