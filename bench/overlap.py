@@ -118,9 +118,12 @@ def _measure_shape(ctx, op, m, k, n, gname, results, key, calls, torch_fused=Fal
             # the fused ops are capturable: the same calls replayed from a CUDA graph, beside
             # sequential's, show what is left once the host's launch cost is gone
             timed += [("ours_graph", variants["ours"]), ("sequential_graph", variants["sequential"])]
-            if op == "ag":
+            if op == "ag":  # the other producer: the GEMM's own programs push
+                by_programs = AllGatherGemm(h, rows, k, producer="programs")
+                timed += [("ours_programs", lambda: by_programs(a_shard, b)),
+                          ("ours_programs_graph", lambda: by_programs(a_shard, b))]
                 for p in pushers:
-                    timed.append((f"ours_p{p}", lambda p=p: fused(a_shard, b, pushers=p)))
+                    timed.append((f"ours_p{p}", lambda p=p: by_programs(a_shard, b, pushers=p)))
         for name, fn in timed:
             try:
                 t1 = time.perf_counter()
@@ -259,7 +262,7 @@ def _markdown(res):
     md = "## Llama TP shapes (ms)\n\n"
     hdr = ["shape", "op", "M", "K", "N", "cuBLAS", "NCCL", "sequential", "torch fused", "our GEMM", "ours",
            "floor", "seq/ours", "ours/floor", "comm hidden", "GEMM ours/cuBLAS", "seq graph", "ours graph",
-           "seq/ours graph", "pushers: ms"]
+           "seq/ours graph", "programs push: eager, graph", "pushers: ms"]
     rows = []
     for key, r in res["shapes"].items():
         rows.append([key, r["op"], r["M"], r["K"], r["N"], r.get("cublas", float("nan")), r.get("nccl", float("nan")),
@@ -269,6 +272,7 @@ def _markdown(res):
                      r.get("comm_hidden", float("nan")), r.get("triton_gemm", float("nan")) / r.get("cublas", float("nan")),
                      r.get("sequential_graph", float("nan")), r.get("ours_graph", float("nan")),
                      r.get("graph_seq_vs_ours", float("nan")),
+                     f"{r.get('ours_programs', float('nan')):.3f}, {r.get('ours_programs_graph', float('nan')):.3f}",
                      " ".join(f"{k[6:]}: {v:.3f}" for k, v in r.items() if k.startswith("ours_p") and isinstance(v, float))])
     md += md_table(hdr, rows)
     md += "\n## M sweep, Llama-3-8B shapes (ms): the dispatch table\n\n"

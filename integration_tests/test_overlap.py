@@ -132,21 +132,26 @@ def test_ag_gemm_and_gemm_rs(world, device):
         assert counts["ag_gemm.fallback"] == 1
 
 
+RANDOM_MAX_ROWS = 24
+
+
 def _random_calls(seed, world):
     """One op instance each, called alternately with M changing every call (1, below W, ragged),
     K and N odd: (op, M, K, N) per call, the same on every rank."""
     gen = torch.Generator().manual_seed(seed)
     calls = []
     for i in range(8):
-        m = [1, max(world - 1, 1), int(torch.randint(1, 3 * world * 8, (), generator=gen))][i % 3]
-        calls.append(("ag" if i % 2 == 0 else "rs", m, 45, 23))
+        op = "ag" if i % 2 == 0 else "rs"
+        most = RANDOM_MAX_ROWS * (1 if op == "ag" else world)  # AG: rows per shard; RS: rows in all
+        m = [1, max(world - 1, 1), int(torch.randint(1, most + 1, (), generator=gen))][i % 3]
+        calls.append((op, m, 45, 23))
     return calls
 
 
-def _random_sequence(ctx, seed, dtype):
+def _random_sequence(ctx, seed, dtype, producer):
     W, r, dev = ctx.world_size, ctx.rank, ctx.device
-    ag = AllGatherGemm(ctx.heap, max_rows=3 * 8, k=45, dtype=dtype)
-    rs = GemmReduceScatter(ctx.heap, max_rows=3 * 8, n=23, dtype=dtype)
+    ag = AllGatherGemm(ctx.heap, max_rows=RANDOM_MAX_ROWS, k=45, dtype=dtype, producer=producer)
+    rs = GemmReduceScatter(ctx.heap, max_rows=RANDOM_MAX_ROWS, n=23, dtype=dtype)
     got = []
     for i, (op, m, k, n) in enumerate(_random_calls(seed, W)):
         a, b = _operands(seed + i, W, m, k, n, dtype)
@@ -158,11 +163,12 @@ def _random_sequence(ctx, seed, dtype):
     return got, stats.snapshot()
 
 
-@pytest.mark.parametrize("world", [3])
-def test_fused_ops_with_m_changing_every_call(world, device):
+@pytest.mark.parametrize("world,producer", [(3, "programs"), (3, "copy_engine")])
+def test_fused_ops_with_m_changing_every_call(world, producer, device):
     seed = int(torch.randint(0, 2**30, ()))
     dtype = torch.float16 if device == "cpu" else torch.bfloat16
-    results = run_ranks(_random_sequence, world, (seed, dtype), device=device, heap_size=4 << 20, timeout=600)
+    results = run_ranks(_random_sequence, world, (seed, dtype, producer), device=device, heap_size=4 << 20,
+                        timeout=600)
     for r, (got, counts) in enumerate(results):
         for i, (op, m, k, n) in enumerate(_random_calls(seed, world)):
             a, b = _operands(seed + i, world, m, k, n, dtype)
@@ -177,13 +183,13 @@ def test_fused_ops_with_m_changing_every_call(world, device):
         assert counts["ag_gemm.kernel"] == 4 and counts["gemm_rs.kernel"] == 4, counts
 
 
-def _graph_replays(ctx):
+def _graph_replays(ctx, producer):
     """Both fused ops captured at two Ms each, replayed in turn with fresh inputs: the call number
     and buffer half advance in device memory, so every replay is a new call."""
     W, dev, g = ctx.world_size, ctx.device, ctx.device_group
     gen = torch.Generator(device=dev).manual_seed(ctx.rank)
     k, n = 72, 40
-    ag = AllGatherGemm(ctx.heap, max_rows=96, k=k)
+    ag = AllGatherGemm(ctx.heap, max_rows=96, k=k, producer=producer)
     rs = GemmReduceScatter(ctx.heap, max_rows=96, n=n)
     b = torch.randn(k, n, device=dev, generator=gen).to(torch.bfloat16)
     graphs = []
@@ -222,11 +228,12 @@ def _graph_replays(ctx):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("producer", AllGatherGemm.PRODUCERS)
 @pytest.mark.parametrize("world", [2, 4])
-def test_fused_ops_replay_in_cuda_graphs(world):
+def test_fused_ops_replay_in_cuda_graphs(world, producer):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    for errs, ag_calls, rs_calls in run_ranks(_graph_replays, world, device="cuda", heap_size=64 << 20,
-                                              timeout=300):
+    for errs, ag_calls, rs_calls in run_ranks(_graph_replays, world, (producer,), device="cuda",
+                                              heap_size=64 << 20, timeout=300):
         assert all(err < 1e-2 for _, _, err in errs), errs
         assert ag_calls == rs_calls == 1 + 1 + 12  # two warm-ups, then 12 replays each

@@ -5,14 +5,21 @@ which is the order the peers' rows reach me (each rank pushes to rank + 1 first)
 the next item from the op's work queue (kernels/work_queue.py), so programs that are busy pushing,
 or waiting for a row block, simply take fewer tiles.
 
-The first `pushers` programs first copy my shard into every peer's heap, row block by row block
-(BLOCK_M rows, the consumers' tile height), each block followed by its flag. The other programs
-start on my own rows at once, so the pushes ride under the GEMM. A tile of a peer's rows waits for
-that row block's flag only, not for the whole shard.
+Two producers of the peers' rows, one consumer:
+- programs: the first `pushers` programs first copy my shard into every peer's heap, row block by
+  row block (BLOCK_M rows, the consumers' tile height), each block followed by its flag, while the
+  others start on my own rows at once. Capturable as it is; costs those SMs.
+- the copy engine: the host enqueues, on a side stream, a memcpy per chunk of rows into each peer's
+  heap and an 8-byte memcpy of the call number into that chunk's flag (no SM involved, so nothing
+  the GEMM's resident programs wait for needs an SM to become free). The peers' buffers are single
+  (a memcpy's destination is fixed when a graph is captured), so copy_engine_begin_kernel first
+  has all ranks meet: after it, every peer has finished reading the previous call's rows.
+A tile of a peer's rows waits for its row block's (or chunk's) flag only, not the whole shard.
 
-Buffers in the heap, per op: `gathered[parity, slot]` holds the rows of the peer whose slot it is
-(slot = (src - me - 1) mod W, so W - 1 slots), `flags[slot, row block]` is written by that peer
-only. Parity is the call number's, which lives in device memory. Reuse is safe with two halves:
+Buffers in the heap, per op: `gathered[half, slot]` holds the rows of the peer whose slot it is
+(slot = (src - me - 1) mod W, so W - 1 slots), `flags[slot, row block or chunk]` is written by
+that peer only. With program pushes the half is the call number's parity (device memory); reuse is
+safe with two halves:
 a rank's pushes of call e go to half e % 2 of a peer, which last read it in call e - 2; the rank
 reaches call e only after its call e - 1 saw that peer's rows of e - 1, which the peer pushes after
 its call e - 2 has finished.
@@ -41,21 +48,35 @@ def copy_rows(src_ptr, dst_ptr, row0, rows, K, BLOCK_M: tl.constexpr, COLS: tl.c
 
 
 @triton.jit
+def copy_engine_begin_kernel(queue_ptr, push_ptr, flags_ptr, rank, world, heap_bases, error_ptr, max_spins):
+    """Before the copy engine pushes call e into the peers' (single) buffers: every rank meets here,
+    after its call e - 1 has read them, and e becomes the value the engine copies into the flags.
+    A rank that has given up leaves it at e - 1, so its peers time out rather than take its rows."""
+    epoch = work_queue.call_number(queue_ptr)
+    if rma.barrier(flags_ptr, epoch, rank, world, heap_bases, error_ptr, max_spins):
+        tl.store(push_ptr, epoch)
+
+
+@triton.jit
 def ag_gemm_kernel(a_ptr, b_ptr, c_ptr, gathered_ptr, full_ptr, rows, N, K, stride_bk, stride_bn, slot_stride,
-                   flags_ptr, flag_stride, queue_ptr, pushers, rank, world, heap_bases, error_ptr, max_spins,
+                   halves, flags_ptr, flag_stride, chunk_rows, queue_ptr, pushers, rank, world, heap_bases,
+                   error_ptr, max_spins,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                    EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, PUSH_COLS: tl.constexpr, GATHER: tl.constexpr):
     """c[src * rows + i] = (row i of rank src's shard) @ B for every src; a is my shard [rows, K].
     With GATHER, full[src * rows + i] = that row too (one program per row block copies it).
 
+    The producer is either these programs (pushers > 0: row blocks, two buffer halves, flags per
+    row block) or the copy engine (pushers = 0, `halves` = 1: the host enqueues the pushes on a
+    side stream after copy_engine_begin_kernel, one flag per `chunk_rows` rows).
+
     Once this rank has given up on a peer (error slot set, or a wait here fails) the program pushes
     nothing, raises no flag and computes no tile that depends on a peer: the peers then time out
     and report rather than take rows from a rank that is no longer in step."""
     epoch = work_queue.call_number(queue_ptr)
-    parity = epoch % 2
     ok = True  # a bool (the interpreter types a bare comparison as an integer, which no mask takes)
     ok = ok & rma.no_error(error_ptr)
-    half = parity.to(tl.int64) * (world - 1) * slot_stride
+    half = (epoch % halves).to(tl.int64) * (world - 1) * slot_stride
     row_blocks = tl.cdiv(rows, BLOCK_M)
     pid = tl.program_id(0)
     if (pid < pushers) & ok:
@@ -81,7 +102,8 @@ def ag_gemm_kernel(a_ptr, b_ptr, c_ptr, gathered_ptr, full_ptr, rows, N, K, stri
         else:
             slot = (src - rank - 1 + world) % world
             a = gathered_ptr + half + slot * slot_stride
-            ready = ok & rma.signal_wait(flags_ptr + slot * flag_stride + pid_m, epoch, rank, src, heap_bases,
+            chunk = pid_m * BLOCK_M // chunk_rows
+            ready = ok & rma.signal_wait(flags_ptr + slot * flag_stride + chunk, epoch, rank, src, heap_bases,
                                          error_ptr, max_spins)
             ok = ready
         if ready:
