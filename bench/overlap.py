@@ -62,7 +62,7 @@ def weight_t(n, k, dev, gen):
     return (torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=gen) / k ** 0.5).t()
 
 
-def _measure_shape(ctx, op, m, k, n, gname, results, key, calls, torch_fused=False, pushers=()):
+def _measure_shape(ctx, op, m, k, n, gname, results, key, calls, torch_fused=False):
     """Times every variant of one (op, M, K, N) on this rank; fills results[key]. torch's fused ops
     run in a separate pass (torch_fused=True) so that a failure there cannot cost our numbers."""
     W, dev, h = ctx.world_size, ctx.device, ctx.heap
@@ -118,12 +118,6 @@ def _measure_shape(ctx, op, m, k, n, gname, results, key, calls, torch_fused=Fal
             # the fused ops are capturable: the same calls replayed from a CUDA graph, beside
             # sequential's, show what is left once the host's launch cost is gone
             timed += [("ours_graph", variants["ours"]), ("sequential_graph", variants["sequential"])]
-            if op == "ag":  # the other producer: the GEMM's own programs push
-                by_programs = AllGatherGemm(h, rows, k, producer="programs")
-                timed += [("ours_programs", lambda: by_programs(a_shard, b)),
-                          ("ours_programs_graph", lambda: by_programs(a_shard, b))]
-                for p in pushers:
-                    timed.append((f"ours_p{p}", lambda p=p: by_programs(a_shard, b, pushers=p)))
         for name, fn in timed:
             try:
                 t1 = time.perf_counter()
@@ -143,7 +137,7 @@ def _measure_shape(ctx, op, m, k, n, gname, results, key, calls, torch_fused=Fal
     row["bench_seconds"] = time.perf_counter() - t0
 
 
-def _bench_rank(ctx, quick, partial, pushers=(), skip=()):
+def _bench_rank(ctx, quick, partial, skip=()):
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
     gname = _torch_fused(ctx)
     W = ctx.world_size
@@ -162,7 +156,7 @@ def _bench_rank(ctx, quick, partial, pushers=(), skip=()):
 
     def phase_shapes(torch_fused):
         for key, op, m, k, n in shapes:
-            _measure_shape(ctx, op, m, k, n, gname, out["shapes"], key, 5, torch_fused, pushers)
+            _measure_shape(ctx, op, m, k, n, gname, out["shapes"], key, 5, torch_fused)
             checkpoint()
         for key, op, m, k, n in sweep:
             _measure_shape(ctx, op, m, k, n, gname, out["sweep"], key, 10 if m <= 1024 else 5, torch_fused)
@@ -262,7 +256,7 @@ def _markdown(res):
     md = "## Llama TP shapes (ms)\n\n"
     hdr = ["shape", "op", "M", "K", "N", "cuBLAS", "NCCL", "sequential", "torch fused", "our GEMM", "ours",
            "floor", "seq/ours", "ours/floor", "comm hidden", "GEMM ours/cuBLAS", "seq graph", "ours graph",
-           "seq/ours graph", "programs push: eager, graph", "pushers: ms"]
+           "seq/ours graph"]
     rows = []
     for key, r in res["shapes"].items():
         rows.append([key, r["op"], r["M"], r["K"], r["N"], r.get("cublas", float("nan")), r.get("nccl", float("nan")),
@@ -272,8 +266,7 @@ def _markdown(res):
                      r.get("comm_hidden", float("nan")), r.get("triton_gemm", float("nan")) / r.get("cublas", float("nan")),
                      r.get("sequential_graph", float("nan")), r.get("ours_graph", float("nan")),
                      r.get("graph_seq_vs_ours", float("nan")),
-                     f"{r.get('ours_programs', float('nan')):.3f}, {r.get('ours_programs_graph', float('nan')):.3f}",
-                     " ".join(f"{k[6:]}: {v:.3f}" for k, v in r.items() if k.startswith("ours_p") and isinstance(v, float))])
+                     ])
     md += md_table(hdr, rows)
     md += "\n## M sweep, Llama-3-8B shapes (ms): the dispatch table\n\n"
     rows = [[k, r.get("sequential", float("nan")), r.get("torch_fused", float("nan")), r.get("ours", float("nan")),
@@ -307,14 +300,11 @@ def _plot(res, path):
 def main(argv=None):
     p = bench_parser(__doc__)
     p.add_argument("--timeout", type=float, default=590)
-    p.add_argument("--pushers", default="", help="comma-separated AG-GEMM pusher counts to time beside the "
-                   "default, at the Llama shapes (e.g. 8,32)")
     p.add_argument("--skip", default="", help="comma-separated phases to leave out: all_reduce, torch_fused")
     args = p.parse_args(argv)
-    pushers = tuple(int(x) for x in args.pushers.split(",") if x)
     partial = os.path.join(args.out, "overlap-partial-rank0.json")
     try:
-        per_rank = run_ranks(_bench_rank, args.tp, (args.quick, partial, pushers, tuple(args.skip.split(","))), device="cuda", heap_size=1400 << 20,
+        per_rank = run_ranks(_bench_rank, args.tp, (args.quick, partial, tuple(args.skip.split(","))), device="cuda", heap_size=1400 << 20,
                              timeout=args.timeout)
     except Exception as e:  # cut off: report rank 0's numbers so far, and say so
         with open(partial) as f:

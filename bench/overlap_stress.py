@@ -3,7 +3,7 @@ eager and as CUDA-graph replays, every result checked against torch (NCCL + fp32
 
     python bench/overlap_stress.py --tp 4 [--calls 2000] [--out bench/results] [--quick]
 
-Shapes are Llama-3-8B's qkv (AG-GEMM, both producers) and o_proj (GEMM-RS) at TP=W. Eager: each call takes a new
+Shapes are Llama-3-8B's qkv (AG-GEMM) and o_proj (GEMM-RS) at TP=W. Eager: each call takes a new
 M (1 to the op's capacity; AG: rows per shard, RS: rows in all, padded to W) and fresh inputs. Graph:
 one graph per op for each of 8 Ms, captured once, then replayed in random order with fresh inputs
 copied into the graph's input buffers before each replay. The reference runs between our calls on
@@ -42,13 +42,13 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 class _Op:
     """One fused op with fresh inputs for M, our call and the reference (fp32, through NCCL)."""
 
-    def __init__(self, ctx, kind, producer="copy_engine"):
+    def __init__(self, ctx, kind):
         self.ctx, self.kind = ctx, kind
         W, dev = ctx.world_size, ctx.device
         self.gen = torch.Generator(device=dev).manual_seed(77 + ctx.rank)
         if kind == "ag":
             self.k, self.n = HIDDEN, QKV // W
-            self.op = AllGatherGemm(ctx.heap, MAX_ROWS, self.k, producer=producer)
+            self.op = AllGatherGemm(ctx.heap, MAX_ROWS, self.k)
         else:
             self.k, self.n = HIDDEN // W, HIDDEN
             self.op = GemmReduceScatter(ctx.heap, MAX_ROWS, self.n)
@@ -82,7 +82,7 @@ class _Op:
 
 def _stress_rank(ctx, calls, seed):
     torch.backends.cuda.matmul.allow_tf32 = False
-    ops = {"ag": _Op(ctx, "ag"), "ag_programs": _Op(ctx, "ag", "programs"), "rs": _Op(ctx, "rs")}
+    ops = {"ag": _Op(ctx, "ag"), "rs": _Op(ctx, "rs")}
     order = torch.Generator().manual_seed(seed)  # the same draws on every rank
     out = {}
 
@@ -152,7 +152,7 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=540)
     args = p.parse_args(argv)
     calls = 200 if args.quick else args.calls
-    heap = 5 * (args.tp - 1) * MAX_ROWS * HIDDEN * 2 + (64 << 20)  # 5 halves of W - 1 slots in all
+    heap = 3 * (args.tp - 1) * MAX_ROWS * HIDDEN * 2 + (64 << 20)  # AG: 1 buffer, RS: 2 halves, of W - 1 slots
     per_rank = run_ranks(_stress_rank, args.tp, (calls, args.seed), device="cuda", heap_size=heap,
                          timeout=args.timeout)
     res = {mode: {**per_rank[0][mode],

@@ -49,12 +49,13 @@ def _sig(params: str, extra: dict | None = None, constexprs=_TILES) -> dict:
 _GEMM_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 M:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 "
               "stride_bn:i32 stride_cm:i32 stride_cn:i32 c_desc:*bf16 split_ws_ptr:*fp32 split_count_ptr:*i32 "
               "split_k:i32")
-_FUSED_TILES = {**_TILES, "EVEN_K": False}  # odd K: the masked K loop
-_AG = {**_FUSED_TILES, "PUSH_COLS": 128, "GATHER": False}
+_FUSED_TILES = {**_TILES, "EVEN_K": False, "WORLD": 4, "FLATTEN": True}  # odd K: the masked K loop
+_AG = {**_FUSED_TILES, "GATHER": False}
+_FUSED_COMM = "rank:i32 heap_bases:*i64 error_ptr:*i64 max_spins:i32"
 _AG_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 gathered_ptr:*bf16 full_ptr:*bf16 rows:i32 N:i32 K:i32 "
-            "stride_bk:i32 stride_bn:i32 slot_stride:i32 flags_ptr:*i64 flag_stride:i32 queue_ptr:*i64 pushers:i32")
+            "stride_bk:i32 stride_bn:i32 slot_stride:i32 flags_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM)
 _RS_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 recv_ptr:*bf16 rows:i32 N:i32 K:i32 stride_am:i32 stride_bk:i32 "
-            "stride_bn:i32 slot_stride:i32 flags_ptr:*i64 flag_stride:i32 queue_ptr:*i64")
+            "stride_bn:i32 slot_stride:i32 counts_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM)
 
 
 def _tma_sig(constexprs: dict) -> dict:
@@ -75,9 +76,9 @@ KERNELS = {
     "gemm_tma_ws": (gemm_kernel, _sig(_GEMM_ARGS, None, _GEMM_TMA_WS), _GEMM_TMA_WS, {"num_warps": 4}),
     "gemm_split_k": (gemm_kernel, _tma_sig(_GEMM_SPLIT), _GEMM_SPLIT, {"num_warps": 4, "num_stages": 4}),
     "gemm_split_k_ptr": (gemm_kernel, _sig(_GEMM_ARGS, None, _GEMM_SPLIT_PTR), _GEMM_SPLIT_PTR, {"num_warps": 4}),
-    # the fused ops: the same tiles from a work queue, with pushes, waits and peer stores around them
-    "ag_gemm": (ag_gemm_kernel, _sig(_AG_ARGS, _COMM, _AG), _AG),
-    "gemm_rs": (gemm_rs_kernel, _sig(_RS_ARGS, _COMM, _FUSED_TILES), _FUSED_TILES),
+    # the fused ops: the same tiles in two loops each, waits between them, peer stores in them
+    "ag_gemm": (ag_gemm_kernel, _sig(_AG_ARGS, None, _AG), _AG),
+    "gemm_rs": (gemm_rs_kernel, _sig(_RS_ARGS, None, _FUSED_TILES), _FUSED_TILES),
     "two_shot_all_reduce_bf16": (two_shot_all_reduce_kernel,
                                  _sig("x_ptr:*bf16 out_ptr:*bf16 stage_ptr:*bf16 result_ptr:*bf16 ready_ptr:*i64 "
                                       "done_ptr:*i64 reduced_ptr:*i64 epoch_ptr:*i64 n:i32", _COMM, ["BLOCK"]),
@@ -124,7 +125,7 @@ WAITING = ("barrier", "ag_gemm", "gemm_rs", "one_shot_all_reduce_bf16", "two_sho
 
 def _spin_loops(ttgir: str):
     """(text of each spin loop, the text after it up to the next scf.if): an innermost scf.while
-    that polls with volatile loads (a fused op's work-queue loop is a while loop too)"""
+    that polls with volatile loads"""
     lines = ttgir.splitlines()
     for i, line in enumerate(lines):
         if "scf.while" not in line:

@@ -148,9 +148,9 @@ def _random_calls(seed, world):
     return calls
 
 
-def _random_sequence(ctx, seed, dtype, producer):
+def _random_sequence(ctx, seed, dtype):
     W, r, dev = ctx.world_size, ctx.rank, ctx.device
-    ag = AllGatherGemm(ctx.heap, max_rows=RANDOM_MAX_ROWS, k=45, dtype=dtype, producer=producer)
+    ag = AllGatherGemm(ctx.heap, max_rows=RANDOM_MAX_ROWS, k=45, dtype=dtype)
     rs = GemmReduceScatter(ctx.heap, max_rows=RANDOM_MAX_ROWS, n=23, dtype=dtype)
     got = []
     for i, (op, m, k, n) in enumerate(_random_calls(seed, W)):
@@ -163,12 +163,11 @@ def _random_sequence(ctx, seed, dtype, producer):
     return got, stats.snapshot()
 
 
-@pytest.mark.parametrize("world,producer", [(3, "programs"), (3, "copy_engine")])
-def test_fused_ops_with_m_changing_every_call(world, producer, device):
+@pytest.mark.parametrize("world", [3])
+def test_fused_ops_with_m_changing_every_call(world, device):
     seed = int(torch.randint(0, 2**30, ()))
     dtype = torch.float16 if device == "cpu" else torch.bfloat16
-    results = run_ranks(_random_sequence, world, (seed, dtype, producer), device=device, heap_size=4 << 20,
-                        timeout=600)
+    results = run_ranks(_random_sequence, world, (seed, dtype), device=device, heap_size=4 << 20, timeout=600)
     for r, (got, counts) in enumerate(results):
         for i, (op, m, k, n) in enumerate(_random_calls(seed, world)):
             a, b = _operands(seed + i, world, m, k, n, dtype)
@@ -183,13 +182,13 @@ def test_fused_ops_with_m_changing_every_call(world, producer, device):
         assert counts["ag_gemm.kernel"] == 4 and counts["gemm_rs.kernel"] == 4, counts
 
 
-def _graph_replays(ctx, producer):
+def _graph_replays(ctx):
     """Both fused ops captured at two Ms each, replayed in turn with fresh inputs: the call number
     and buffer half advance in device memory, so every replay is a new call."""
     W, dev, g = ctx.world_size, ctx.device, ctx.device_group
     gen = torch.Generator(device=dev).manual_seed(ctx.rank)
     k, n = 72, 40
-    ag = AllGatherGemm(ctx.heap, max_rows=96, k=k, producer=producer)
+    ag = AllGatherGemm(ctx.heap, max_rows=96, k=k)
     rs = GemmReduceScatter(ctx.heap, max_rows=96, n=n)
     b = torch.randn(k, n, device=dev, generator=gen).to(torch.bfloat16)
     graphs = []
@@ -224,16 +223,15 @@ def _graph_replays(ctx, producer):
         errs.append((op, a.shape[0], _rel_err(c, ref)))
     torch.cuda.synchronize()
     ctx.heap.check()
-    return errs, ag.queue[2].item(), rs.queue[2].item()
+    return errs, ag.calls[1].item(), rs.calls[1].item()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("producer", AllGatherGemm.PRODUCERS)
 @pytest.mark.parametrize("world", [2, 4])
-def test_fused_ops_replay_in_cuda_graphs(world, producer):
+def test_fused_ops_replay_in_cuda_graphs(world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    for errs, ag_calls, rs_calls in run_ranks(_graph_replays, world, (producer,), device="cuda",
-                                              heap_size=64 << 20, timeout=300):
+    for errs, ag_calls, rs_calls in run_ranks(_graph_replays, world, device="cuda", heap_size=64 << 20,
+                                              timeout=300):
         assert all(err < 1e-2 for _, _, err in errs), errs
         assert ag_calls == rs_calls == 1 + 1 + 12  # two warm-ups, then 12 replays each

@@ -1,32 +1,26 @@
 """AG-GEMM in one persistent launch: C = all_gather(A_shard) @ B, the gather hidden behind the GEMM.
 
-Work items are C's tiles in shard order, mine first: shard s of the walk is rank (me - s) mod W,
-which is the order the peers' rows reach me (each rank pushes to rank + 1 first). A program takes
-the next item from the op's work queue (kernels/work_queue.py), so programs that are busy pushing,
-or waiting for a row block, simply take fewer tiles.
+The copy engine moves the shards (the host enqueues it on a side stream): into each peer's heap, a
+memcpy of my rows, then an 8-byte memcpy of the call number into my flag there. No SM is involved, so the GEMM keeps every SM, and nothing the GEMM's resident programs wait
+for needs an SM to become free. (The GEMM's own programs pushing was measured as the other
+producer: no faster, and it costs SMs and a dynamic schedule; bench/notes/ag_gemm.md.)
+A memcpy's destination is fixed when a graph is captured, so the peers' buffers are single, and
+`copy_engine_begin_kernel` first has all ranks meet: after it every peer has read the last call's
+rows.
 
-Two producers of the peers' rows, one consumer:
-- programs: the first `pushers` programs first copy my shard into every peer's heap, row block by
-  row block (BLOCK_M rows, the consumers' tile height), each block followed by its flag, while the
-  others start on my own rows at once. Capturable as it is; costs those SMs.
-- the copy engine: the host enqueues, on a side stream, a memcpy per chunk of rows into each peer's
-  heap and an 8-byte memcpy of the call number into that chunk's flag (no SM involved, so nothing
-  the GEMM's resident programs wait for needs an SM to become free). The peers' buffers are single
-  (a memcpy's destination is fixed when a graph is captured), so copy_engine_begin_kernel first
-  has all ranks meet: after it, every peer has finished reading the previous call's rows.
-A tile of a peer's rows waits for its row block's (or chunk's) flag only, not the whole shard.
+The GEMM is two plain tile loops, so the compiler flattens each into one pipelined loop (the next
+tile's loads in flight during this tile's epilogue: 10-18% of the GEMM's time on H200,
+bench/results/fused-core-h200-2026-11-22): my own rows, which need nothing, then every peer's rows,
+shard by shard in the order they reach me (each rank pushes to rank + 1 first), after one wait per
+peer between the loops. A wait per chunk inside the loop would end the flattening (measured: the
+fused kernels then ran 1.15-1.3x cuBLAS against the flattened core's 1.03-1.07x), and at the M where
+the op is used, my own rows take longer than the copy engine needs to bring all the peers' rows
+(bench/notes/ag_gemm.md).
 
-Buffers in the heap, per op: `gathered[half, slot]` holds the rows of the peer whose slot it is
-(slot = (src - me - 1) mod W, so W - 1 slots), `flags[slot, row block or chunk]` is written by
-that peer only. With program pushes the half is the call number's parity (device memory); reuse is
-safe with two halves:
-a rank's pushes of call e go to half e % 2 of a peer, which last read it in call e - 2; the rank
-reaches call e only after its call e - 1 saw that peer's rows of e - 1, which the peer pushes after
-its call e - 2 has finished.
-
-The tiles are the one GEMM core's (kernels/gemm.py: tile_coords, gemm_tile, store_tile), by
-pointer: rows a peer delivers are read with ordinary loads, which the flag's acquire orders; nothing
-portable orders the tensor-copy engine's reads after it.
+Buffers in the heap, per op: `gathered[slot]` holds the rows of the peer whose slot it is
+(slot = (src - me - 1) mod W, so W - 1 slots), `flags[slot]` is written by that peer only.
+The tiles are the one GEMM core's (kernels/gemm.py), by pointer: rows a peer delivers are read with
+ordinary loads, which the flag's acquire orders (nothing portable orders tensor-copy reads after it).
 """
 
 import triton
@@ -34,6 +28,16 @@ import triton.language as tl
 
 from tp_overlap_plugin.kernels import rma, work_queue
 from tp_overlap_plugin.kernels.gemm import gemm_tile, store_tile, tile_coords
+
+
+@triton.jit
+def copy_engine_begin_kernel(calls_ptr, push_ptr, flags_ptr, rank, world, heap_bases, error_ptr, max_spins):
+    """Before the copy engine pushes call e into the peers' buffers: every rank meets here, after
+    its call e - 1 has read them, and e becomes the value the engine copies into the flags. A rank
+    that has given up leaves it at e - 1, so its peers time out rather than take its rows."""
+    epoch = work_queue.call_number(calls_ptr)
+    if rma.barrier(flags_ptr, epoch, rank, world, heap_bases, error_ptr, max_spins):
+        tl.store(push_ptr, epoch)
 
 
 @triton.jit
@@ -48,72 +52,51 @@ def copy_rows(src_ptr, dst_ptr, row0, rows, K, BLOCK_M: tl.constexpr, COLS: tl.c
 
 
 @triton.jit
-def copy_engine_begin_kernel(queue_ptr, push_ptr, flags_ptr, rank, world, heap_bases, error_ptr, max_spins):
-    """Before the copy engine pushes call e into the peers' (single) buffers: every rank meets here,
-    after its call e - 1 has read them, and e becomes the value the engine copies into the flags.
-    A rank that has given up leaves it at e - 1, so its peers time out rather than take its rows."""
-    epoch = work_queue.call_number(queue_ptr)
-    if rma.barrier(flags_ptr, epoch, rank, world, heap_bases, error_ptr, max_spins):
-        tl.store(push_ptr, epoch)
-
-
-@triton.jit
 def ag_gemm_kernel(a_ptr, b_ptr, c_ptr, gathered_ptr, full_ptr, rows, N, K, stride_bk, stride_bn, slot_stride,
-                   halves, flags_ptr, flag_stride, chunk_rows, queue_ptr, pushers, rank, world, heap_bases,
-                   error_ptr, max_spins,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, PUSH_COLS: tl.constexpr, GATHER: tl.constexpr):
+                   flags_ptr, calls_ptr, rank, heap_bases, error_ptr, max_spins,
+                   WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, FLATTEN: tl.constexpr,
+                   GATHER: tl.constexpr):
     """c[src * rows + i] = (row i of rank src's shard) @ B for every src; a is my shard [rows, K].
-    With GATHER, full[src * rows + i] = that row too (one program per row block copies it).
+    With GATHER, full[src * rows + i] = that row too (one program per row block copies it; tests).
 
-    The producer is either these programs (pushers > 0: row blocks, two buffer halves, flags per
-    row block) or the copy engine (pushers = 0, `halves` = 1: the host enqueues the pushes on a
-    side stream after copy_engine_begin_kernel, one flag per `chunk_rows` rows).
-
-    Once this rank has given up on a peer (error slot set, or a wait here fails) the program pushes
-    nothing, raises no flag and computes no tile that depends on a peer: the peers then time out
-    and report rather than take rows from a rank that is no longer in step."""
-    epoch = work_queue.call_number(queue_ptr)
+    Once this rank has given up on a peer (error slot set, or a wait here fails) the program
+    computes no tile of a peer's rows: they may never have arrived."""
+    epoch = work_queue.call_number(calls_ptr)
     ok = True  # a bool (the interpreter types a bare comparison as an integer, which no mask takes)
     ok = ok & rma.no_error(error_ptr)
-    half = (epoch % halves).to(tl.int64) * (world - 1) * slot_stride
-    row_blocks = tl.cdiv(rows, BLOCK_M)
-    pid = tl.program_id(0)
-    if (pid < pushers) & ok:
-        for job in range(pid, (world - 1) * row_blocks, pushers):
-            peer = (rank + 1 + job // row_blocks) % world
-            rb = job % row_blocks
-            slot = (rank - peer - 1 + world) % world  # mine, in the peer's heap
-            there = rma.translate(gathered_ptr + half + slot * slot_stride, rank, peer, heap_bases)
-            copy_rows(a_ptr, there, rb * BLOCK_M, rows, K, BLOCK_M, PUSH_COLS)
-            rma.signal_set(flags_ptr + slot * flag_stride + rb, epoch, rank, peer, heap_bases)
-
+    P = tl.num_programs(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
+    row_blocks = tl.cdiv(rows, BLOCK_M)
     per_shard = row_blocks * tiles_n
     k_blocks = tl.cdiv(K, BLOCK_K)
-    item = work_queue.next_item(queue_ptr)
-    while item < world * per_shard:
+    for item in tl.range(tl.program_id(0), per_shard, P, flatten=FLATTEN):
+        pid_m, pid_n = tile_coords(item, row_blocks, tiles_n, GROUP_M)
+        acc = gemm_tile(a_ptr, b_ptr, pid_m, pid_n, rows, N, K, 0, k_blocks, K, 1, stride_bk, stride_bn,
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, False, False)
+        c_mine = c_ptr + rank.to(tl.int64) * rows * N
+        store_tile(c_mine, c_mine, acc, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N, False, False)
+        if GATHER:
+            if pid_n == 0:
+                copy_rows(a_ptr, full_ptr + rank.to(tl.int64) * rows * K, pid_m * BLOCK_M, rows, K, BLOCK_M, 128)
+    for peer in tl.static_range(WORLD):
+        if peer != rank:
+            ok = ok & rma.signal_wait(flags_ptr + (peer - rank - 1 + WORLD) % WORLD, epoch, rank, peer, heap_bases,
+                                      error_ptr, max_spins)
+    end = WORLD * per_shard
+    if not ok:
+        end = per_shard
+    for item in tl.range(work_queue.first_item(per_shard, P), end, P, flatten=FLATTEN):
         shard = item // per_shard
+        src = (rank - shard + WORLD) % WORLD
+        slot = (src - rank - 1 + WORLD) % WORLD
+        a = gathered_ptr + slot.to(tl.int64) * slot_stride
         pid_m, pid_n = tile_coords(item % per_shard, row_blocks, tiles_n, GROUP_M)
-        src = (rank - shard + world) % world
-        if shard == 0:
-            a = a_ptr
-            ready = ok
-        else:
-            slot = (src - rank - 1 + world) % world
-            a = gathered_ptr + half + slot * slot_stride
-            chunk = pid_m * BLOCK_M // chunk_rows
-            ready = ok & rma.signal_wait(flags_ptr + slot * flag_stride + chunk, epoch, rank, src, heap_bases,
-                                         error_ptr, max_spins)
-            ok = ready
-        if ready:
-            acc = gemm_tile(a, b_ptr, pid_m, pid_n, rows, N, K, 0, k_blocks, K, 1, stride_bk, stride_bn,
-                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, False, False)
-            c_shard = c_ptr + src.to(tl.int64) * rows * N
-            store_tile(c_shard, c_shard, acc, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N, False, False)
-            if GATHER:
-                if pid_n == 0:
-                    copy_rows(a, full_ptr + src.to(tl.int64) * rows * K, pid_m * BLOCK_M, rows, K, BLOCK_M,
-                              PUSH_COLS)
-        item = work_queue.next_item(queue_ptr)
-    work_queue.finish_call(queue_ptr, epoch)
+        acc = gemm_tile(a, b_ptr, pid_m, pid_n, rows, N, K, 0, k_blocks, K, 1, stride_bk, stride_bn,
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, False, False)
+        c_shard = c_ptr + src.to(tl.int64) * rows * N
+        store_tile(c_shard, c_shard, acc, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N, False, False)
+        if GATHER:
+            if pid_n == 0:
+                copy_rows(a, full_ptr + src.to(tl.int64) * rows * K, pid_m * BLOCK_M, rows, K, BLOCK_M, 128)
+    work_queue.finish_call(calls_ptr, epoch)

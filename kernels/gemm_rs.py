@@ -1,18 +1,18 @@
 """GEMM-RS in one persistent launch: rank r's C_shard = rows [r * rows, (r + 1) * rows) of the sum
 over ranks of A @ B (each rank holds a K-slice of the product).
 
-Work items are the tiles of A @ B in shard order, peers' rows first: shard s of the walk belongs to
-rank (me + 1 + s) mod W, so my own rows come last and every peer's partials for me are computed
-before I reach mine (in every rank's walk, mine come before that rank's own). A program takes the
-next item from the op's work queue (kernels/work_queue.py).
+The GEMM is two plain tile loops (flattened by the compiler into pipelined loops, see
+kernels/ag_gemm.py for why that shape): first the peers' rows, shard by shard, rank (me + 1 + s)
+mod W, so in every rank's walk my rows come before that rank's own; then my own rows.
 
-A tile of a peer's rows is stored straight into that owner's heap, `recv[parity, slot]`
-(slot = (src - owner - 1) mod W: W - 1 slots), then its own flag is raised, `flags[slot, tile]`.
-A tile of my rows is the reduction: it waits for the W - 1 partials of the same tile and sums all
-W in rank order 0..W-1 in fp32, my own rounded to the output dtype first as the peers' were. The
-order is fixed, so the result does not depend on arrival order and matches a reference that rounds
-each partial. Parity is the call number's (device memory); two halves suffice because a peer can
-reach call e + 2, which writes half e % 2 again, only after I finished call e + 1.
+A tile of a peer's rows is stored straight into that owner's heap, `recv[half, slot]`
+(slot = (src - owner - 1) mod W: W - 1 slots), and counted in the owner's `counts[half, slot]`
+with a releasing atomic. Between the loops a program waits until every peer's count is the
+shard's tile count; each of my tiles then sums all W partials in rank order 0..W-1 in fp32, my
+own rounded to the output dtype first as the peers' were. The order is
+fixed, so the result does not depend on arrival order. The half is the call number's parity
+(device memory): a peer can reach call e + 2, which writes half e % 2 again, only after I finished
+call e + 1; the program that finishes call e last zeroes half e % 2's counts for it.
 
 The tiles are the one GEMM core's (kernels/gemm.py), by pointer.
 """
@@ -25,60 +25,72 @@ from tp_overlap_plugin.kernels.gemm import gemm_tile, store_tile, tile_coords
 
 
 @triton.jit
-def load_tile(ptr, pid_m, pid_n, M, N, mask_ok, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """fp32 copy of tile (pid_m, pid_n) of a row-major [M, N] array; zeros outside it or unless mask_ok."""
+def load_tile(ptr, pid_m, pid_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """fp32 copy of tile (pid_m, pid_n) of a row-major [M, N] array; zeros outside it."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < N)[None, :] & mask_ok
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
     return tl.load(ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def gemm_rs_kernel(a_ptr, b_ptr, c_ptr, recv_ptr, rows, N, K, stride_am, stride_bk, stride_bn, slot_stride,
-                   flags_ptr, flag_stride, queue_ptr, rank, world, heap_bases, error_ptr, max_spins,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
-    """c[i] = sum over src of (A_src @ B_src)[rank * rows + i]; a is [world * rows, K] (row stride
-    stride_am, unit column stride), c is [rows, N].
+                   counts_ptr, calls_ptr, rank, heap_bases, error_ptr, max_spins,
+                   WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, FLATTEN: tl.constexpr):
+    """c[i] = sum over src of (A_src @ B_src)[rank * rows + i]; a is [WORLD * rows, K] (row stride
+    stride_am, unit column stride), c is [rows, N]. counts: [2, WORLD - 1].
 
-    Once this rank has given up on a peer, the program stores nothing into peers' heaps and raises
-    no flag (its stream no longer orders those stores after the owner's last read of that half),
-    and a tile whose partials did not all arrive is not written."""
-    epoch = work_queue.call_number(queue_ptr)
-    half = (epoch % 2).to(tl.int64) * (world - 1) * slot_stride
+    Once this rank has given up on a peer, the program stores nothing into peers' heaps and counts
+    nothing there (its stream no longer orders those stores after the owner's last read of that
+    half), and computes none of its own tiles: their partials may never arrive."""
+    epoch = work_queue.call_number(calls_ptr)
+    half = epoch % 2
     ok = True  # a bool (the interpreter types a bare comparison as an integer, which no mask takes)
     ok = ok & rma.no_error(error_ptr)
-    tiles_m = tl.cdiv(rows, BLOCK_M)
+    P = tl.num_programs(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    per_shard = tiles_m * tiles_n
+    row_blocks = tl.cdiv(rows, BLOCK_M)
+    per_shard = row_blocks * tiles_n
     k_blocks = tl.cdiv(K, BLOCK_K)
-    item = work_queue.next_item(queue_ptr)
-    while item < world * per_shard:
-        shard = item // per_shard
-        tile = item % per_shard
-        pid_m, pid_n = tile_coords(tile, tiles_m, tiles_n, GROUP_M)
-        owner = (rank + 1 + shard) % world
-        a = a_ptr + owner.to(tl.int64) * rows * stride_am
-        acc = gemm_tile(a, b_ptr, pid_m, pid_n, rows, N, K, 0, k_blocks, stride_am, 1, stride_bk, stride_bn,
+    recv_half = recv_ptr + half.to(tl.int64) * (WORLD - 1) * slot_stride
+    counts_half = counts_ptr + half * (WORLD - 1)
+    end = (WORLD - 1) * per_shard
+    if not ok:
+        end = 0
+    for item in tl.range(tl.program_id(0), end, P, flatten=FLATTEN):
+        owner = (rank + 1 + item // per_shard) % WORLD
+        slot = (rank - owner - 1 + WORLD) % WORLD  # mine, in the owner's heap
+        pid_m, pid_n = tile_coords(item % per_shard, row_blocks, tiles_n, GROUP_M)
+        acc = gemm_tile(a_ptr + owner.to(tl.int64) * rows * stride_am, b_ptr, pid_m, pid_n, rows, N, K, 0, k_blocks,
+                        stride_am, 1, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, False, False)
+        there = rma.translate(recv_half + slot.to(tl.int64) * slot_stride, rank, owner, heap_bases)
+        store_tile(there, there, acc, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N, False, False)
+        # every thread's stores are issued before the one releasing count (cumulativity)
+        tl.debug_barrier()
+        tl.atomic_add(rma.translate(counts_half + slot, rank, owner, heap_bases), 1, sem="release", scope="sys")
+    for peer in tl.static_range(WORLD):
+        if peer != rank:
+            ok = ok & rma.signal_wait(counts_half + (peer - rank - 1 + WORLD) % WORLD, per_shard.to(tl.int64), rank,
+                                      peer, heap_bases, error_ptr, max_spins)
+    first = work_queue.first_item((WORLD - 1) * per_shard, P)
+    end = WORLD * per_shard
+    if not ok:
+        end = first
+    a_mine = a_ptr + rank.to(tl.int64) * rows * stride_am
+    for item in tl.range(first, end, P, flatten=FLATTEN):
+        pid_m, pid_n = tile_coords(item % per_shard, row_blocks, tiles_n, GROUP_M)
+        acc = gemm_tile(a_mine, b_ptr, pid_m, pid_n, rows, N, K, 0, k_blocks, stride_am, 1, stride_bk, stride_bn,
                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, False, False)
-        if owner != rank:
-            if ok:
-                slot = (rank - owner - 1 + world) % world  # mine, in the owner's heap
-                there = rma.translate(recv_ptr + half + slot * slot_stride, rank, owner, heap_bases)
-                store_tile(there, there, acc, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N, False, False)
-                rma.signal_set(flags_ptr + slot * flag_stride + tile, epoch, rank, owner, heap_bases)
-        else:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for src in range(world):
-                if src == rank:
-                    total += acc.to(c_ptr.dtype.element_ty).to(tl.float32)
-                else:
-                    slot = (src - rank - 1 + world) % world
-                    ok = ok & rma.signal_wait(flags_ptr + slot * flag_stride + tile, epoch, rank, src, heap_bases,
-                                              error_ptr, max_spins)
-                    total += load_tile(recv_ptr + half + slot * slot_stride, pid_m, pid_n, rows, N, ok,
-                                       BLOCK_M, BLOCK_N)
-            if ok:
-                store_tile(c_ptr, c_ptr, total, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N, False, False)
-        item = work_queue.next_item(queue_ptr)
-    work_queue.finish_call(queue_ptr, epoch)
+        mine = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for src in tl.static_range(WORLD):  # no branch in the loop body: it stays one pipelined loop
+            slot = (src - rank - 1 + WORLD) % WORLD  # W - 1 for me: no rows loaded
+            theirs = load_tile(recv_half + slot.to(tl.int64) * slot_stride, pid_m, pid_n,
+                               tl.where(src == rank, 0, rows), N, BLOCK_M, BLOCK_N)
+            total += tl.where(src == rank, mine, theirs)
+        store_tile(c_ptr, c_ptr, total, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N, False, False)
+    if work_queue.finish_call(calls_ptr, epoch):
+        # every program has passed its waits on this half's counts: zero them for call e + 2
+        for s in tl.static_range(WORLD - 1):
+            tl.store(counts_half + s, 0)

@@ -209,67 +209,45 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
     return out
 
 
-MIN_BLOCK = 16  # the smallest tile side a fused op's flags are sized for
-
-
 def _fused_config(rows: int, n: int, k: int, device: torch.device, config: TileConfig | None) -> TileConfig:
-    cfg = config or _eager_config(pick_config(rows, n, k, device))
-    if cfg.block_m < MIN_BLOCK or cfg.block_n < MIN_BLOCK:
-        raise ValueError(f"fused ops need tiles of at least {MIN_BLOCK}x{MIN_BLOCK} (their flags are sized "
-                         f"for that); got {cfg.block_m}x{cfg.block_n}")
-    return cfg
+    return config or _eager_config(pick_config(rows, n, k, device))
 
 
 class AllGatherGemm:
     """c = all_gather(a_shard) @ b, the gather hidden behind the GEMM, in one persistent GEMM launch
-    (kernels/ag_gemm.py) whose tiles of a peer's rows wait for their row block (or chunk) only.
+    (kernels/ag_gemm.py) that multiplies my rows first and the peers' rows once their flags are up,
+    while the copy engine moves the shards on a side stream (a memcpy of my rows into each peer's
+    heap, then one of the call number into my flag there, after a tiny kernel where the ranks meet).
 
-    `producer` moves my shard into the peers' heaps meanwhile:
-    - "copy_engine": memcpys on a side stream, a chunk of rows at a time, each followed by an
-      8-byte memcpy of the call number into that chunk's flag; every SM stays on the GEMM. A tiny
-      kernel first has the ranks meet (the peers' buffers are single: see the kernel module).
-    - "programs": the first `pushers` programs of the GEMM launch push, row block by row block.
     Capacity is fixed at construction (heap space is symmetric): `max_rows` rows per shard, `k`
-    columns. Every call's state (call number, buffer half, work queue) lives in device memory, so
-    calls can be captured in CUDA graphs and replayed."""
-
-    PUSH_COLS = 128
-    DEFAULT_PUSHERS = 8
-    CHUNKS = 4          # copy engine: flags (and memcpys) per peer and call
-    PRODUCERS = ("copy_engine", "programs")
+    columns. Every call's state (call number) lives in device memory and the copies' addresses are
+    fixed, so calls can be captured in CUDA graphs and replayed."""
 
     def __init__(self, heap: SymmetricHeap, max_rows: int, k: int, dtype: torch.dtype = torch.bfloat16,
-                 device_group: dist.ProcessGroup | None = None, producer: str = "copy_engine",
-                 pushers: int | None = None):
+                 device_group: dist.ProcessGroup | None = None):
         if max_rows < 1 or k < 1:
             raise ValueError(f"AllGatherGemm needs max_rows, k >= 1; got {max_rows}, {k}")
-        if producer not in self.PRODUCERS:
-            raise ValueError(f"AllGatherGemm producer must be one of {self.PRODUCERS}, got {producer!r}")
         self.heap, self.max_rows, self.k, self.dtype = heap, max_rows, k, dtype
         self.device_group = device_group if device_group is not None else dist.group.WORLD
-        self.producer = producer
-        self.pushers = pushers or self.DEFAULT_PUSHERS
         W = heap.world_size
         slots = max(W - 1, 1)
-        self.halves = 2 if producer == "programs" else 1
-        self.gathered = heap.alloc((self.halves, slots, max_rows, k), dtype, name="ag_gemm.gathered")
-        self.flags = heap.alloc((slots, -(-max_rows // MIN_BLOCK)), torch.int64, name="ag_gemm.flags")
+        self.gathered = heap.alloc((slots, max_rows, k), dtype, name="ag_gemm.gathered")
+        self.flags = heap.alloc((slots,), torch.int64, name="ag_gemm.flags")
         self.flags.zero_()
-        self.queue = torch.zeros(3, dtype=torch.int64, device=heap.device)  # kernels/work_queue.py
-        self.stream = None
-        if producer == "copy_engine":
-            self.meet = heap.alloc((W,), torch.int64, name="ag_gemm.meet")
-            self.meet.zero_()
-            self.push_value = torch.zeros(1, dtype=torch.int64, device=heap.device)
-            self.stream = torch.cuda.Stream(heap.device) if heap.device.type == "cuda" else None
-            # my slot and my flags in each peer's heap, in push order (rank + 1 first)
-            peers = [(heap.rank + i) % W for i in range(1, W)]
-            self._at_peer = [(heap.peer_view(self.gathered[0, (heap.rank - q - 1) % W], q),
-                              heap.peer_view(self.flags[(heap.rank - q - 1) % W], q)) for q in peers]
+        self.meet = heap.alloc((W,), torch.int64, name="ag_gemm.meet")
+        self.meet.zero_()
+        self.calls = torch.zeros(2, dtype=torch.int64, device=heap.device)  # kernels/work_queue.py
+        self.push_value = torch.zeros(1, dtype=torch.int64, device=heap.device)
+        self.stream = torch.cuda.Stream(heap.device) if heap.device.type == "cuda" else None
+        # my slot and my flags in each peer's heap, in push order (rank + 1 first)
+        self._at_peer = []
+        for q in [(heap.rank + i) % W for i in range(1, W)]:
+            slot = (heap.rank - q - 1) % W
+            self._at_peer.append((heap.peer_view(self.gathered[slot], q), heap.peer_view(self.flags[slot:slot + 1], q)))
         heap.publish()
 
     def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool = False,
-                 config: TileConfig | None = None, pushers: int | None = None):
+                 config: TileConfig | None = None):
         h = self.heap
         _check_operands("ag_gemm", a_shard, b, h.device)
         rows, k = a_shard.shape
@@ -284,63 +262,38 @@ class AllGatherGemm:
         stats.record("ag_gemm.kernel")
         cfg = _fused_config(rows, n, k, h.device, config)
         c = torch.empty((W * rows, n), dtype=a_shard.dtype, device=h.device)
-        # ordered after the GEMMs that read each row block, and a copy: the heap's buffers are
-        # rewritten by the peers' next calls
+        # a copy, ordered after the GEMM's reads: the heap's buffers are rewritten by the next call
         a_full = torch.empty((W * rows, k), dtype=a_shard.dtype, device=h.device) if return_gathered else c
-        programs = num_programs(h.device)
-        met = None
-        if self.producer == "copy_engine":
-            row_blocks = -(-rows // cfg.block_m)
-            chunk_rows = cfg.block_m * -(-row_blocks // self.CHUNKS)
-            met = self._meet()
-            if met is None:  # the CPU runs everything in order: the pushes must come first
-                self._copy_engine_push(a_shard, chunk_rows, met)
-            pushers = 0
+        copy_engine_begin_kernel[(1,)](self.calls, self.push_value, self.meet, h.rank, W, h.heap_bases, h.error,
+                                       h.spin_limit, num_warps=1)
+        if self.stream is None:  # the CPU runs everything in order: the pushes must come first
+            self._push(a_shard)
+            met = None
         else:
-            chunk_rows = cfg.block_m
-            pushers = min(pushers or self.pushers, programs)
-        ag_gemm_kernel[(programs,)](
+            met = torch.cuda.Event()
+            met.record(torch.cuda.current_stream(h.device))
+        ag_gemm_kernel[(num_programs(h.device),)](
             a_shard, b, c, self.gathered, a_full, rows, n, k, b.stride(0), b.stride(1), self.max_rows * k,
-            self.halves, self.flags, self.flags.shape[1], chunk_rows, self.queue, pushers, h.rank, W,
-            h.heap_bases, h.error, h.spin_limit, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0, INTERPRET=h.device.type == "cpu",
-            PUSH_COLS=self.PUSH_COLS, GATHER=return_gathered, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            self.flags, self.calls, h.rank, h.heap_bases, h.error, h.spin_limit,
+            WORLD=W, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            EVEN_K=k % cfg.block_k == 0, INTERPRET=h.device.type == "cpu",
+            FLATTEN=cfg.flatten and not return_gathered, GATHER=return_gathered,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if met is not None:
             # enqueued after the GEMM, so the host's work for the memcpys overlaps the GPU's own rows
-            self._copy_engine_push(a_shard, chunk_rows, met)
+            main = torch.cuda.current_stream(h.device)
+            self.stream.wait_event(met)
+            a_shard.record_stream(self.stream)
+            with torch.cuda.stream(self.stream):
+                self._push(a_shard)
+            main.wait_stream(self.stream)
         h.check_if_free()
         return (c, a_full) if return_gathered else c
 
-    def _meet(self):
-        """All ranks meet (the peers' buffers are free again) and this call's number becomes the value
-        the flags get; returns the point on my stream after it (an event; None on the CPU, where
-        everything runs in order)."""
-        h = self.heap
-        copy_engine_begin_kernel[(1,)](self.queue, self.push_value, self.meet, h.rank, h.world_size, h.heap_bases,
-                                       h.error, h.spin_limit, num_warps=1)
-        if self.stream is None:
-            return None
-        met = torch.cuda.Event()
-        met.record(torch.cuda.current_stream(h.device))
-        return met
-
-    def _copy_engine_push(self, a_shard: torch.Tensor, chunk_rows: int, met) -> None:
-        ctx = contextlib.nullcontext()
-        main = None
-        if self.stream is not None:
-            main = torch.cuda.current_stream(self.heap.device)
-            self.stream.wait_event(met)
-            a_shard.record_stream(self.stream)
-            ctx = torch.cuda.stream(self.stream)
-        rows = a_shard.shape[0]
-        with ctx:
-            for there, flags in self._at_peer:
-                for c, lo in enumerate(range(0, rows, chunk_rows)):
-                    hi = min(lo + chunk_rows, rows)
-                    there[lo:hi].copy_(a_shard[lo:hi], non_blocking=True)
-                    flags[c:c + 1].copy_(self.push_value, non_blocking=True)
-        if main is not None:
-            main.wait_stream(self.stream)
+    def _push(self, a_shard: torch.Tensor) -> None:
+        for there, flag in self._at_peer:
+            there[:a_shard.shape[0]].copy_(a_shard, non_blocking=True)
+            flag.copy_(self.push_value, non_blocking=True)
 
 
 class GemmReduceScatter:
@@ -361,10 +314,9 @@ class GemmReduceScatter:
         W = heap.world_size
         slots = max(W - 1, 1)
         self.recv = heap.alloc((2, slots, max_rows, n), dtype, name="gemm_rs.recv")
-        tiles = -(-max_rows // MIN_BLOCK) * -(-n // MIN_BLOCK)
-        self.flags = heap.alloc((slots, tiles), torch.int64, name="gemm_rs.flags")
-        self.flags.zero_()
-        self.queue = torch.zeros(3, dtype=torch.int64, device=heap.device)  # kernels/work_queue.py
+        self.counts = heap.alloc((2, slots), torch.int64, name="gemm_rs.counts")
+        self.counts.zero_()
+        self.calls = torch.zeros(2, dtype=torch.int64, device=heap.device)  # kernels/work_queue.py
         heap.publish()
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
@@ -383,11 +335,11 @@ class GemmReduceScatter:
         stats.record("gemm_rs.kernel")
         cfg = _fused_config(rows, n, k, h.device, config)
         c = torch.empty((rows, n), dtype=a.dtype, device=h.device)
-        interpret = h.device.type == "cpu"
         gemm_rs_kernel[(num_programs(h.device),)](
             a, b, c, self.recv, rows, n, k, a.stride(0), b.stride(0), b.stride(1), self.max_rows * n,
-            self.flags, self.flags.shape[1], self.queue, h.rank, W, h.heap_bases, h.error, h.spin_limit,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            EVEN_K=k % cfg.block_k == 0, INTERPRET=interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            self.counts, self.calls, h.rank, h.heap_bases, h.error, h.spin_limit,
+            WORLD=W, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            EVEN_K=k % cfg.block_k == 0, INTERPRET=h.device.type == "cpu", FLATTEN=cfg.flatten,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         h.check_if_free()
         return c
