@@ -51,6 +51,7 @@ _GEMM_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 M:i32 N:i32 K:i32 stride_am:i
               "split_k:i32")
 _FUSED_TILES = {**_TILES, "EVEN_K": False, "WORLD": 4, "FLATTEN": True}  # odd K: the masked K loop
 _AG = {**_FUSED_TILES, "GATHER": False}
+_ONE = {"rank": 1, "rows": 1, "WORLD": 2}
 _FUSED_COMM = "rank:i32 heap_bases:*i64 error_ptr:*i64 max_spins:i32"
 _AG_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 gathered_ptr:*bf16 full_ptr:*bf16 rows:i32 N:i32 K:i32 "
             "stride_bk:i32 stride_bn:i32 slot_stride:i32 flags_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM)
@@ -79,6 +80,9 @@ KERNELS = {
     # the fused ops: the same tiles in two loops each, waits between them, peer stores in them
     "ag_gemm": (ag_gemm_kernel, _sig(_AG_ARGS, None, _AG), _AG),
     "gemm_rs": (gemm_rs_kernel, _sig(_RS_ARGS, None, _FUSED_TILES), _FUSED_TILES),
+    # what the JIT compiles on rank 1 for one-row shards: Triton makes integer arguments equal to 1 constants
+    "ag_gemm_rank1": (ag_gemm_kernel, _sig(_AG_ARGS, None, {**_AG, **_ONE}), {**_AG, **_ONE}),
+    "gemm_rs_rank1": (gemm_rs_kernel, _sig(_RS_ARGS, None, {**_FUSED_TILES, **_ONE}), {**_FUSED_TILES, **_ONE}),
     "two_shot_all_reduce_bf16": (two_shot_all_reduce_kernel,
                                  _sig("x_ptr:*bf16 out_ptr:*bf16 stage_ptr:*bf16 result_ptr:*bf16 ready_ptr:*i64 "
                                       "done_ptr:*i64 reduced_ptr:*i64 epoch_ptr:*i64 n:i32", _COMM, ["BLOCK"]),

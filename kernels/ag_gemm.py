@@ -74,11 +74,11 @@ def ag_gemm_kernel(a_ptr, b_ptr, c_ptr, gathered_ptr, full_ptr, rows, N, K, stri
         pid_m, pid_n = tile_coords(item, row_blocks, tiles_n, GROUP_M)
         acc = gemm_tile(a_ptr, b_ptr, pid_m, pid_n, rows, N, K, 0, k_blocks, K, 1, stride_bk, stride_bn,
                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, False, False)
-        c_mine = c_ptr + rank.to(tl.int64) * rows * N
+        c_mine = c_ptr + tl.cast(rank, tl.int64) * rows * N
         store_tile(c_mine, c_mine, acc, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N, False, False)
         if GATHER:
             if pid_n == 0:
-                copy_rows(a_ptr, full_ptr + rank.to(tl.int64) * rows * K, pid_m * BLOCK_M, rows, K, BLOCK_M, 128)
+                copy_rows(a_ptr, full_ptr + tl.cast(rank, tl.int64) * rows * K, pid_m * BLOCK_M, rows, K, BLOCK_M, 128)
     for peer in tl.static_range(WORLD):
         if peer != rank:
             ok = ok & rma.signal_wait(flags_ptr + (peer - rank - 1 + WORLD) % WORLD, epoch, rank, peer, heap_bases,
@@ -90,13 +90,13 @@ def ag_gemm_kernel(a_ptr, b_ptr, c_ptr, gathered_ptr, full_ptr, rows, N, K, stri
         shard = item // per_shard
         src = (rank - shard + WORLD) % WORLD
         slot = (src - rank - 1 + WORLD) % WORLD
-        a = gathered_ptr + slot.to(tl.int64) * slot_stride
+        a = gathered_ptr + tl.cast(slot, tl.int64) * slot_stride
         pid_m, pid_n = tile_coords(item % per_shard, row_blocks, tiles_n, GROUP_M)
         acc = gemm_tile(a, b_ptr, pid_m, pid_n, rows, N, K, 0, k_blocks, K, 1, stride_bk, stride_bn,
                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, False, False)
-        c_shard = c_ptr + src.to(tl.int64) * rows * N
+        c_shard = c_ptr + tl.cast(src, tl.int64) * rows * N
         store_tile(c_shard, c_shard, acc, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N, False, False)
         if GATHER:
             if pid_n == 0:
-                copy_rows(a, full_ptr + src.to(tl.int64) * rows * K, pid_m * BLOCK_M, rows, K, BLOCK_M, 128)
+                copy_rows(a, full_ptr + tl.cast(src, tl.int64) * rows * K, pid_m * BLOCK_M, rows, K, BLOCK_M, 128)
     work_queue.finish_call(calls_ptr, epoch)

@@ -53,7 +53,7 @@ def gemm_rs_kernel(a_ptr, b_ptr, c_ptr, recv_ptr, rows, N, K, stride_am, stride_
     row_blocks = tl.cdiv(rows, BLOCK_M)
     per_shard = row_blocks * tiles_n
     k_blocks = tl.cdiv(K, BLOCK_K)
-    recv_half = recv_ptr + half.to(tl.int64) * (WORLD - 1) * slot_stride
+    recv_half = recv_ptr + tl.cast(half, tl.int64) * (WORLD - 1) * slot_stride
     counts_half = counts_ptr + half * (WORLD - 1)
     end = (WORLD - 1) * per_shard
     if not ok:
@@ -62,22 +62,22 @@ def gemm_rs_kernel(a_ptr, b_ptr, c_ptr, recv_ptr, rows, N, K, stride_am, stride_
         owner = (rank + 1 + item // per_shard) % WORLD
         slot = (rank - owner - 1 + WORLD) % WORLD  # mine, in the owner's heap
         pid_m, pid_n = tile_coords(item % per_shard, row_blocks, tiles_n, GROUP_M)
-        acc = gemm_tile(a_ptr + owner.to(tl.int64) * rows * stride_am, b_ptr, pid_m, pid_n, rows, N, K, 0, k_blocks,
+        acc = gemm_tile(a_ptr + tl.cast(owner, tl.int64) * rows * stride_am, b_ptr, pid_m, pid_n, rows, N, K, 0, k_blocks,
                         stride_am, 1, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, False, False)
-        there = rma.translate(recv_half + slot.to(tl.int64) * slot_stride, rank, owner, heap_bases)
+        there = rma.translate(recv_half + tl.cast(slot, tl.int64) * slot_stride, rank, owner, heap_bases)
         store_tile(there, there, acc, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N, False, False)
         # every thread's stores are issued before the one releasing count (cumulativity)
         tl.debug_barrier()
         tl.atomic_add(rma.translate(counts_half + slot, rank, owner, heap_bases), 1, sem="release", scope="sys")
     for peer in tl.static_range(WORLD):
         if peer != rank:
-            ok = ok & rma.signal_wait(counts_half + (peer - rank - 1 + WORLD) % WORLD, per_shard.to(tl.int64), rank,
+            ok = ok & rma.signal_wait(counts_half + (peer - rank - 1 + WORLD) % WORLD, tl.cast(per_shard, tl.int64), rank,
                                       peer, heap_bases, error_ptr, max_spins)
     first = work_queue.first_item((WORLD - 1) * per_shard, P)
     end = WORLD * per_shard
     if not ok:
         end = first
-    a_mine = a_ptr + rank.to(tl.int64) * rows * stride_am
+    a_mine = a_ptr + tl.cast(rank, tl.int64) * rows * stride_am
     for item in tl.range(first, end, P, flatten=FLATTEN):
         pid_m, pid_n = tile_coords(item % per_shard, row_blocks, tiles_n, GROUP_M)
         acc = gemm_tile(a_mine, b_ptr, pid_m, pid_n, rows, N, K, 0, k_blocks, stride_am, 1, stride_bk, stride_bn,
@@ -86,7 +86,7 @@ def gemm_rs_kernel(a_ptr, b_ptr, c_ptr, recv_ptr, rows, N, K, stride_am, stride_
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for src in tl.static_range(WORLD):  # no branch in the loop body: it stays one pipelined loop
             slot = (src - rank - 1 + WORLD) % WORLD  # W - 1 for me: no rows loaded
-            theirs = load_tile(recv_half + slot.to(tl.int64) * slot_stride, pid_m, pid_n,
+            theirs = load_tile(recv_half + tl.cast(slot, tl.int64) * slot_stride, pid_m, pid_n,
                                tl.where(src == rank, 0, rows), N, BLOCK_M, BLOCK_N)
             total += tl.where(src == rank, mine, theirs)
         store_tile(c_ptr, c_ptr, total, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N, False, False)
