@@ -6,9 +6,9 @@ kernels/ag_gemm.py for why that shape): first the peers' rows, shard by shard, r
 mod W, so in every rank's walk my rows come before that rank's own; then my own rows.
 
 A tile of a peer's rows is stored straight into that owner's heap, `recv[half, slot]`
-(slot = (src - owner - 1) mod W: W - 1 slots), and counted in the owner's `counts[half, slot]`
-with a releasing atomic. Between the loops a program waits until every peer's count is the
-shard's tile count; each of my tiles then sums all W partials in rank order 0..W-1 in fp32, my
+(slot = (src - owner - 1) mod W: W - 1 slots); after its loop each program adds the number it
+stored to the owner's `counts[half, slot]` with a releasing atomic. Between the loops a program
+waits until every peer's count is the shard's tile count; each of my tiles then sums all W partials in rank order 0..W-1 in fp32, my
 own rounded to the output dtype first as the peers' were. The order is
 fixed, so the result does not depend on arrival order. The half is the call number's parity
 (device memory): a peer can reach call e + 2, which writes half e % 2 again, only after I finished
@@ -66,9 +66,18 @@ def gemm_rs_kernel(a_ptr, b_ptr, c_ptr, recv_ptr, rows, N, K, stride_am, stride_
                         stride_am, 1, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, False, False)
         there = rma.translate(recv_half + tl.cast(slot, tl.int64) * slot_stride, rank, owner, heap_bases)
         store_tile(there, there, acc, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N, False, False)
-        # every thread's stores are issued before the one releasing count (cumulativity)
-        tl.debug_barrier()
-        tl.atomic_add(rma.translate(counts_half + slot, rank, owner, heap_bases), 1, sem="release", scope="sys")
+    # Each owner learns how many of its tiles this program stored, once, after the loop: an atomic per
+    # tile inside it would stop the compiler from flattening it. The barrier puts every thread's
+    # stores before the one releasing add (cumulativity).
+    tl.debug_barrier()
+    for shard in tl.static_range(WORLD - 1):
+        if ok:
+            owner = (rank + 1 + shard) % WORLD
+            slot = (rank - owner - 1 + WORLD) % WORLD
+            stored = work_queue.items_in(shard * per_shard, (shard + 1) * per_shard, P)
+            if stored > 0:
+                tl.atomic_add(rma.translate(counts_half + slot, rank, owner, heap_bases), stored, sem="release",
+                              scope="sys")
     for peer in tl.static_range(WORLD):
         if peer != rank:
             ok = ok & rma.signal_wait(counts_half + (peer - rank - 1 + WORLD) % WORLD, tl.cast(per_shard, tl.int64), rank,

@@ -29,6 +29,12 @@ def first_item(start, P):
 
 
 @triton.jit
+def items_in(lo, hi, P):
+    """How many of the items lo..hi-1 are mine."""
+    return tl.maximum(hi - first_item(lo, P) + P - 1, 0) // P
+
+
+@triton.jit
 def finish_call(calls_ptr, epoch):
     """Returns True in the program that finished the call last (after every other one counted out)."""
     # every thread is past its last use of the call's state before the program counts itself out
