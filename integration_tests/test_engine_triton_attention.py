@@ -1,4 +1,5 @@
-"""Triton paged attention kernels vs the engine's torch reference, under TRITON_INTERPRET=1 on CPU.
+"""Triton paged attention kernels (and the engine's in-graph step-input fix-up) vs torch references,
+under TRITON_INTERPRET=1 on CPU.
 
 The interpreter is chosen when a kernel is defined, so the checks run in a fresh interpreter process
 (this file executed as a script) rather than in the pytest process.
@@ -79,6 +80,13 @@ def main(dev="cpu"):
               dtype=torch.bfloat16, dev=dev, decode_splits=(1, 5, 16, None))
         _case(8, [1] * 3, [1000, 3, 70], heads=8, kv_heads=8, head_dim=64, page=16, dtype=torch.float32,
               dev=dev, decode_splits=(1, 4, None))
+    # The engine's in-graph step input fix-up (serving/runner.py): ids -1-k become sampled[k].
+    from tp_overlap_plugin.serving.runner import _resolve_refs_kernel
+    ids = torch.tensor([5, -1, 7, -3, 0, -2] * 300, dtype=torch.int64, device=dev)
+    sampled = torch.tensor([11, 12, 13, 14], dtype=torch.int64, device=dev)
+    want = torch.where(ids < 0, sampled[(-ids - 1).clamp(min=0)], ids)
+    _resolve_refs_kernel[(2,)](ids, sampled, ids.numel(), BLOCK=1024)
+    assert torch.equal(ids, want)
     print("triton attention ok")
 
 

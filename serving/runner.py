@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import triton
+import triton.language as tl
 
 from tp_overlap_plugin import runtime
 from tp_overlap_plugin.layers import TPGroup, TPLayers
@@ -128,6 +130,17 @@ class StepMessage:
             dist.broadcast(tail, src=0, group=self.group)
             msg += tail.tolist()
         return self.decode(msg)
+
+
+@triton.jit
+def _resolve_refs_kernel(ids_ptr, sampled_ptr, n, BLOCK: tl.constexpr):
+    """ids[i] = sampled[-ids[i] - 1] where ids[i] < 0 (see StepInput), in one launch."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    ids = tl.load(ids_ptr + offs, mask=mask, other=0)
+    ref = ids < 0
+    got = tl.load(sampled_ptr + tl.maximum(-ids - 1, 0), mask=mask & ref, other=0)
+    tl.store(ids_ptr + offs, tl.where(ref, got, ids), mask=mask)
 
 
 class ErrorWatch:
@@ -403,6 +416,10 @@ class ModelRunner:
 
     def _resolve_refs(self, ids: torch.Tensor) -> None:
         """Replace in place the ids that stand for tokens sampled by the previous step (see StepInput)."""
+        if ids.device.type == "cuda":
+            n = ids.numel()
+            _resolve_refs_kernel[(triton.cdiv(n, 1024),)](ids, self.sampled, n, BLOCK=1024)
+            return
         ref = (-ids - 1).clamp_(min=0)
         ids.copy_(torch.where(ids < 0, self.sampled.gather(0, ref), ids))
 
@@ -485,6 +502,9 @@ class ModelRunner:
                             use_triton=True)
 
             def run():
+                # Ids of tokens sampled by the step before (async scheduling) are resolved inside the
+                # graph: no extra launches between two replays. A step without such ids is unchanged.
+                self._resolve_refs(self.g_ids[:bs])
                 h = self.model(self.g_ids[:bs], self.g_pos[:bs], meta, self.kv_caches)
                 return self.model.compute_logits(h, None)   # every row of a decode batch samples
 
@@ -514,8 +534,6 @@ class ModelRunner:
         self.g_ctx[:bs].copy_(self.h32[:bs], non_blocking=True)
         self.g_bt[:bs].copy_(self.h32[mb:mb + bs * width].view(bs, width), non_blocking=True)
         self.inputs_copied.record()
-        if min(step.input_ids) < 0:
-            self._resolve_refs(self.g_ids[:n])
         g, out = self.graphs[bs]
         g.replay()
         return out[:n]
