@@ -335,13 +335,31 @@ def _decode_v1():
     return run
 
 
+def _time_ms(fn, dev, calls: int = 20, samples: int = 7) -> float:
+    import torch
+    if dev.type != "cuda":   # the interpreter: a logic check, one call
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    times = []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
 def attention_bench(args, mcfg, batches: list[int], bw: float | None) -> list[dict]:
     """The decode kernel alone at each batch, this rank's heads, --context tokens per sequence."""
     import torch
 
     from tp_overlap_plugin.kernels.attention import decode_num_splits, paged_decode_attention
 
-    dev = torch.device("cuda")
+    dev = torch.device(args.device)
     heads, kvh, d, page = mcfg.num_heads // args.tp, mcfg.num_kv_heads // args.tp, mcfg.head_dim, 16
     dtype = torch.bfloat16
     v1 = _decode_v1()
@@ -377,18 +395,8 @@ def attention_bench(args, mcfg, batches: list[int], bw: float | None) -> list[di
                     return paged_decode_attention(q, k_cache, v_cache, ctxs, bt, scale, out=out, **kw)
             try:
                 fn()
-                torch.cuda.synchronize()
                 err = (out.float() - ref).abs().max().item()
-                times = []
-                for _ in range(7):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    for _ in range(20):
-                        fn()
-                    end.record()
-                    end.synchronize()
-                    times.append(start.elapsed_time(end) / 20)
-                ms = statistics.median(times)
+                ms = _time_ms(fn, dev)
                 rows.append({"batch": batch, "context": ctx, "heads": heads, "kv_heads": kvh, "variant": name,
                              "us": ms * 1e3, "kv_bytes": kv, "gb_per_s": kv / (ms / 1e3) / 1e9,
                              "x_hbm_floor": (ms / 1e3) / (kv / bw) if bw else None, "max_abs_err": err})
@@ -397,7 +405,8 @@ def attention_bench(args, mcfg, batches: list[int], bw: float | None) -> list[di
             log("attention", f"batch {batch}: {name}: " + (f"{rows[-1]['us']:.1f} us, {rows[-1]['gb_per_s']:.0f} GB/s"
                                                             if "us" in rows[-1] else rows[-1]["error"]))
         del k_cache, v_cache
-        torch.cuda.empty_cache()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -491,7 +500,7 @@ def main(argv=None):
         paths = write_results(args.out, name, payload, markdown(payload))
         return paths
 
-    if on_gpu and not args.no_attention:
+    if (on_gpu or args.attention_only) and not args.no_attention:
         payload["attention"] = attention_bench(args, mcfg, batches, env.get("hbm_copy_bytes_per_s"))
         save()
     if not args.attention_only:

@@ -75,3 +75,15 @@ def test_runs_on_the_cpu_and_writes_its_json(tmp_path):
             assert k in x
     assert (tmp_path / js.name.replace(".json", ".md")).read_text().startswith("_cpu x0")
 
+
+
+@pytest.mark.timeout(120)
+def test_attention_table_runs_under_the_interpreter(tmp_path):
+    r = subprocess.run([sys.executable, str(SCRIPT), "--model", "demo", "--device", "cpu", "--batch", "1,3",
+                        "--context", "40", "--attention-only", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=110)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (js,) = tmp_path.glob("decode-profile-demo-tp1-cpu-*.json")
+    rows = json.loads(js.read_text())["attention"]
+    assert [(a["batch"], a["variant"][:2]) for a in rows] == [(1, "v1"), (1, "v2"), (3, "v1"), (3, "v2")]
+    assert all(a["max_abs_err"] < 2e-2 and a["us"] > 0 for a in rows)
