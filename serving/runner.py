@@ -316,7 +316,8 @@ class ModelRunner:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         dispatcher = Dispatcher.load(oc.dispatch, name, self.world_size, oc.dispatch_table)
         if self.rank == 0:
-            log.info("tp_overlap: heap %d MiB/rank, dispatch %s (%s)", size >> 20, oc.dispatch, dispatcher.source)
+            log.info("tp_overlap: heap %d MiB/rank (fused-op and all-reduce buffers for %d tokens per step), "
+                     "dispatch %s (%s)", size >> 20, max_tokens, oc.dispatch, dispatcher.source)
             if interpreted:
                 log.info("tp_overlap: on the CPU the kernels run under the Triton interpreter "
                          "(TRITON_INTERPRET=1): correct, and slow")

@@ -29,12 +29,13 @@ ALL_REDUCE_BYTES = 8 << 20
 
 
 def required_heap_bytes(hidden: int, max_tokens: int, world: int, dtype: torch.dtype) -> int:
-    """Heap for one model: AG-GEMM's and GEMM-RS's double-buffered [W, T/W, hidden] buffers (every
-    column layer reads, and every row layer writes, the hidden size), the all-reduce stage, flags."""
+    """Heap for one model: AG-GEMM's [W - 1, T/W, hidden] receive buffer and GEMM-RS's two halves of
+    the same shape (every column layer reads, and every row layer writes, the hidden size; one op of
+    each serves all layers), the all-reduce stage, flags. Llama-70B (hidden 8192) at 8192 tokens:
+    0.22 GiB per rank at TP=2, 0.31 at TP=4, 0.36 at TP=8."""
     elsize = torch.empty((), dtype=dtype).element_size()
     rows = -(-max_tokens // world)
-    big = 2 * world * rows * hidden * elsize
-    return 2 * big + 2 * ALL_REDUCE_BYTES + (16 << 20)
+    return 3 * max(world - 1, 1) * rows * hidden * elsize + 2 * ALL_REDUCE_BYTES + (16 << 20)
 
 
 class OverlapTPLayers(TPLayers):
