@@ -4,6 +4,7 @@
     python bench/e2e.py --model llama-3-8b --tp 2 --min-seconds 6 --decode-requests 128 --mix-requests 128
     python bench/e2e.py --model llama-3-8b --tp 1                      # the engine alone (stock only)
     python bench/e2e.py --model demo --device cpu --quick --min-seconds 0.2   # a logic check on the CPU
+    python bench/e2e.py --model llama-3-8b --tp 1 --only decode --async-scheduling   # issue 16's decode runs
 
 Stock and the flag run alternately, A B A B ..., for --pairs pairs. Each run is a fresh process that
 loads the engine once and then goes through every scenario: a warm-up with the scenario's own step
@@ -154,6 +155,7 @@ def run_variant(args, specs: dict[str, dict]) -> None:
         num_kv_blocks=kv_blocks(specs),
         load_format="dummy" if args.model != "demo" else "auto",
         tp_overlap={"dispatch": args.dispatch} if args.variant == "overlap" else None,
+        async_scheduling=args.async_scheduling,
         **(dict(dtype="bfloat16") if args.device == "cpu" else {}))
     out = {"engine": args.variant, "results": {}, "config": json.loads(cfg.model_dump_json())}
 
@@ -287,6 +289,8 @@ def main(argv=None):
                    help="decode scenarios stop at this many requests if that comes before --min-seconds")
     p.add_argument("--mix-requests", type=int, default=None, help="requests per round of the mix (default 256)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="step token budget (default 8192)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="both engines launch step i+1 before step i's tokens reach the host")
     p.add_argument("--variant", choices=["stock", "overlap"], help=argparse.SUPPRESS)
     p.add_argument("--variant-out", help=argparse.SUPPRESS)
     p.add_argument("--first-run", action="store_true", help=argparse.SUPPRESS)
@@ -301,7 +305,7 @@ def main(argv=None):
 
     payload, engines, _ = start_comparison("e2e", SCHEMA, args, on_gpu=args.device != "cpu")
     payload["config"].update(min_seconds=args.min_seconds, decode_requests=args.decode_requests, scenarios=specs,
-                             kv_blocks=kv_blocks(specs))
+                             kv_blocks=kv_blocks(specs), async_scheduling=args.async_scheduling)
     payload["method"] = (
         f"Each scenario >= {args.min_seconds:g} s measured (decode: or >= {args.decode_requests} requests) after a "
         f"warm-up of its own step shapes; both engines with the same {kv_blocks(specs)}-block KV pool. Output "

@@ -113,13 +113,19 @@ def _measure_shape(ctx, op, m, k, n, gname, results, key, calls, torch_fused=Fal
             got = variants["ours"]().float()
             torch.cuda.synchronize()
             row["ours_rel_err"] = ((got - ref).norm() / ref.norm()).item()
-        for name, fn in variants.items():
+        timed = list(variants.items())
+        if "ours" in variants:
+            # the fused ops are capturable: the same calls replayed from a CUDA graph, beside
+            # sequential's, show what is left once the host's launch cost is gone
+            timed += [("ours_graph", variants["ours"]), ("sequential_graph", variants["sequential"])]
+        for name, fn in timed:
             try:
                 t1 = time.perf_counter()
                 fn()
                 torch.cuda.synchronize()
                 t2 = time.perf_counter()
-                row[name] = time_per_call_ms(fn, calls=calls, samples=7, group=ctx.group)
+                timer = graph_time_per_call_ms if name.endswith("_graph") else time_per_call_ms
+                row[name] = timer(fn, calls=calls, samples=7, group=ctx.group)
                 if ctx.rank == 0:
                     print(f"    {name}: first call {t2 - t1:.1f} s, timing {time.perf_counter() - t2:.1f} s, "
                           f"{row[name]:.3f} ms", file=sys.stderr, flush=True)
@@ -131,7 +137,7 @@ def _measure_shape(ctx, op, m, k, n, gname, results, key, calls, torch_fused=Fal
     row["bench_seconds"] = time.perf_counter() - t0
 
 
-def _bench_rank(ctx, quick, partial):
+def _bench_rank(ctx, quick, partial, skip=()):
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
     gname = _torch_fused(ctx)
     W = ctx.world_size
@@ -161,8 +167,11 @@ def _bench_rank(ctx, quick, partial):
         checkpoint()
 
     # A CUDA error is sticky: after the first failed phase, return what was measured.
-    for name, phase in [("shapes", lambda: phase_shapes(False)), ("all_reduce", phase_all_reduce),
-                        ("torch_fused", lambda: phase_shapes(True))]:
+    phases = [("shapes", lambda: phase_shapes(False)), ("all_reduce", phase_all_reduce),
+              ("torch_fused", lambda: phase_shapes(True))]
+    for name, phase in phases:
+        if name in skip:
+            continue
         try:
             phase()
         except Exception:
@@ -245,26 +254,35 @@ def _combine(per_rank):
                 row["ours_vs_sequential"] = row["sequential"] / row["ours"]
                 row["ours_vs_floor"] = row["ours"] / row["floor"]
                 row["comm_hidden"] = max(0.0, min(1.0, (row["sequential"] - row["ours"]) / row["nccl"]))
+        if isinstance(row.get("ours_graph"), float) and isinstance(row.get("sequential_graph"), float):
+            row["graph_seq_vs_ours"] = row["sequential_graph"] / row["ours_graph"]
     return res
 
 
 def _markdown(res):
     md = "## Llama TP shapes (ms)\n\n"
     hdr = ["shape", "op", "M", "K", "N", "cuBLAS", "NCCL", "sequential", "torch fused", "our GEMM", "ours",
-           "floor", "seq/ours", "ours/floor", "comm hidden", "GEMM ours/cuBLAS"]
+           "floor", "seq/ours", "ours/floor", "comm hidden", "GEMM ours/cuBLAS", "seq graph", "ours graph",
+           "seq/ours graph"]
     rows = []
     for key, r in res["shapes"].items():
         rows.append([key, r["op"], r["M"], r["K"], r["N"], r.get("cublas", float("nan")), r.get("nccl", float("nan")),
                      r.get("sequential", float("nan")), r.get("torch_fused", float("nan")),
                      r.get("triton_gemm", float("nan")), r.get("ours", float("nan")), r.get("floor", float("nan")),
                      r.get("ours_vs_sequential", float("nan")), r.get("ours_vs_floor", float("nan")),
-                     r.get("comm_hidden", float("nan")), r.get("triton_gemm", float("nan")) / r.get("cublas", float("nan"))])
+                     r.get("comm_hidden", float("nan")), r.get("triton_gemm", float("nan")) / r.get("cublas", float("nan")),
+                     r.get("sequential_graph", float("nan")), r.get("ours_graph", float("nan")),
+                     r.get("graph_seq_vs_ours", float("nan")),
+                     ])
     md += md_table(hdr, rows)
     md += "\n## M sweep, Llama-3-8B shapes (ms): the dispatch table\n\n"
     rows = [[k, r.get("sequential", float("nan")), r.get("torch_fused", float("nan")), r.get("ours", float("nan")),
-             r.get("ours_vs_sequential", float("nan")), "overlap" if r.get("ours_vs_sequential", 0) > 1.0 else "stock"]
+             r.get("ours_vs_sequential", float("nan")), "overlap" if r.get("ours_vs_sequential", 0) > 1.0 else "stock",
+             r.get("sequential_graph", float("nan")), r.get("ours_graph", float("nan")),
+             r.get("graph_seq_vs_ours", float("nan"))]
             for k, r in res["sweep"].items()]
-    md += md_table(["layer/M", "sequential", "torch fused", "ours", "seq/ours", "winner"], rows)
+    md += md_table(["layer/M", "sequential", "torch fused", "ours", "seq/ours", "winner (eager)", "seq graph",
+                    "ours graph", "seq/ours graph"], rows)
     md += "\n## All-reduce, bf16, µs per op (CUDA graph | eager)\n\n"
     names = ["one_shot", "two_shot", "nccl", "torch_one_shot", "torch_two_shot"]
     rows = []
@@ -289,10 +307,11 @@ def _plot(res, path):
 def main(argv=None):
     p = bench_parser(__doc__)
     p.add_argument("--timeout", type=float, default=590)
+    p.add_argument("--skip", default="", help="comma-separated phases to leave out: all_reduce, torch_fused")
     args = p.parse_args(argv)
     partial = os.path.join(args.out, "overlap-partial-rank0.json")
     try:
-        per_rank = run_ranks(_bench_rank, args.tp, (args.quick, partial), device="cuda", heap_size=1400 << 20,
+        per_rank = run_ranks(_bench_rank, args.tp, (args.quick, partial, tuple(args.skip.split(","))), device="cuda", heap_size=1400 << 20,
                              timeout=args.timeout)
     except Exception as e:  # cut off: report rank 0's numbers so far, and say so
         with open(partial) as f:

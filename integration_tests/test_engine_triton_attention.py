@@ -1,4 +1,5 @@
-"""Triton paged attention kernels vs the engine's torch reference, under TRITON_INTERPRET=1 on CPU.
+"""Triton paged attention kernels (and the engine's in-graph step-input fix-up) vs torch references,
+under TRITON_INTERPRET=1 on CPU.
 
 The interpreter is chosen when a kernel is defined, so the checks run in a fresh interpreter process
 (this file executed as a script) rather than in the pytest process.
@@ -9,7 +10,7 @@ import os
 import pytest
 
 
-def _case(seed, q_lens, ctx_lens, heads, kv_heads, head_dim, page, dtype, dev="cpu"):
+def _case(seed, q_lens, ctx_lens, heads, kv_heads, head_dim, page, dtype, dev="cpu", decode_splits=(None,)):
     import torch
 
     from tp_overlap_plugin.kernels.attention import paged_decode_attention, paged_prefill_attention
@@ -47,9 +48,11 @@ def _case(seed, q_lens, ctx_lens, heads, kv_heads, head_dim, page, dtype, dev="c
     err = (got - ref).abs().max().item()
     assert err < tol, f"prefill max error {err} (q_lens={q_lens}, ctx={ctx_lens}, {dtype})"
     if nd:
-        got = paged_decode_attention(q[:nd], k_cache, v_cache, ctx[:nd], bt[:nd], scale).float()
-        err = (got - ref[:nd]).abs().max().item()
-        assert err < tol, f"decode max error {err} (ctx={ctx_lens[:nd]}, {dtype})"
+        for splits in decode_splits:
+            got = paged_decode_attention(q[:nd], k_cache, v_cache, ctx[:nd], bt[:nd], scale,
+                                         num_splits=splits).float()
+            err = (got - ref[:nd]).abs().max().item()
+            assert err < tol, f"decode max error {err} (ctx={ctx_lens[:nd]}, {dtype}, {splits} splits)"
 
 
 def main(dev="cpu"):
@@ -60,9 +63,30 @@ def main(dev="cpu"):
           dtype=torch.float32, dev=dev)
     _case(1, [1, 1, 37], [70, 3, 37], heads=6, kv_heads=2, head_dim=24, page=16, dtype=torch.float32, dev=dev)
     _case(2, [1, 17], [20, 50], heads=2, kv_heads=1, head_dim=32, page=8, dtype=torch.bfloat16, dev=dev)
+    # Decode alone, flash-decoding: GQA ratios 1, 4 and 8, contexts of 1 and of lengths that are no
+    # multiple of the page or the key tile (16 on the CPU), one split, a few (some empty for the
+    # short contexts) and the automatic choice.
+    splits = (1, 3, 16, None)
+    _case(4, [1] * 5, [1, 17, 40, 5, 63], heads=4, kv_heads=4, head_dim=16, page=4, dtype=torch.float32,
+          dev=dev, decode_splits=splits)
+    _case(5, [1] * 4, [33, 1, 90, 16], heads=8, kv_heads=2, head_dim=32, page=8, dtype=torch.float32,
+          dev=dev, decode_splits=splits)
+    _case(6, [1] * 3, [50, 2, 129], heads=16, kv_heads=2, head_dim=16, page=16, dtype=torch.bfloat16,
+          dev=dev, decode_splits=splits)
     if dev != "cpu":   # GPU-sized tiles: several key tiles, long decode contexts, head_dim 128
         _case(3, [1] * 8 + [300, 129], [1, 64, 65, 500, 1000, 7, 2048, 3000, 300, 700], heads=32, kv_heads=8,
-              head_dim=128, page=16, dtype=torch.bfloat16, dev=dev)
+              head_dim=128, page=16, dtype=torch.bfloat16, dev=dev, decode_splits=(1, 2, 7, 16, None))
+        _case(7, [1] * 6, [1, 127, 129, 640, 4097, 33], heads=32, kv_heads=4, head_dim=128, page=16,
+              dtype=torch.bfloat16, dev=dev, decode_splits=(1, 5, 16, None))
+        _case(8, [1] * 3, [1000, 3, 70], heads=8, kv_heads=8, head_dim=64, page=16, dtype=torch.float32,
+              dev=dev, decode_splits=(1, 4, None))
+    # The engine's in-graph step input fix-up (serving/runner.py): ids -1-k become sampled[k].
+    from tp_overlap_plugin.serving.runner import _resolve_refs_kernel
+    ids = torch.tensor([5, -1, 7, -3, 0, -2] * 300, dtype=torch.int64, device=dev)
+    sampled = torch.tensor([11, 12, 13, 14], dtype=torch.int64, device=dev)
+    want = torch.where(ids < 0, sampled[(-ids - 1).clamp(min=0)], ids)
+    _resolve_refs_kernel[(2,)](ids, sampled, ids.numel(), BLOCK=1024)
+    assert torch.equal(ids, want)
     print("triton attention ok")
 
 
@@ -74,14 +98,14 @@ def test_triton_kernels_match_reference_under_interpreter():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles real kernels")
 @pytest.mark.parametrize("target", ["sm90", "gfx942"])
-@pytest.mark.parametrize("kernel", ["prefill", "decode"])
+@pytest.mark.parametrize("kernel", ["prefill", "decode", "decode_reduce"])
 def test_attention_kernels_compile_for_gpu_targets(kernel, target):
     """The interpreter accepts code the GPU compilers reject; compile for Hopper and CDNA3 without a GPU."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from tp_overlap_plugin.kernels.attention import _decode_kernel, _prefill_kernel
+    from tp_overlap_plugin.kernels.attention import _decode_kernel, _decode_reduce_kernel, _prefill_kernel
 
     tgt = {"sm90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64)}[target]
     ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16"}
@@ -93,10 +117,16 @@ def test_attention_kernels_compile_for_gpu_targets(kernel, target):
                "scale": "fp32"}
         consts = {"GROUP": 4, "PAGE": 16, "HEAD_DIM": 128, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 128,
                   "PRECISION": "tf32", "UPCAST": False}
-    else:
+    elif kernel == "decode":
         fn = _decode_kernel
-        sig = {**ptrs, "context_lens": "*i32", "block_tables": "*i32", **strides, "scale": "fp32"}
-        consts = {"GROUP": 4, "PAGE": 16, "HEAD_DIM": 128, "BLOCK_N": 64, "BLOCK_D": 128}
+        sig = {**ptrs, "PartAcc": "*fp32", "PartML": "*fp32", "context_lens": "*i32", "block_tables": "*i32",
+               **strides, "scale": "fp32"}
+        consts = {"GROUP": 4, "PAGE": 16, "HEAD_DIM": 128, "NUM_SPLITS": 4, "BLOCK_G": 16, "BLOCK_N": 64,
+                  "BLOCK_D": 128, "PRECISION": "tf32", "UPCAST": False}
+    else:
+        fn = _decode_reduce_kernel
+        sig = {"PartAcc": "*fp32", "PartML": "*fp32", "Out": "*bf16", "stride_ot": "i32", "stride_oh": "i32"}
+        consts = {"HEAD_DIM": 128, "NUM_SPLITS": 4, "BLOCK_S": 4, "BLOCK_D": 128}
     sig.update({c: "constexpr" for c in consts})
     compiled = triton.compile(ASTSource(fn, signature=sig, constexprs=consts), target=tgt)
     assert compiled.asm.get("cubin" if target == "sm90" else "hsaco")

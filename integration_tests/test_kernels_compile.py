@@ -15,7 +15,8 @@ from tp_overlap_plugin.kernels.allreduce import one_shot_all_reduce_kernel, two_
 from tp_overlap_plugin.kernels.allreduce_norm import all_reduce_rmsnorm_kernel
 from tp_overlap_plugin.kernels.barrier import barrier_kernel
 from tp_overlap_plugin.kernels.gemm import gemm_kernel
-from tp_overlap_plugin.kernels.gemm_rs import reduce_kernel, signal_kernel
+from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel
+from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel
 from tp_overlap_plugin.kernels.layer_ops import rmsnorm_kernel, rope_cache_kernel, silu_mul_kernel
 
 TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64)}
@@ -24,15 +25,14 @@ _COMM = {"rank": "i32", "world": "i32", "heap_bases": "*i64", "error_ptr": "*i64
 _TILES = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "EVEN_K": True, "INTERPRET": False}
 _PTR = {"TMA": False, "B_KMAJOR": False, "C_TMA": False, "SUBTILE": False, "WARP_SPEC": False, "SPLIT": False,
         "DEVICE_DESC": False}
-_GEMM = {**_TILES, "FLATTEN": True, "WAIT": False, **_PTR}
-_GEMM_WAIT = {**_TILES, "FLATTEN": True, "WAIT": True, **_PTR}
+_GEMM = {**_TILES, "FLATTEN": True, **_PTR}
 # the descriptor variants Hopper runs (B as a Linear weight, [N, K]): host-built descriptors, and
 # warp-specialized with descriptors built in the kernel (pointer arguments)
 _TMA = {**_PTR, "TMA": True, "B_KMAJOR": True}
-_GEMM_TMA = {**_TILES, "FLATTEN": True, "WAIT": False, **_TMA, "C_TMA": True, "SUBTILE": True}
-_GEMM_TMA_WS = {**_TILES, "FLATTEN": False, "WAIT": False, **_TMA, "C_TMA": True, "WARP_SPEC": True,
+_GEMM_TMA = {**_TILES, "FLATTEN": True, **_TMA, "C_TMA": True, "SUBTILE": True}
+_GEMM_TMA_WS = {**_TILES, "FLATTEN": False, **_TMA, "C_TMA": True, "WARP_SPEC": True,
                 "DEVICE_DESC": True}
-_GEMM_SPLIT = {**_TILES, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "FLATTEN": False, "WAIT": False, **_TMA,
+_GEMM_SPLIT = {**_TILES, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "FLATTEN": False, **_TMA,
                "SPLIT": True}
 _GEMM_SPLIT_PTR = {**_GEMM_SPLIT, **_PTR, "SPLIT": True}
 
@@ -48,9 +48,16 @@ def _sig(params: str, extra: dict | None = None, constexprs=_TILES) -> dict:
 
 
 _GEMM_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 M:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 "
-              "stride_bn:i32 stride_cm:i32 stride_cn:i32 wait_ptr:*i64 wait_count:i32 wait_value:i64 rank:i32 "
-              "peer:i32 heap_bases:*i64 error_ptr:*i64 max_spins:i32 c_desc:*bf16 split_ws_ptr:*fp32 "
-              "split_count_ptr:*i32 split_k:i32")
+              "stride_bn:i32 stride_cm:i32 stride_cn:i32 c_desc:*bf16 split_ws_ptr:*fp32 split_count_ptr:*i32 "
+              "split_k:i32")
+_FUSED_TILES = {**_TILES, "EVEN_K": False, "WORLD": 4, "FLATTEN": True}  # odd K: the masked K loop
+_AG = {**_FUSED_TILES, "GATHER": False}
+_ONE = {"rank": 1, "rows": 1, "WORLD": 2}
+_FUSED_COMM = "rank:i32 heap_bases:*i64 error_ptr:*i64 max_spins:i32"
+_AG_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 gathered_ptr:*bf16 full_ptr:*bf16 rows:i32 N:i32 K:i32 "
+            "stride_bk:i32 stride_bn:i32 slot_stride:i32 flags_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM)
+_RS_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 recv_ptr:*bf16 rows:i32 N:i32 K:i32 stride_am:i32 stride_bk:i32 "
+            "stride_bn:i32 slot_stride:i32 counts_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM)
 
 
 def _tma_sig(constexprs: dict) -> dict:
@@ -67,17 +74,16 @@ def _tma_sig(constexprs: dict) -> dict:
 KERNELS = {
     # the plain GEMM and AG-GEMM's per-shard GEMM (the same kernel with its waiting prologue)
     "gemm": (gemm_kernel, _sig(_GEMM_ARGS, None, _GEMM), _GEMM),
-    "gemm_wait": (gemm_kernel, _sig(_GEMM_ARGS, None, _GEMM_WAIT), _GEMM_WAIT),
     "gemm_tma": (gemm_kernel, _tma_sig(_GEMM_TMA), _GEMM_TMA),
     "gemm_tma_ws": (gemm_kernel, _sig(_GEMM_ARGS, None, _GEMM_TMA_WS), _GEMM_TMA_WS, {"num_warps": 4}),
     "gemm_split_k": (gemm_kernel, _tma_sig(_GEMM_SPLIT), _GEMM_SPLIT, {"num_warps": 4, "num_stages": 4}),
     "gemm_split_k_ptr": (gemm_kernel, _sig(_GEMM_ARGS, None, _GEMM_SPLIT_PTR), _GEMM_SPLIT_PTR, {"num_warps": 4}),
-    "gemm_rs_signal": (signal_kernel, _sig("flag_ptr:*i64 value:i64 rank:i32 peer:i32 heap_bases:*i64 error_ptr:*i64",
-                                            None, {}),
-                       {}),
-    "gemm_rs_reduce": (reduce_kernel,
-                       _sig("recv_ptr:*bf16 out_ptr:*bf16 flags_ptr:*i64 epoch:i64 n:i32 slot_stride:i32", _COMM,
-                            ["BLOCK"]), {"BLOCK": 2048}),
+    # the fused ops: the same tiles in two loops each, waits between them, peer stores in them
+    "ag_gemm": (ag_gemm_kernel, _sig(_AG_ARGS, None, _AG), _AG),
+    "gemm_rs": (gemm_rs_kernel, _sig(_RS_ARGS, None, _FUSED_TILES), _FUSED_TILES),
+    # what the JIT compiles on rank 1 for one-row shards: Triton makes integer arguments equal to 1 constants
+    "ag_gemm_rank1": (ag_gemm_kernel, _sig(_AG_ARGS, None, {**_AG, **_ONE}), {**_AG, **_ONE}),
+    "gemm_rs_rank1": (gemm_rs_kernel, _sig(_RS_ARGS, None, {**_FUSED_TILES, **_ONE}), {**_FUSED_TILES, **_ONE}),
     "rmsnorm": (rmsnorm_kernel, _sig("x_ptr:*bf16 res_ptr:*bf16 out_ptr:*bf16 res_out_ptr:*bf16 w_ptr:*bf16 "
                                      "stride_x:i32 stride_res:i32 stride_out:i32 stride_res_out:i32 n:i32 eps:fp32",
                                      None, ["HAS_RES", "BLOCK"]), {"HAS_RES": True, "BLOCK": 4096}),
@@ -143,11 +149,12 @@ def test_kernel_compiles_for_target(name, target):
     assert _compiled(name, target).asm.get(binary), f"{name}: no {binary} produced for {target}"
 
 
-WAITING = ("barrier", "gemm_wait", "gemm_rs_reduce")
+WAITING = ("barrier", "ag_gemm", "gemm_rs")
 
 
 def _spin_loops(ttgir: str):
-    """(text of each scf.while, the text after it up to the next scf.if)"""
+    """(text of each spin loop, the text after it up to the next scf.if): an innermost scf.while
+    that polls with volatile loads"""
     lines = ttgir.splitlines()
     for i, line in enumerate(lines):
         if "scf.while" not in line:
@@ -159,6 +166,9 @@ def _spin_loops(ttgir: str):
                 break
             j += 1
         rest = "\n".join(lines[j + 1:])
+        body = "\n".join(lines[i + 1:j + 1])
+        if "scf.while" in body or "isVolatile = true" not in body:
+            continue
         yield "\n".join(lines[i:j + 1]), rest.split("scf.if", 1)[0]
 
 
@@ -219,7 +229,7 @@ def test_a_data_wait_spins_on_one_value_for_all_threads(name, target):
 @pytest.mark.parametrize("name", LAMPORT)
 def test_peer_traffic_moves_in_16_byte_vectors(name, target):
     """Pushes into peers' heaps and the polls of the receive slots are 16-byte vectors: the
-    translated peer address keeps its alignment (rma.peer_delta). On CDNA the pushes write through
+    translated peer address keeps its alignment (rma.translate). On CDNA the pushes write through
     and the polls are system-coherent (sc0 sc1), buffer loads included."""
     asm = _compiled(name, target).asm
     if target == "sm90":

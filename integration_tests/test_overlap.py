@@ -91,7 +91,7 @@ def _overlap_cases(ctx, seed, dtype):
     return out, big_ag, stats.snapshot()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_ag_gemm_and_gemm_rs(world, device):
     # The interpreter rounds fp32 -> bf16 differently from torch, which would break the bit-exact
     # GEMM-RS check below (not the kernel); fp16 conversions agree. GPUs run bf16.
@@ -130,3 +130,108 @@ def test_ag_gemm_and_gemm_rs(world, device):
         assert counts["ag_gemm.kernel"] == 2 * len(AG_SHAPES) + 3
         assert counts["gemm_rs.kernel"] == 2 * len(RS_SHAPES)
         assert counts["ag_gemm.fallback"] == 1
+
+
+RANDOM_MAX_ROWS = 24
+
+
+def _random_calls(seed, world):
+    """One op instance each, called alternately with M changing every call (1, below W, ragged),
+    K and N odd: (op, M, K, N) per call, the same on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    calls = []
+    for i in range(8):
+        op = "ag" if i % 2 == 0 else "rs"
+        most = RANDOM_MAX_ROWS * (1 if op == "ag" else world)  # AG: rows per shard; RS: rows in all
+        m = [1, max(world - 1, 1), int(torch.randint(1, most + 1, (), generator=gen))][i % 3]
+        calls.append((op, m, 45, 23))
+    return calls
+
+
+def _random_sequence(ctx, seed, dtype):
+    W, r, dev = ctx.world_size, ctx.rank, ctx.device
+    ag = AllGatherGemm(ctx.heap, max_rows=RANDOM_MAX_ROWS, k=45, dtype=dtype)
+    rs = GemmReduceScatter(ctx.heap, max_rows=RANDOM_MAX_ROWS, n=23, dtype=dtype)
+    got = []
+    for i, (op, m, k, n) in enumerate(_random_calls(seed, W)):
+        a, b = _operands(seed + i, W, m, k, n, dtype)
+        if op == "ag":
+            got.append(ag(a[r].to(dev), b[0].to(dev)).cpu())
+        else:
+            got.append(rs(a[r].to(dev), b[r].to(dev)).cpu())
+    ctx.heap.check()
+    return got, stats.snapshot()
+
+
+@pytest.mark.parametrize("world", [3])
+def test_fused_ops_with_m_changing_every_call(world, device):
+    seed = int(torch.randint(0, 2**30, ()))
+    dtype = torch.float16 if device == "cpu" else torch.bfloat16
+    results = run_ranks(_random_sequence, world, (seed, dtype), device=device, heap_size=4 << 20, timeout=600)
+    for r, (got, counts) in enumerate(results):
+        for i, (op, m, k, n) in enumerate(_random_calls(seed, world)):
+            a, b = _operands(seed + i, world, m, k, n, dtype)
+            if op == "ag":  # m rows per shard
+                ref = torch.cat(a).double() @ b[0].double()
+            else:  # m rows in all, padded to a multiple of W
+                full = sum(a[q].double() @ b[q].double() for q in range(world))
+                rows = -(-m // world)
+                ref = torch.cat([full, full.new_zeros(rows * world - m, n)])[r * rows:(r + 1) * rows]
+            assert got[i].shape == ref.shape, (i, op, m)
+            assert _rel_err(got[i], ref) < 1e-2, (i, op, m, _rel_err(got[i], ref))
+        assert counts["ag_gemm.kernel"] == 4 and counts["gemm_rs.kernel"] == 4, counts
+
+
+def _graph_replays(ctx):
+    """Both fused ops captured at two Ms each, replayed in turn with fresh inputs: the call number
+    and buffer half advance in device memory, so every replay is a new call."""
+    W, dev, g = ctx.world_size, ctx.device, ctx.device_group
+    gen = torch.Generator(device=dev).manual_seed(ctx.rank)
+    k, n = 72, 40
+    ag = AllGatherGemm(ctx.heap, max_rows=96, k=k)
+    rs = GemmReduceScatter(ctx.heap, max_rows=96, n=n)
+    b = torch.randn(k, n, device=dev, generator=gen).to(torch.bfloat16)
+    graphs = []
+    for op, m in (("ag", 1), ("ag", 90), ("rs", W - 1 or 1), ("rs", 190)):
+        a = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+        fn = (lambda a=a: ag(a, b)) if op == "ag" else (lambda a=a: rs(a, b))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            c = fn()
+        graphs.append((op, a, c, graph))
+    errs = []
+    for i in range(24):
+        op, a, c, graph = graphs[i % len(graphs)]
+        a.copy_(torch.randn(a.shape, device=dev, generator=gen))
+        c.fill_(float("nan"))
+        graph.replay()
+        if op == "ag":
+            full = torch.empty(W * a.shape[0], k, dtype=a.dtype, device=dev)
+            torch.distributed.all_gather_into_tensor(full, a, group=g)
+            ref = full.double() @ b.double()
+        else:
+            rows = -(-a.shape[0] // W)
+            full = torch.zeros(rows * W, n, dtype=torch.float64, device=dev)
+            full[:a.shape[0]] = a.double() @ b.double()
+            torch.distributed.all_reduce(full, group=g)
+            ref = full[ctx.rank * rows:(ctx.rank + 1) * rows]
+        errs.append((op, a.shape[0], _rel_err(c, ref)))
+    torch.cuda.synchronize()
+    ctx.heap.check()
+    return errs, ag.calls[1].item(), rs.calls[1].item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_fused_ops_replay_in_cuda_graphs(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    for errs, ag_calls, rs_calls in run_ranks(_graph_replays, world, device="cuda", heap_size=64 << 20,
+                                              timeout=300):
+        assert all(err < 1e-2 for _, _, err in errs), errs
+        assert ag_calls == rs_calls == 1 + 1 + 12  # two warm-ups, then 12 replays each

@@ -26,7 +26,7 @@ receives them in order, so the round trips of its chunks overlap, and it only ev
 program p of its peers. A chunk goes out whole; it comes in as receive tiles holding a piece of
 every peer's copy at once, so one spin covers all peers.
 
-Peer addresses come from rma.peer_delta, which keeps Triton's alignment facts: pushes are 16-byte
+Peer addresses come from rma.translate, which keeps Triton's alignment facts: pushes are 16-byte
 vector stores, as local stores are.
 
 The sum is fp32 in rank order 0..W-1, so every rank computes the same bits from the same inputs;
@@ -179,7 +179,7 @@ def one_shot_all_reduce_kernel(x_ptr, out_ptr, slots_ptr, epoch_ptr, n, slot_str
         dst = slots_ptr + (epoch % 2) * slot_stride + rank * src_stride + offs
         for q in tl.static_range(1, W):
             peer = (rank + q) % W
-            tl.store(dst + rma.peer_delta(slots_ptr, rank, peer, heap_bases), bits, mask=mask & live,
+            tl.store(rma.translate(dst, rank, peer, heap_bases), bits, mask=mask & live,
                      cache_modifier=PEER_STORE)
     tl.debug_barrier()  # the epochs stored above are read back below, by other threads
     ok = pid >= 0
@@ -223,7 +223,7 @@ def two_shot_all_reduce_kernel(x_ptr, out_ptr, scatter_ptr, gather_ptr, epoch_pt
         owner = c % W
         bits = _sendable(_bits(tl.load(x_ptr + offs, mask=mask)))
         dst = scatter_ptr + (epoch % 2) * scatter_slot_stride + rank * scatter_src_stride + (c // W) * BLOCK + lane
-        tl.store(dst + rma.peer_delta(scatter_ptr, rank, owner, heap_bases), bits,
+        tl.store(rma.translate(dst, rank, owner, heap_bases), bits,
                  mask=mask & live & _flag(owner != rank), cache_modifier=PEER_STORE)
     tl.debug_barrier()  # the epochs stored above are read back below, by other threads
     ok = pid >= 0
@@ -253,7 +253,7 @@ def two_shot_all_reduce_kernel(x_ptr, out_ptr, scatter_ptr, gather_ptr, epoch_pt
                 dst = gather_ptr + (epoch % 2) * gather_slot_stride + offs
                 for q in tl.static_range(1, W):
                     peer = (rank + q) % W
-                    tl.store(dst + rma.peer_delta(gather_ptr, rank, peer, heap_bases), total, mask=mask,
+                    tl.store(rma.translate(dst, rank, peer, heap_bases), total, mask=mask,
                              cache_modifier=PEER_STORE)
                 tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty, bitcast=True), mask=mask)
     # the chunks others own: copy their owner's sum

@@ -53,7 +53,7 @@ def all_reduce_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, bias_ptr, out_ptr, res_out_
             bits = _sendable(_bits(tl.load(x_ptr + r * stride_x + cols, mask=mask)))
             for q in tl.static_range(1, W):
                 peer = (rank + q) % W
-                tl.store(dst + cols + rma.peer_delta(slots_ptr, rank, peer, heap_bases), bits, mask=mask & live,
+                tl.store(rma.translate(dst + cols, rank, peer, heap_bases), bits, mask=mask & live,
                          cache_modifier=PEER_STORE)
     tl.debug_barrier()  # the epochs stored above are read back below, by other threads
     ok = pid >= 0

@@ -7,12 +7,17 @@ itself through the same gather, and query i of a chunk of length L sits at absol
 context_len - L + i (causal bound).
 
 Both are online-softmax (one pass over the keys, running max and normaliser) with float32
-accumulation. The serving engine's torch reference (`tp_overlap_plugin.serving.attention`) defines
-the expected result; tests run these under TRITON_INTERPRET=1.
+accumulation. Decode is memory-bound: it reads each sequence's keys and values once per kv head
+(the query heads of a GQA group share the read), and at small batches splits long contexts into
+slices that run in parallel and are combined by a second kernel (flash-decoding).
+
+The serving engine's torch reference (`tp_overlap_plugin.serving.attention`) defines the expected
+result; tests run these under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -78,40 +83,94 @@ def _prefill_kernel(Q, K, V, Out, cu_seqlens_q, context_lens, block_tables,
 
 
 @triton.jit
-def _decode_kernel(Q, K, V, Out, context_lens, block_tables,
+def _decode_kernel(Q, K, V, Out, PartAcc, PartML, context_lens, block_tables,
                    stride_qt, stride_qh, stride_kb, stride_kp, stride_kh,
                    stride_ot, stride_oh, stride_bt, scale,
                    GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                   NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One program per (sequence, kv head, split): the GROUP query heads that share a kv head are
+    the rows of one tile, so each key/value row is read from memory once for all of them. With
+    NUM_SPLITS > 1 the context is cut into NUM_SPLITS slices (whole BLOCK_N tiles each) and the
+    program writes its slice's unnormalised accumulator, running max and normaliser to PartAcc and
+    PartML for `_decode_reduce_kernel`; with one split it writes the output itself."""
+    s = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens + s)
+    if NUM_SPLITS == 1:
+        lo = 0
+        hi = ctx
+    else:
+        per = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * per
+        hi = tl.minimum(ctx, lo + per)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    q = tl.load(Q + s * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = block_tables + s * stride_bt
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        blk = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0)
+        kv_off = blk.to(tl.int64) * stride_kb + (offs_n % PAGE) * stride_kp + kvh * stride_kh
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(K + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        # Every tile in [lo, hi) holds at least one key, so the running max is finite after it.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp(qk - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    row_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(Out + s * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_mask)
+    else:
+        # Row (s, head, split) of PartAcc [S * H * NUM_SPLITS, BLOCK_D] and PartML [..., 2] (float32):
+        # the accumulator, and m, l. An empty split (its slice starts past the context) leaves
+        # m = -inf, l = 0, acc = 0, which the reduction weighs 0.
+        row = ((s * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split).to(tl.int64)
+        tl.store(PartAcc + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_mask)
+        tl.store(PartML + row * 2, m_i, mask=g_mask)
+        tl.store(PartML + row * 2 + 1, l_i, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(PartAcc, PartML, Out, stride_ot, stride_oh,
+                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+    """out[s, h] = sum_k acc_k e^(m_k - M) / sum_k l_k e^(m_k - M), M = max_k m_k, over the splits."""
     s = tl.program_id(0)
     h = tl.program_id(1)
-    kvh = h // GROUP
-    ctx = tl.load(context_lens + s)
+    offs_k = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    q = tl.load(Q + s * stride_qt + h * stride_qh + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)
-    l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), 0)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for start_n in range(0, ctx, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < ctx
-        blk = tl.load(block_tables + s * stride_bt + offs_n // PAGE, mask=n_mask, other=0)
-        kv_off = blk.to(tl.int64) * stride_kb + (offs_n % PAGE) * stride_kp + kvh * stride_kh
-        k = tl.load(K + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :],
-                    other=0.0).to(tl.float32)
-        qk = tl.sum(k * q[None, :], 1) * scale
-        qk = tl.where(n_mask, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 0))
-        p = tl.exp(qk - m_new)
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        v = tl.load(V + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :],
-                    other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
-        m_i = m_new
-    out = acc / l_i
-    tl.store(Out + s * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
+    k_mask = offs_k < NUM_SPLITS
+    rows = ((s * tl.num_programs(1) + h) * NUM_SPLITS + offs_k).to(tl.int64)
+    m = tl.load(PartML + rows * 2, mask=k_mask, other=float("-inf"))
+    l = tl.load(PartML + rows * 2 + 1, mask=k_mask, other=0.0)
+    # Split 0 always holds key 0 (every context has at least one key), so M is finite.
+    w = tl.exp(m - tl.max(m, 0))
+    acc = tl.load(PartAcc + rows[:, None] * BLOCK_D + offs_d[None, :], mask=k_mask[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(Out + s * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor):
@@ -159,21 +218,68 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
+MAX_SPLITS = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_num_splits(num_seqs: int, kv_heads: int, device: torch.device) -> int:
+    """How many slices each (sequence, kv head) splits its context into: enough programs for ~4 per
+    SM. It depends on the batch only through its power-of-two bucket, not on the context lengths,
+    so a CUDA graph (captured for a padded batch, replayed with other lengths) and an eager call
+    for the same sequences agree bit for bit; a slice past the end of a short context is empty."""
+    programs = triton.next_power_of_2(max(num_seqs, 1)) * kv_heads
+    return max(1, min(MAX_SPLITS, -(-4 * _num_sms(device) // programs)))
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                           out: Optional[torch.Tensor] = None, block_n: Optional[int] = None) -> torch.Tensor:
-    """q [S, H, D], one query per sequence at position context_lens[s] - 1 -> [S, H, D]."""
+                           out: Optional[torch.Tensor] = None, block_n: Optional[int] = None,
+                           num_splits: Optional[int] = None, num_warps: Optional[int] = None,
+                           num_stages: Optional[int] = None) -> torch.Tensor:
+    """q [S, H, D], one query per sequence at position context_lens[s] - 1 -> [S, H, D].
+
+    Flash-decoding: one program per (sequence, kv head, context slice) serves all the query heads
+    of that kv head (GQA), and with more than one slice a second small kernel combines them."""
     _check(q, k_cache, v_cache, block_tables)
     out = torch.empty_like(q) if out is None else out
     s, h, d = q.shape
     if s == 0:
         return out
-    bn = block_n or (16 if q.device.type == "cpu" else 64)
-    _decode_kernel[(s, h)](
-        q, k_cache, v_cache, out, context_lens, block_tables,
+    kv_heads = k_cache.shape[2]
+    group = h // kv_heads
+    interp = q.device.type == "cpu"
+    splits = num_splits or decode_num_splits(s, kv_heads, q.device)
+    bn = block_n or (16 if interp else 64)
+    bd = max(16, triton.next_power_of_2(d))
+    if splits > 1:
+        part_acc = torch.empty((s * h * splits, bd), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((s * h * splits, 2), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out   # unused
+    launch = {}
+    if num_warps:
+        launch["num_warps"] = num_warps
+    if num_stages:
+        launch["num_stages"] = num_stages
+    _decode_kernel[(s, kv_heads, splits)](
+        q, k_cache, v_cache, out, part_acc, part_ml, context_lens, block_tables,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), block_tables.stride(0), scale,
-        GROUP=h // k_cache.shape[2], PAGE=k_cache.shape[1], HEAD_DIM=d, BLOCK_N=bn,
-        BLOCK_D=triton.next_power_of_2(d),
+        GROUP=group, PAGE=k_cache.shape[1], HEAD_DIM=d, NUM_SPLITS=splits,
+        # tl.dot wants at least 16 rows: a group of fewer query heads is padded with masked rows.
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=bn, BLOCK_D=bd,
+        PRECISION="ieee" if q.dtype == torch.float32 or interp else "tf32",
+        UPCAST=interp and q.dtype != torch.float32, **launch,
     )
+    if splits > 1:
+        _decode_reduce_kernel[(s, h)](
+            part_acc, part_ml, out, out.stride(0), out.stride(1),
+            HEAD_DIM=d, NUM_SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=bd,
+        )
     return out

@@ -1,8 +1,8 @@
-"""The one GEMM core. Every matmul in this package (plain, all-gather + GEMM, GEMM + reduce-scatter)
-is `gemm_kernel`: a persistent loop over output tiles that calls `tile_coords`, `gemm_tile` and
-`store_tile`. The fused ops add their communication around it: a prologue that waits for a peer's A
-rows (AG-GEMM), and C written straight into a peer's heap (GEMM-RS). Nothing else multiplies
-matrices.
+"""The one GEMM core: `tile_coords`, `gemm_tile` and `store_tile`. Every matmul in this package is
+made of them: the plain GEMM `gemm_kernel` (a persistent loop over output tiles), and the fused ops,
+which drive the same tiles from a work queue and add their communication around them: AG-GEMM
+waits for a peer's row block before its tiles (kernels/ag_gemm.py), GEMM-RS stores tiles straight
+into a peer's heap and reduces its own (kernels/gemm_rs.py). Nothing else multiplies matrices.
 
 Two ways to read the operands, one body (constexpr `TMA`):
 - TMA: `a_ptr`/`b_ptr` are tensor descriptors, so on Hopper the loads are bulk tensor copies the
@@ -33,7 +33,6 @@ multiplies bf16 operands as raw 16-bit integers, so there the operands are widen
 import triton
 import triton.language as tl
 
-from tp_overlap_plugin.kernels import rma
 
 
 @triton.jit
@@ -132,36 +131,24 @@ def device_descriptors(a_ptr, b_ptr, c_ptr, c_desc, M, N, K, stride_am, stride_b
     return a_desc, b_desc, c_desc
 
 
-@triton.jit(do_not_specialize=["wait_value"])
+@triton.jit
 def gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-                wait_ptr, wait_count, wait_value, rank, peer, heap_bases, error_ptr, max_spins,
                 c_desc, split_ws_ptr, split_count_ptr, split_k,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, FLATTEN: tl.constexpr, WAIT: tl.constexpr,
+                EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, FLATTEN: tl.constexpr,
                 TMA: tl.constexpr, B_KMAJOR: tl.constexpr, C_TMA: tl.constexpr, SUBTILE: tl.constexpr,
                 WARP_SPEC: tl.constexpr, SPLIT: tl.constexpr, DEVICE_DESC: tl.constexpr):
     """C = A @ B, persistent: program p takes work items p, p + P, p + 2P, ...
 
-    Prologue (WAIT): first wait until `wait_count` flags from `peer` reach `wait_value` (A's rows
-    are arriving from that peer). Waiting once, before the tile loop, keeps the loop a plain loop
-    the compiler can flatten: with FLATTEN the tile loop and the K loop become one pipelined loop,
-    so the next tile's first loads are in flight during this tile's epilogue. WARP_SPEC instead
-    gives the loads to a producer warp group (Hopper: num_warps=4 per consumer group, not
-    flattened). C may be a peer's memory (GEMM-RS stores its partials straight into the owner's
-    heap). With SPLIT, `split_k` slices of K per tile (see the module docstring).
-
-    With WAIT the program computes no tile once this rank has given up on a peer (its error slot
-    is set, or a wait here fails): A may be stale, and C in a peer's heap may still be read by
-    that peer. wait_count = 0 keeps only that check."""
+    A static assignment keeps the tile loop a plain loop the compiler can flatten: with FLATTEN the
+    tile loop and the K loop become one pipelined loop, so the next tile's first loads are in
+    flight during this tile's epilogue. WARP_SPEC instead gives the loads to a producer warp group
+    (Hopper: num_warps=4 per consumer group, not flattened). With SPLIT, `split_k` slices of K per
+    tile (see the module docstring). The fused ops (ag_gemm.py, gemm_rs.py) drive the same tile
+    functions from a work queue instead, because their tiles wait on peers."""
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles = tiles_m * tiles_n
-    if WAIT:
-        ok = rma.no_error(error_ptr)
-        for i in range(wait_count):
-            ok = ok & rma.signal_wait(wait_ptr + i, wait_value, rank, peer, heap_bases, error_ptr, max_spins)
-        if not ok:
-            tiles = 0
     if DEVICE_DESC:
         a_ptr, b_ptr, c_desc = device_descriptors(a_ptr, b_ptr, c_ptr, c_desc, M, N, K, stride_am, stride_bk, stride_bn,
                                                   stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, B_KMAJOR, C_TMA, SUBTILE)

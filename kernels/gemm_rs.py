@@ -1,41 +1,105 @@
-"""The two small kernels around GEMM-RS's GEMMs (the GEMMs themselves are `gemm_kernel`).
+"""GEMM-RS in one persistent launch: rank r's C_shard = rows [r * rows, (r + 1) * rows) of the sum
+over ranks of A @ B (each rank holds a K-slice of the product).
 
-A rank computes each peer's rows with `gemm_kernel` writing straight into that owner's receive
-slot `recv[parity, me]`, then `signal_kernel` raises the owner's flag for me. Its own rows go into
-its own slot `recv[parity, me]` locally. `reduce_kernel` then waits for every peer's flag and sums
-the W slots in rank order 0..W-1 in fp32. Every partial is rounded to the output dtype the same
-way and the order is fixed, so the result does not depend on arrival order and is identical on
-every rank's view of it.
+The GEMM is two plain tile loops (flattened by the compiler into pipelined loops, see
+kernels/ag_gemm.py for why that shape): first the peers' rows, shard by shard, rank (me + 1 + s)
+mod W, so in every rank's walk my rows come before that rank's own; then my own rows.
+
+A tile of a peer's rows is stored straight into that owner's heap, `recv[half, slot]`
+(slot = (src - owner - 1) mod W: W - 1 slots); after its loop each program adds the number it
+stored to the owner's `counts[half, slot]` with a releasing atomic. Between the loops a program
+waits until every peer's count is the shard's tile count; each of my tiles then sums all W partials in rank order 0..W-1 in fp32, my
+own rounded to the output dtype first as the peers' were. The order is
+fixed, so the result does not depend on arrival order. The half is the call number's parity
+(device memory): a peer can reach call e + 2, which writes half e % 2 again, only after I finished
+call e + 1; the program that finishes call e last zeroes half e % 2's counts for it.
+
+The tiles are the one GEMM core's (kernels/gemm.py), by pointer.
 """
 
 import triton
 import triton.language as tl
 
-from tp_overlap_plugin.kernels import rma
+from tp_overlap_plugin.kernels import rma, work_queue
+from tp_overlap_plugin.kernels.gemm import gemm_tile, store_tile, tile_coords
 
 
-@triton.jit(do_not_specialize=["value"])
-def signal_kernel(flag_ptr, value, rank, peer, heap_bases, error_ptr):
-    """Set `peer`'s copy of my flag to `value`, after everything this stream did before (the
-    launch boundary completes the previous kernel's stores; the release publishes them). Not once
-    this rank has given up on a peer: what it would announce may be stale, so the peer is left to
-    time out and report. With peer == rank it raises a flag of this process, in the heap or not."""
-    if rma.no_error(error_ptr):
-        rma.signal_set(flag_ptr, value, rank, peer, heap_bases)
+@triton.jit
+def load_tile(ptr, pid_m, pid_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """fp32 copy of tile (pid_m, pid_n) of a row-major [M, N] array; zeros outside it."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    return tl.load(ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["epoch"])
-def reduce_kernel(recv_ptr, out_ptr, flags_ptr, epoch, n, slot_stride, rank, world, heap_bases, error_ptr,
-                  max_spins, BLOCK: tl.constexpr):
-    """out[:n] = sum over src in 0..W-1 of recv[src, :n], once flags[src] (set by src) reach epoch.
-    Writes nothing if a wait fails."""
-    ok = True
-    for src in range(world):
-        if src != rank:
-            ok = ok & rma.signal_wait(flags_ptr + src, epoch, rank, src, heap_bases, error_ptr, max_spins)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = (offs < n) & ok
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for src in range(world):
-        total += tl.load(recv_ptr + tl.cast(src, tl.int64) * slot_stride + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+@triton.jit
+def gemm_rs_kernel(a_ptr, b_ptr, c_ptr, recv_ptr, rows, N, K, stride_am, stride_bk, stride_bn, slot_stride,
+                   counts_ptr, calls_ptr, rank, heap_bases, error_ptr, max_spins,
+                   WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, FLATTEN: tl.constexpr):
+    """c[i] = sum over src of (A_src @ B_src)[rank * rows + i]; a is [WORLD * rows, K] (row stride
+    stride_am, unit column stride), c is [rows, N]. counts: [2, WORLD - 1].
+
+    Once this rank has given up on a peer, the program stores nothing into peers' heaps and counts
+    nothing there (its stream no longer orders those stores after the owner's last read of that
+    half), and computes none of its own tiles: their partials may never arrive."""
+    epoch = work_queue.call_number(calls_ptr)
+    half = epoch % 2
+    ok = True  # a bool (the interpreter types a bare comparison as an integer, which no mask takes)
+    ok = ok & rma.no_error(error_ptr)
+    P = tl.num_programs(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    row_blocks = tl.cdiv(rows, BLOCK_M)
+    per_shard = row_blocks * tiles_n
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    recv_half = recv_ptr + tl.cast(half, tl.int64) * (WORLD - 1) * slot_stride
+    counts_half = counts_ptr + half * (WORLD - 1)
+    end = (WORLD - 1) * per_shard
+    if not ok:
+        end = 0
+    for item in tl.range(tl.program_id(0), end, P, flatten=FLATTEN):
+        owner = (rank + 1 + item // per_shard) % WORLD
+        slot = (rank - owner - 1 + WORLD) % WORLD  # mine, in the owner's heap
+        pid_m, pid_n = tile_coords(item % per_shard, row_blocks, tiles_n, GROUP_M)
+        acc = gemm_tile(a_ptr + tl.cast(owner, tl.int64) * rows * stride_am, b_ptr, pid_m, pid_n, rows, N, K, 0, k_blocks,
+                        stride_am, 1, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, False, False)
+        there = rma.translate(recv_half + tl.cast(slot, tl.int64) * slot_stride, rank, owner, heap_bases)
+        store_tile(there, there, acc, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N, False, False)
+    # Each owner learns how many of its tiles this program stored, once, after the loop: an atomic per
+    # tile inside it would stop the compiler from flattening it. The barrier puts every thread's
+    # stores before the one releasing add (cumulativity).
+    tl.debug_barrier()
+    for shard in tl.static_range(WORLD - 1):
+        if ok:
+            owner = (rank + 1 + shard) % WORLD
+            slot = (rank - owner - 1 + WORLD) % WORLD
+            stored = work_queue.items_in(shard * per_shard, (shard + 1) * per_shard, P)
+            if stored > 0:
+                tl.atomic_add(rma.translate(counts_half + slot, rank, owner, heap_bases), stored, sem="release",
+                              scope="sys")
+    for peer in tl.static_range(WORLD):
+        if peer != rank:
+            ok = ok & rma.signal_wait(counts_half + (peer - rank - 1 + WORLD) % WORLD, tl.cast(per_shard, tl.int64), rank,
+                                      peer, heap_bases, error_ptr, max_spins)
+    first = work_queue.first_item((WORLD - 1) * per_shard, P)
+    end = WORLD * per_shard
+    if not ok:
+        end = first
+    a_mine = a_ptr + tl.cast(rank, tl.int64) * rows * stride_am
+    for item in tl.range(first, end, P, flatten=FLATTEN):
+        pid_m, pid_n = tile_coords(item % per_shard, row_blocks, tiles_n, GROUP_M)
+        acc = gemm_tile(a_mine, b_ptr, pid_m, pid_n, rows, N, K, 0, k_blocks, stride_am, 1, stride_bk, stride_bn,
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, False, False)
+        mine = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for src in tl.static_range(WORLD):  # no branch in the loop body: it stays one pipelined loop
+            slot = (src - rank - 1 + WORLD) % WORLD  # W - 1 for me: no rows loaded
+            theirs = load_tile(recv_half + tl.cast(slot, tl.int64) * slot_stride, pid_m, pid_n,
+                               tl.where(src == rank, 0, rows), N, BLOCK_M, BLOCK_N)
+            total += tl.where(src == rank, mine, theirs)
+        store_tile(c_ptr, c_ptr, total, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N, False, False)
+    if work_queue.finish_call(calls_ptr, epoch):
+        # every program has passed its waits on this half's counts: zero them for call e + 2
+        for s in tl.static_range(WORLD - 1):
+            tl.store(counts_half + s, 0)

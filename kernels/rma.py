@@ -38,28 +38,22 @@ _ERR_SEEN = tl.constexpr(5)
 _ACQ_REL = tl.constexpr("acq_rel")
 _SYS = tl.constexpr("sys")
 
+HEAP_ALIGN = tl.constexpr(256)  # heap bases are this far aligned: tp_overlap_plugin/heap.py ALIGN
+
 @triton.jit
 def translate(ptr, rank, peer, heap_bases):
     """`ptr` in my heap -> the same offset in `peer`'s heap, as mapped in this process.
-    Translate a scalar base pointer and add tensor offsets afterwards: it is one subtraction."""
+
+    The result is `ptr` moved by the distance between the two heaps, in elements, and that distance
+    is declared a multiple of HEAP_ALIGN bytes (SymmetricHeap checks every base). So the translated
+    pointer keeps every alignment fact the compiler knew of `ptr`, and peer data moves in the same
+    16-byte vectors as local data (rebuilding it from an integer, the compiler assumed 2-byte
+    alignment and issued scalar accesses). Translate a scalar base and add offsets afterwards: it
+    is one subtraction per program, not per element."""
+    elem: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
     my_base = tl.load(heap_bases + rank)
     peer_base = tl.load(heap_bases + peer)
-    offset = ptr.to(tl.uint64) - my_base.to(tl.uint64)
-    return (peer_base.to(tl.pointer_type(tl.int8)) + offset).to(ptr.dtype, bitcast=True)
-
-
-@triton.jit
-def peer_delta(ptr, rank, peer, heap_bases, ALIGN: tl.constexpr = 16):
-    """Elements from `ptr` in my heap to the same offset in `peer`'s heap: `ptr + peer_delta(...)`
-    is the peer's copy, as aligned as `ptr` is.
-
-    translate() hands Triton a pointer made from a loaded integer, so the compiler knows nothing of
-    its alignment and splits every access through it into 2-byte scalar loads and stores. The
-    distance between two heaps is a multiple of ALIGN bytes (every backend maps whole allocations at
-    page or 256-byte alignment, the heap's own alignment), so adding it keeps what Triton knows about
-    `ptr` and its offsets, and peer accesses become 16-byte vectors like local ones."""
-    delta = (tl.load(heap_bases + peer) - tl.load(heap_bases + rank)) // (ptr.dtype.element_ty.primitive_bitwidth // 8)
-    return tl.multiple_of(delta, ALIGN // (ptr.dtype.element_ty.primitive_bitwidth // 8))
+    return ptr + tl.multiple_of((peer_base - my_base) // elem, HEAP_ALIGN // elem)
 
 
 @triton.jit

@@ -63,6 +63,7 @@ class _Launched:
     prompt_logits: list        # (seq, device tensor [n, vocab])
     tokens_ready: tuple        # (host tensor, event) of the sampled ids
     logprobs_ready: tuple
+    error_slot: int = -1       # the runner's ErrorWatch slot of this step (tp_overlap)
 
     @property
     def ready(self):
@@ -339,7 +340,8 @@ class LLMEngine:
             t += n
         step = StepInput(ids, pos, slots, list(batch.num_new),
                          [s.num_computed + n for s, n in zip(batch.seqs, batch.num_new)],
-                         [list(s.block_table) for s in batch.seqs], batch.num_decodes, rows)
+                         [list(s.block_table) for s in batch.seqs], batch.num_decodes, rows,
+                         share_sampled=self.cfg.async_scheduling)
         try:
             logits = self.runner.execute(step)
             prompt_logits = [(seq, logits[r0:r0 + cnt].float()) for seq, r0, cnt in prompt_rows]
@@ -351,7 +353,7 @@ class LLMEngine:
                 sel = logits if at == list(range(logits.shape[0])) else logits[torch.tensor(at, device=logits.device)]
                 tokens, lps = sample_on_device(sel, [s.params for s in seqs], [s.generator for s in seqs],
                                                self.generator)
-            if self.cfg.async_scheduling:
+            if step.share_sampled:
                 self.runner.share_sampled(tokens if tokens is not None else _no_tokens(self.device))
         except Exception as e:
             # Ranks may now disagree about what was computed; nothing after this can be trusted.
@@ -365,18 +367,21 @@ class LLMEngine:
             seq.inflight_ref = k
             p = seq.params
             # Known now: this token ends the sequence whatever it is, so the next step leaves it out.
-            seq.last_inflight = (len(seq.output_ids) + seq.inflight >= p.max_tokens
+            seq.last_inflight = (seq.num_output + seq.inflight >= p.max_tokens
                                  or seq.num_tokens >= self.max_model_len)
-        return _Launched(list(zip(batch.seqs, batch.num_new)), seqs, prompt_logits, _to_host(tokens), _to_host(lps))
+        return _Launched(list(zip(batch.seqs, batch.num_new)), seqs, prompt_logits, _to_host(tokens), _to_host(lps),
+                         self.runner.last_error_slot)
 
     def _finalize(self, step: "_Launched") -> list[RequestOutput]:
         bm = self.block_manager
+        caching, bs = bm.enable_prefix_caching, bm.block_size
         for seq, _ in step.scheduled:
             if seq.status is Status.FINISHED:   # stopped or aborted while this step ran: its blocks are gone
                 continue
             known = min(seq.num_computed, len(seq.tokens))
-            seq.num_registered, seq.last_key = bm.register(seq.block_table, seq.tokens, known,
-                                                           seq.num_registered, seq.last_key)
+            if caching and known // bs > seq.num_registered:   # a block filled up (a decode: 1 step in 16)
+                seq.num_registered, seq.last_key = bm.register(seq.block_table, seq.tokens, known,
+                                                               seq.num_registered, seq.last_key)
         for seq, chunk in step.prompt_logits:
             seq.prompt_logits.append(chunk.cpu())
             seq.num_prompt_logits += chunk.shape[0]
@@ -384,6 +389,11 @@ class LLMEngine:
         if step.sampled:
             if step.ready is not None:
                 step.ready.synchronize()
+            try:
+                self.runner.check_step(step.error_slot)   # no garbage tokens from a step that failed
+            except Exception as e:
+                self._broken = e
+                raise RuntimeError(f"model step failed: {e}") from e
             toks = step.tokens.tolist()
             lps = step.logprobs.tolist() if step.logprobs is not None else [None] * len(toks)
             for seq, tok, lp in zip(step.sampled, toks, lps):
@@ -406,7 +416,7 @@ class LLMEngine:
             reason = "stop"
         elif seq.detok is not None:
             delta = seq.detok.push(tok)
-        if reason is None and (len(seq.output_ids) >= p.max_tokens or len(seq.tokens) >= self.max_model_len):
+        if reason is None and (seq.num_output >= p.max_tokens or len(seq.tokens) >= self.max_model_len):
             reason = "length"
         if reason is not None and seq.detok is not None:
             # Text held back for a character that might continue (also when an end-of-sequence or
@@ -437,7 +447,7 @@ class LLMEngine:
         pl = None
         if done and seq.params.prompt_logits and seq.prompt_logits:
             pl = torch.cat(seq.prompt_logits)
-        comp = CompletionOutput(0, seq.text, list(seq.output_ids),
+        comp = CompletionOutput(0, seq.text, seq.output_ids,   # (a fresh list)
                                 list(seq.logprobs) if seq.params.logprobs else None, seq.finish_reason)
         return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_ids), [comp], done, delta,
                              delta_ids, pl, seq.num_preemptions)

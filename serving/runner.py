@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import triton
+import triton.language as tl
 
 from tp_overlap_plugin import runtime
 from tp_overlap_plugin.layers import TPGroup, TPLayers
@@ -41,13 +43,15 @@ class StepInput:
     block_tables: list[list[int]]
     num_decodes: int
     logit_rows: list[int]     # token rows whose logits the step must return
+    # Async scheduling: after this step rank 0 broadcasts its sampled ids into every rank's `sampled`.
+    share_sampled: bool = False
     # An input id -(k + 1) stands for the k-th token sampled by the previous step, which is still on
     # the device when this step is launched (async scheduling): every rank holds it in `sampled`.
 
 
 class StepMessage:
     """A step (or the stop command) as one flat int64 tensor, so that no Python object is pickled per
-    step. Layout: a header [command, tokens, sequences, decodes, logit rows, body length], then the
+    step. Layout: a header [command, tokens, sequences, decodes, logit rows, flags, body length], then the
     body: input ids, positions, slots (one per token), q lens, context lens, table lengths (one per
     sequence), logit rows, and the block tables back to back. Tables are sent ragged: at batch 256 a
     padded matrix would be mostly padding.
@@ -58,9 +62,10 @@ class StepMessage:
     transfer when it needs the buffer again (two of them alternate), so its own launch never waits on
     gloo."""
 
-    HEADER = 6
+    HEADER = 7
     CAPACITY = 4096
     STEP, STOP = 1, 2
+    SHARE_SAMPLED = 1   # flags
 
     def __init__(self, group, rank: int):
         self.group, self.rank = group, rank
@@ -71,16 +76,17 @@ class StepMessage:
     @classmethod
     def encode(cls, step: Optional[StepInput]) -> list[int]:
         if step is None:
-            return [cls.STOP, 0, 0, 0, 0, 0]
+            return [cls.STOP, 0, 0, 0, 0, 0, 0]
         body = list(itertools.chain(step.input_ids, step.positions, step.slot_mapping, step.q_lens,
                                     step.context_lens, map(len, step.block_tables), step.logit_rows,
                                     itertools.chain.from_iterable(step.block_tables)))
-        return [cls.STEP, len(step.input_ids), len(step.q_lens), step.num_decodes, len(step.logit_rows),
+        flags = cls.SHARE_SAMPLED if step.share_sampled else 0
+        return [cls.STEP, len(step.input_ids), len(step.q_lens), step.num_decodes, len(step.logit_rows), flags,
                 len(body)] + body
 
     @classmethod
     def decode(cls, msg: list[int]) -> Optional[StepInput]:
-        cmd, n, s, nd, r, _ = msg[:cls.HEADER]
+        cmd, n, s, nd, r, flags, _ = msg[:cls.HEADER]
         if cmd == cls.STOP:
             return None
         if cmd != cls.STEP:
@@ -88,7 +94,8 @@ class StepMessage:
         it = iter(msg[cls.HEADER:])
         take = lambda k: list(itertools.islice(it, k))   # noqa: E731
         ids, pos, slots, q_lens, ctx, widths, rows = take(n), take(n), take(n), take(s), take(s), take(s), take(r)
-        return StepInput(ids, pos, slots, q_lens, ctx, [take(w) for w in widths], nd, rows)
+        return StepInput(ids, pos, slots, q_lens, ctx, [take(w) for w in widths], nd, rows,
+                         bool(flags & cls.SHARE_SAMPLED))
 
     def send(self, step: Optional[StepInput]) -> None:
         msg = self.encode(step)
@@ -123,6 +130,74 @@ class StepMessage:
             dist.broadcast(tail, src=0, group=self.group)
             msg += tail.tolist()
         return self.decode(msg)
+
+
+@triton.jit
+def _resolve_refs_kernel(ids_ptr, sampled_ptr, n, BLOCK: tl.constexpr):
+    """ids[i] = sampled[-ids[i] - 1] where ids[i] < 0 (see StepInput), in one launch."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    ids = tl.load(ids_ptr + offs, mask=mask, other=0)
+    ref = ids < 0
+    got = tl.load(sampled_ptr + tl.maximum(-ids - 1, 0), mask=mask & ref, other=0)
+    tl.store(ids_ptr + offs, tl.where(ref, got, ids), mask=mask)
+
+
+class ErrorWatch:
+    """The heap's error word (a spin-wait that gave up on a peer writes it), read without holding the
+    host until the device has caught up.
+
+    After each step a copy of the word into pinned memory is queued behind the step's work, in a ring
+    of DEPTH slots. `check(slot)` reads the step's copy once the host has waited for that step anyway
+    (rank 0: its sampled tokens, copied after it), so a failed step raises before any token it
+    produced is used. `after_step` also reads the copy of the step DEPTH steps back, waiting for it
+    if need be: a rank that never waits on its tokens (a worker) raises at most DEPTH steps late, and
+    never runs more than DEPTH steps ahead of its device.
+
+    Without a device to wait for (the CPU, unless `lagged`), every step checks the word directly."""
+
+    DEPTH = 4
+
+    def __init__(self, heap, lagged: Optional[bool] = None):
+        self.heap = heap
+        self.lagged = heap.error.device.type == "cuda" if lagged is None else lagged
+        self.cuda = heap.error.device.type == "cuda"
+        self.steps = 0
+        if self.lagged:
+            host = torch.zeros(self.DEPTH, dtype=torch.int64)
+            self.host = host.pin_memory() if self.cuda else host
+            self.view = self.host.numpy()
+            self.events: list = [None] * self.DEPTH
+            self.queued = [False] * self.DEPTH
+
+    def _read(self, slot: int) -> None:
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()
+        if self.view[slot] != 0:
+            self.heap.check()   # reads the whole error record (a sync, on the way to an exception)
+
+    def after_step(self) -> int:
+        """Queue this step's copy of the error word; returns its slot for `check`."""
+        if not self.lagged:
+            self.heap.check()
+            return -1
+        slot = self.steps % self.DEPTH
+        self.steps += 1
+        if self.queued[slot]:
+            self._read(slot)
+        self.host[slot:slot + 1].copy_(self.heap.error[:1], non_blocking=True)
+        self.queued[slot] = True
+        if self.cuda:
+            if self.events[slot] is None:
+                self.events[slot] = torch.cuda.Event()
+            self.events[slot].record()
+        return slot
+
+    def check(self, slot: int) -> None:
+        """Raise RankTimeoutError if the step of `slot` (or an earlier one) failed. Call it once the
+        host has waited for that step's results: then it waits for nothing."""
+        if slot >= 0:
+            self._read(slot)
 
 
 def resolve_dtype(cfg: EngineConfig, mcfg: ModelConfig, device: str) -> torch.dtype:
@@ -189,6 +264,8 @@ class ModelRunner:
             # does this), so that kernels which cannot run here fail the start, not a request.
             self._profile_run(world_size)
             self.heap.check()
+        self.errors = ErrorWatch(self.heap) if self.heap is not None else None
+        self.last_error_slot = -1     # the ErrorWatch slot of the latest step (see `execute`)
         self.graphs: dict[int, tuple] = {}
         self.max_graph_bs = 0
         self.messages = StepMessage(ctrl_group, rank) if world_size > 1 else None
@@ -239,7 +316,8 @@ class ModelRunner:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         dispatcher = Dispatcher.load(oc.dispatch, name, self.world_size, oc.dispatch_table)
         if self.rank == 0:
-            log.info("tp_overlap: heap %d MiB/rank, dispatch %s (%s)", size >> 20, oc.dispatch, dispatcher.source)
+            log.info("tp_overlap: heap %d MiB/rank (fused-op and all-reduce buffers for %d tokens per step), "
+                     "dispatch %s (%s)", size >> 20, max_tokens, oc.dispatch, dispatcher.source)
             if interpreted:
                 log.info("tp_overlap: on the CPU the kernels run under the Triton interpreter "
                          "(TRITON_INTERPRET=1): correct, and slow")
@@ -339,6 +417,10 @@ class ModelRunner:
 
     def _resolve_refs(self, ids: torch.Tensor) -> None:
         """Replace in place the ids that stand for tokens sampled by the previous step (see StepInput)."""
+        if ids.device.type == "cuda":
+            n = ids.numel()
+            _resolve_refs_kernel[(triton.cdiv(n, 1024),)](ids, self.sampled, n, BLOCK=1024)
+            return
         ref = (-ids - 1).clamp_(min=0)
         ids.copy_(torch.where(ids < 0, self.sampled.gather(0, ref), ids))
 
@@ -369,11 +451,16 @@ class ModelRunner:
             logits = self._replay(step)
         else:
             logits = self._forward(step, self.kv_caches, self.use_triton)
-        if self.heap is not None:
-            # The step's tokens go to the host next anyway: one small read here turns a peer that
-            # stopped answering into an error instead of garbage tokens.
-            self.heap.check()
+        if self.errors is not None:
+            # No device sync here: the error word is copied behind the step, and read once the host
+            # waits for the step's tokens (`check_step`) or, at the latest, ErrorWatch.DEPTH steps on.
+            self.last_error_slot = self.errors.after_step()
         return logits
+
+    def check_step(self, slot: int) -> None:
+        """After waiting for a step's tokens: raise if a kernel of that step gave up on a peer."""
+        if self.errors is not None:
+            self.errors.check(slot)
 
     def worker_loop(self) -> None:
         while True:
@@ -381,7 +468,7 @@ class ModelRunner:
             if step is None:
                 return
             self.execute(step)
-            if self.cfg.async_scheduling:
+            if step.share_sampled:
                 dist.broadcast(self.sampled, src=0, group=self.group)   # rank 0's share_sampled
 
     def stop_workers(self) -> None:
@@ -416,6 +503,9 @@ class ModelRunner:
                             use_triton=True)
 
             def run():
+                # Ids of tokens sampled by the step before (async scheduling) are resolved inside the
+                # graph: no extra launches between two replays. A step without such ids is unchanged.
+                self._resolve_refs(self.g_ids[:bs])
                 h = self.model(self.g_ids[:bs], self.g_pos[:bs], meta, self.kv_caches)
                 return self.model.compute_logits(h, None)   # every row of a decode batch samples
 
@@ -445,8 +535,6 @@ class ModelRunner:
         self.g_ctx[:bs].copy_(self.h32[:bs], non_blocking=True)
         self.g_bt[:bs].copy_(self.h32[mb:mb + bs * width].view(bs, width), non_blocking=True)
         self.inputs_copied.record()
-        if min(step.input_ids) < 0:
-            self._resolve_refs(self.g_ids[:n])
         g, out = self.graphs[bs]
         g.replay()
         return out[:n]

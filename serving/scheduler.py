@@ -72,6 +72,11 @@ class Sequence:
         return self.tokens[len(self.prompt_ids):]
 
     @property
+    def num_output(self) -> int:
+        """len(output_ids) without the copy (on the host's per-token path)."""
+        return len(self.tokens) - len(self.prompt_ids)
+
+    @property
     def remaining(self) -> int:
         return self.num_tokens - self.num_computed
 

@@ -105,8 +105,12 @@ class SymmetricHeap:
             raise ValueError(f"unknown heap backend {self.backend_name!r}; choose from {sorted(_BACKENDS)}")
         self._backend = backend_cls(self)
         self.buffer, self.peer_buffers = self._backend.map()
-        self.heap_bases = torch.tensor([b.data_ptr() for b in self.peer_buffers], dtype=torch.int64,
-                                       device=self.device)
+        bases = [b.data_ptr() for b in self.peer_buffers]
+        if any(b % ALIGN for b in bases):
+            # rma.translate promises the compiler that peers' heaps are ALIGN apart (vector access)
+            raise RuntimeError(f"heap backend {self.backend_name!r} mapped a heap at a base not aligned to "
+                               f"{ALIGN} bytes: {[hex(b) for b in bases]}")
+        self.heap_bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
         self._offset = 0
         self._allocations: list[Allocation] = []
         self._closed = False

@@ -40,13 +40,12 @@ def fused_norm_rows(hidden: int, max_tokens: int, dtype: torch.dtype) -> int:
 
 
 def required_heap_bytes(hidden: int, max_tokens: int, world: int, dtype: torch.dtype) -> int:
-    """Heap for one model: AG-GEMM's and GEMM-RS's double-buffered [W, T/W, hidden] buffers (every
-    column layer reads, and every row layer writes, the hidden size), the all-reduce's and the fused
-    all-reduce + norm's receive slots, flags."""
+    """Heap for one model: AG-GEMM's [W - 1, T/W, hidden] receive buffer and GEMM-RS's two halves of
+    the same shape (every column layer reads, and every row layer writes, the hidden size; one op of
+    each serves all layers), the all-reduce's and the fused all-reduce + norm's receive slots, flags."""
     elsize = torch.empty((), dtype=dtype).element_size()
     rows = -(-max_tokens // world)
-    big = 2 * world * rows * hidden * elsize
-    return (2 * big + HeapAllReduce.heap_bytes(world, ALL_REDUCE_BYTES)
+    return (3 * max(world - 1, 1) * rows * hidden * elsize + HeapAllReduce.heap_bytes(world, ALL_REDUCE_BYTES)
             + HeapAllReduceNorm.heap_bytes(world, hidden, fused_norm_rows(hidden, max_tokens, dtype), dtype)
             + (16 << 20))
 
@@ -103,10 +102,7 @@ class OverlapTPLayers(TPLayers):
         w = self.tp.world_size
         self.tokens = tokens
         self.padded = -(-tokens // w) * w
-        # AG-GEMM's copy-engine pushes cannot be captured, so CUDA-graph steps (decode) keep the
-        # replicated layout whatever the dispatcher would pick.
-        self.sequence_parallel = (w > 1 and not runtime.capturing(self.device)
-                                  and self.dispatcher.sequence_parallel(self.padded, self._ops))
+        self.sequence_parallel = w > 1 and self.dispatcher.sequence_parallel(self.padded, self._ops)
         stats.record("layers.sequence_parallel_steps" if self.sequence_parallel else "layers.replicated_steps")
 
     def embedding(self, vocab_size: int, hidden: int) -> "OverlapEmbedding":

@@ -1,0 +1,81 @@
+"""What the fused ops' tile loop costs by itself, on one GPU: the AG-GEMM and GEMM-RS kernels at
+world size 1 (no peer, no wait, no push) against the plain GEMM core with the same tiles, flattened
+and not, and cuBLAS.
+
+    python bench/fused_core.py [--out bench/results]
+
+At world 1 the fused kernels compute C = A @ B through one of their two tile loops; what they lose
+against `gemm_kernel` with the same config (flattened or not) is the price of their loop shape and
+epilogues, before any communication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import bench_parser, environment, graph_time_per_call_ms, md_table, write_results  # noqa: E402
+
+from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel  # noqa: E402
+from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel  # noqa: E402
+from tp_overlap_plugin.overlap import _eager_config, gemm, num_programs, pick_config  # noqa: E402
+
+SHAPES = [(8192, 4096, 14336), (8192, 7168, 4096), (8192, 2048, 4096), (8192, 4096, 3072), (2048, 4096, 14336)]
+
+
+def main(argv=None):
+    args = bench_parser(__doc__).parse_args(argv)
+    dev = torch.device("cuda", 0)
+    programs = num_programs(dev)
+    heap_bases = torch.zeros(1, dtype=torch.int64, device=dev)
+    error = torch.zeros(8, dtype=torch.int64, device=dev)
+    calls = torch.zeros(2, dtype=torch.int64, device=dev)
+    flags = torch.zeros(1, dtype=torch.int64, device=dev)
+    rows = []
+    for m, k, n in SHAPES:
+        a = torch.randn(m, k, device=dev).to(torch.bfloat16)
+        b = (torch.randn(n, k, device=dev) / k ** 0.5).to(torch.bfloat16).t()
+        c = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+        ref = a.float() @ b.float()
+        cfg = _eager_config(pick_config(m, n, k, dev))
+        kw = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                  EVEN_K=k % cfg.block_k == 0, INTERPRET=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+        def ag(flat):
+            ag_gemm_kernel[(programs,)](a, b, c, a, c, m, n, k, b.stride(0), b.stride(1), 0, flags, calls, 0,
+                                        heap_bases, error, 1000, WORLD=1, FLATTEN=flat, GATHER=False, **kw)
+
+        def rs(flat):
+            gemm_rs_kernel[(programs,)](a, b, c, c, m, n, k, a.stride(0), b.stride(0), b.stride(1), 0, flags, calls,
+                                        0, heap_bases, error, 1000, WORLD=1, FLATTEN=flat, **kw)
+
+        variants = {"cublas": lambda: torch.matmul(a, b, out=c),
+                    "core_flat": lambda: gemm(a, b, out=c, config=dataclasses.replace(cfg, flatten=True)),
+                    "core_plain": lambda: gemm(a, b, out=c, config=dataclasses.replace(cfg, flatten=False)),
+                    "ag_kernel_w1": lambda: ag(True), "rs_kernel_w1": lambda: rs(True),
+                    "ag_kernel_w1_plain": lambda: ag(False), "rs_kernel_w1_plain": lambda: rs(False)}
+        row = {"M": m, "K": k, "N": n, "config": cfg.label()}
+        for name, fn in variants.items():
+            c.fill_(float("nan"))
+            fn()
+            torch.cuda.synchronize()
+            row[name + "_rel_err"] = ((c.float() - ref).norm() / ref.norm()).item()
+            row[name] = graph_time_per_call_ms(fn, calls=10, samples=7)
+        rows.append(row)
+        print(row, flush=True)
+    names = ["cublas", "core_flat", "core_plain", "ag_kernel_w1", "rs_kernel_w1", "ag_kernel_w1_plain",
+             "rs_kernel_w1_plain"]
+    md = md_table(["M", "K", "N", "config", *[f"{x} ms" for x in names], *[f"{x}/cuBLAS" for x in names[1:]]],
+                  [[r["M"], r["K"], r["N"], r["config"], *[r[x] for x in names], *[r[x] / r["cublas"] for x in names[1:]]]
+                   for r in rows])
+    paths = write_results(args.out, "fused-core", {"environment": environment(1), "rows": rows}, md)
+    print(md)
+    print("wrote", *paths)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""AG-GEMM and GEMM-RS stress run on GPUs: back-to-back calls with M drawn at random every call,
+eager and as CUDA-graph replays, every result checked against torch (NCCL + fp32 matmul):
+
+    python bench/overlap_stress.py --tp 4 [--calls 2000] [--out bench/results] [--quick]
+
+Shapes are Llama-3-8B's qkv (AG-GEMM) and o_proj (GEMM-RS) at TP=W. Eager: each call takes a new
+M (1 to the op's capacity; AG: rows per shard, RS: rows in all, padded to W) and fresh inputs. Graph:
+one graph per op for each of 8 Ms, captured once, then replayed in random order with fresh inputs
+copied into the graph's input buffers before each replay. The reference runs between our calls on
+the same stream, so NCCL kernels interleave with ours as they do in a model. A call whose relative
+error exceeds the tolerance, or is not finite, is a mismatch; the run reports the count (the target
+is 0) and the worst error per mode.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import bench_parser, environment, md_table, write_results  # noqa: E402
+
+from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
+from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter  # noqa: E402
+
+HIDDEN, QKV = 4096, 6144      # Llama-3-8B: qkv's N and o_proj's K are divided by W
+MAX_ROWS = 1024               # per shard
+TOLERANCE = 2e-2              # bf16 outputs against an fp32 reference: ~4e-3 when right
+GRAPH_MS = 8
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """On the device, no sync: NaN or Inf anywhere makes it inf."""
+    err = (got.float() - ref).norm() / ref.norm().clamp_min(1e-6)
+    return torch.where(torch.isfinite(err), err, torch.full_like(err, float("inf")))
+
+
+class _Op:
+    """One fused op with fresh inputs for M, our call and the reference (fp32, through NCCL)."""
+
+    def __init__(self, ctx, kind):
+        self.ctx, self.kind = ctx, kind
+        W, dev = ctx.world_size, ctx.device
+        self.gen = torch.Generator(device=dev).manual_seed(77 + ctx.rank)
+        if kind == "ag":
+            self.k, self.n = HIDDEN, QKV // W
+            self.op = AllGatherGemm(ctx.heap, MAX_ROWS, self.k)
+        else:
+            self.k, self.n = HIDDEN // W, HIDDEN
+            self.op = GemmReduceScatter(ctx.heap, MAX_ROWS, self.n)
+        # B as the TP layers pass it: an nn.Linear weight, transposed (a view)
+        self.b = (torch.randn(self.n, self.k, device=dev, generator=self.gen) / self.k ** 0.5).to(torch.bfloat16).t()
+        self.b32 = self.b.float()
+
+    def capacity(self) -> int:
+        return MAX_ROWS if self.kind == "ag" else MAX_ROWS * self.ctx.world_size
+
+    def inputs(self, m: int) -> torch.Tensor:
+        return torch.randn(m, self.k, device=self.ctx.device, generator=self.gen).to(torch.bfloat16)
+
+    def __call__(self, a: torch.Tensor) -> torch.Tensor:
+        return self.op(a, self.b)
+
+    def reference(self, a: torch.Tensor) -> torch.Tensor:
+        W, g = self.ctx.world_size, self.ctx.device_group
+        if self.kind == "ag":
+            full = torch.empty(W * a.shape[0], self.k, dtype=a.dtype, device=a.device)
+            dist.all_gather_into_tensor(full, a, group=g)
+            return full.float() @ self.b32
+        m = a.shape[0]
+        rows = -(-m // W)
+        full = torch.zeros(rows * W, self.n, dtype=torch.float32, device=a.device)
+        full[:m] = a.float() @ self.b32
+        shard = torch.empty(rows, self.n, dtype=torch.float32, device=a.device)
+        dist.reduce_scatter_tensor(shard, full, group=g)
+        return shard
+
+
+def _stress_rank(ctx, calls, seed):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ops = {"ag": _Op(ctx, "ag"), "rs": _Op(ctx, "rs")}
+    order = torch.Generator().manual_seed(seed)  # the same draws on every rank
+    out = {}
+
+    def draw_m(op):
+        m = int(torch.randint(1, op.capacity() + 1, (), generator=order))
+        return m
+
+    # warm: every kernel on every rank compiles before any cross-rank wait is timed or checked
+    for op in ops.values():
+        op(op.inputs(ctx.world_size))
+    torch.cuda.synchronize()
+    dist.barrier(group=ctx.group)
+
+    t0 = time.perf_counter()
+    errs, kinds = [], []
+    for _ in range(calls):
+        kind = list(ops)[int(torch.randint(0, len(ops), (), generator=order))]
+        op = ops[kind]
+        a = op.inputs(draw_m(op))
+        errs.append(_rel_err(op(a), op.reference(a)))
+        kinds.append(kind)
+    errs = torch.stack(errs).cpu()
+    torch.cuda.synchronize()
+    ctx.heap.check()
+    out["eager"] = {"calls": calls, "seconds": time.perf_counter() - t0,
+                    "mismatches": int((errs > TOLERANCE).sum()), "max_rel_err": float(errs.max()),
+                    **{f"{kind}_calls": kinds.count(kind) for kind in ops}}
+
+    # graphs: per op, GRAPH_MS Ms (1 and the capacity among them), static input and output
+    graphs = []
+    for kind, op in ops.items():
+        ms = sorted({1, op.capacity(), *(draw_m(op) for _ in range(GRAPH_MS - 2))})
+        for m in ms:
+            a = op.inputs(m)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                op(a)  # settle allocations on the capture stream
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                c = op(a)
+            graphs.append((kind, m, a, c, graph))
+    torch.cuda.synchronize()
+    dist.barrier(group=ctx.group)
+    t0 = time.perf_counter()
+    errs = []
+    for _ in range(calls):
+        kind, m, a, c, graph = graphs[int(torch.randint(0, len(graphs), (), generator=order))]
+        op = ops[kind]
+        a.copy_(op.inputs(m))
+        graph.replay()
+        errs.append(_rel_err(c, op.reference(a)))
+    errs = torch.stack(errs).cpu()
+    torch.cuda.synchronize()
+    ctx.heap.check()
+    out["graph"] = {"calls": calls, "seconds": time.perf_counter() - t0, "graphs": len(graphs),
+                    "mismatches": int((errs > TOLERANCE).sum()), "max_rel_err": float(errs.max())}
+    return out
+
+
+def main(argv=None):
+    p = bench_parser(__doc__)
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--seed", type=int, default=2026)
+    p.add_argument("--timeout", type=float, default=540)
+    args = p.parse_args(argv)
+    calls = 200 if args.quick else args.calls
+    heap = 3 * (args.tp - 1) * MAX_ROWS * HIDDEN * 2 + (64 << 20)  # AG: 1 buffer, RS: 2 halves, of W - 1 slots
+    per_rank = run_ranks(_stress_rank, args.tp, (calls, args.seed), device="cuda", heap_size=heap,
+                         timeout=args.timeout)
+    res = {mode: {**per_rank[0][mode],
+                  "mismatches": sum(r[mode]["mismatches"] for r in per_rank),
+                  "max_rel_err": max(r[mode]["max_rel_err"] for r in per_rank)} for mode in ("eager", "graph")}
+    payload = {"environment": environment(args.tp), "tolerance": TOLERANCE, "max_rows": MAX_ROWS,
+               "shapes": {"ag": [HIDDEN, QKV // args.tp], "rs": [HIDDEN // args.tp, HIDDEN]}, **res,
+               "per_rank": per_rank}
+    md = md_table(["mode", "calls per rank", "mismatches (all ranks)", "max rel. error", "seconds"],
+                  [[mode, r["calls"], r["mismatches"], r["max_rel_err"], r["seconds"]] for mode, r in res.items()])
+    paths = write_results(args.out, f"overlap-stress-tp{args.tp}", payload, md)
+    print(md)
+    print("wrote", *paths)
+    if any(r["mismatches"] for r in res.values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""AG-GEMM in one persistent launch: C = all_gather(A_shard) @ B, the gather hidden behind the GEMM.
+
+The copy engine moves the shards (the host enqueues it on a side stream): into each peer's heap, a
+memcpy of my rows, then an 8-byte memcpy of the call number into my flag there. No SM is involved, so the GEMM keeps every SM, and nothing the GEMM's resident programs wait
+for needs an SM to become free. (The GEMM's own programs pushing was measured as the other
+producer: no faster, and it costs SMs and a dynamic schedule; bench/notes/ag_gemm.md.)
+A memcpy's destination is fixed when a graph is captured, so the peers' buffers are single, and
+`copy_engine_begin_kernel` first has all ranks meet: after it every peer has read the last call's
+rows.
+
+The GEMM is two plain tile loops, so the compiler flattens each into one pipelined loop (the next
+tile's loads in flight during this tile's epilogue: 10-18% of the GEMM's time on H200,
+bench/results/fused-core-h200-2026-11-22): my own rows, which need nothing, then every peer's rows,
+shard by shard in the order they reach me (each rank pushes to rank + 1 first), after one wait per
+peer between the loops. A wait per chunk inside the loop would end the flattening (measured: the
+fused kernels then ran 1.15-1.3x cuBLAS against the flattened core's 1.03-1.07x), and at the M where
+the op is used, my own rows take longer than the copy engine needs to bring all the peers' rows
+(bench/notes/ag_gemm.md).
+
+Buffers in the heap, per op: `gathered[slot]` holds the rows of the peer whose slot it is
+(slot = (src - me - 1) mod W, so W - 1 slots), `flags[slot]` is written by that peer only.
+The tiles are the one GEMM core's (kernels/gemm.py), by pointer: rows a peer delivers are read with
+ordinary loads, which the flag's acquire orders (nothing portable orders tensor-copy reads after it).
+"""
+
+import triton
+import triton.language as tl
+
+from tp_overlap_plugin.kernels import rma, work_queue
+from tp_overlap_plugin.kernels.gemm import gemm_tile, store_tile, tile_coords
+
+
+@triton.jit
+def copy_engine_begin_kernel(calls_ptr, push_ptr, flags_ptr, rank, world, heap_bases, error_ptr, max_spins):
+    """Before the copy engine pushes call e into the peers' buffers: every rank meets here, after
+    its call e - 1 has read them, and e becomes the value the engine copies into the flags. A rank
+    that has given up leaves it at e - 1, so its peers time out rather than take its rows."""
+    epoch = work_queue.call_number(calls_ptr)
+    if rma.barrier(flags_ptr, epoch, rank, world, heap_bases, error_ptr, max_spins):
+        tl.store(push_ptr, epoch)
+
+
+@triton.jit
+def copy_rows(src_ptr, dst_ptr, row0, rows, K, BLOCK_M: tl.constexpr, COLS: tl.constexpr):
+    """dst[row0 : row0 + BLOCK_M] = src[same rows] for rows below `rows`; both [*, K] row-major."""
+    r = row0 + tl.arange(0, BLOCK_M)
+    at = r.to(tl.int64)[:, None] * K
+    for k0 in range(0, K, COLS):
+        cols = k0 + tl.arange(0, COLS)
+        mask = (r < rows)[:, None] & (cols < K)[None, :]
+        tl.store(dst_ptr + at + cols[None, :], tl.load(src_ptr + at + cols[None, :], mask=mask), mask=mask)
+
+
+@triton.jit
+def ag_gemm_kernel(a_ptr, b_ptr, c_ptr, gathered_ptr, full_ptr, rows, N, K, stride_bk, stride_bn, slot_stride,
+                   flags_ptr, calls_ptr, rank, heap_bases, error_ptr, max_spins,
+                   WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, FLATTEN: tl.constexpr,
+                   GATHER: tl.constexpr):
+    """c[src * rows + i] = (row i of rank src's shard) @ B for every src; a is my shard [rows, K].
+    With GATHER, full[src * rows + i] = that row too (one program per row block copies it; tests).
+
+    Once this rank has given up on a peer (error slot set, or a wait here fails) the program
+    computes no tile of a peer's rows: they may never have arrived."""
+    epoch = work_queue.call_number(calls_ptr)
+    ok = True  # a bool (the interpreter types a bare comparison as an integer, which no mask takes)
+    ok = ok & rma.no_error(error_ptr)
+    P = tl.num_programs(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    row_blocks = tl.cdiv(rows, BLOCK_M)
+    per_shard = row_blocks * tiles_n
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    for item in tl.range(tl.program_id(0), per_shard, P, flatten=FLATTEN):
+        pid_m, pid_n = tile_coords(item, row_blocks, tiles_n, GROUP_M)
+        acc = gemm_tile(a_ptr, b_ptr, pid_m, pid_n, rows, N, K, 0, k_blocks, K, 1, stride_bk, stride_bn,
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, False, False)
+        c_mine = c_ptr + tl.cast(rank, tl.int64) * rows * N
+        store_tile(c_mine, c_mine, acc, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N, False, False)
+        if GATHER:
+            if pid_n == 0:
+                copy_rows(a_ptr, full_ptr + tl.cast(rank, tl.int64) * rows * K, pid_m * BLOCK_M, rows, K, BLOCK_M, 128)
+    for peer in tl.static_range(WORLD):
+        if peer != rank:
+            ok = ok & rma.signal_wait(flags_ptr + (peer - rank - 1 + WORLD) % WORLD, epoch, rank, peer, heap_bases,
+                                      error_ptr, max_spins)
+    end = WORLD * per_shard
+    if not ok:
+        end = per_shard
+    for item in tl.range(work_queue.first_item(per_shard, P), end, P, flatten=FLATTEN):
+        shard = item // per_shard
+        src = (rank - shard + WORLD) % WORLD
+        slot = (src - rank - 1 + WORLD) % WORLD
+        a = gathered_ptr + tl.cast(slot, tl.int64) * slot_stride
+        pid_m, pid_n = tile_coords(item % per_shard, row_blocks, tiles_n, GROUP_M)
+        acc = gemm_tile(a, b_ptr, pid_m, pid_n, rows, N, K, 0, k_blocks, K, 1, stride_bk, stride_bn,
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, False, False)
+        c_shard = c_ptr + tl.cast(src, tl.int64) * rows * N
+        store_tile(c_shard, c_shard, acc, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N, False, False)
+        if GATHER:
+            if pid_n == 0:
+                copy_rows(a, full_ptr + tl.cast(src, tl.int64) * rows * K, pid_m * BLOCK_M, rows, K, BLOCK_M, 128)
+    work_queue.finish_call(calls_ptr, epoch)
