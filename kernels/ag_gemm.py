@@ -26,7 +26,7 @@ ordinary loads, which the flag's acquire orders (nothing portable orders tensor-
 import triton
 import triton.language as tl
 
-from tp_overlap_plugin.kernels import rma, work_queue
+from tp_overlap_plugin.kernels import calls, rma
 from tp_overlap_plugin.kernels.gemm import gemm_tile, store_tile, tile_coords
 
 
@@ -35,7 +35,7 @@ def copy_engine_begin_kernel(calls_ptr, push_ptr, flags_ptr, rank, world, heap_b
     """Before the copy engine pushes call e into the peers' buffers: every rank meets here, after
     its call e - 1 has read them, and e becomes the value the engine copies into the flags. A rank
     that has given up leaves it at e - 1, so its peers time out rather than take its rows."""
-    epoch = work_queue.call_number(calls_ptr)
+    epoch = calls.call_number(calls_ptr)
     if rma.barrier(flags_ptr, epoch, rank, world, heap_bases, error_ptr, max_spins):
         tl.store(push_ptr, epoch)
 
@@ -62,7 +62,7 @@ def ag_gemm_kernel(a_ptr, b_ptr, c_ptr, gathered_ptr, full_ptr, rows, N, K, stri
 
     Once this rank has given up on a peer (error slot set, or a wait here fails) the program
     computes no tile of a peer's rows: they may never have arrived."""
-    epoch = work_queue.call_number(calls_ptr)
+    epoch = calls.call_number(calls_ptr)
     ok = True  # a bool (the interpreter types a bare comparison as an integer, which no mask takes)
     ok = ok & rma.no_error(error_ptr)
     P = tl.num_programs(0)
@@ -86,7 +86,7 @@ def ag_gemm_kernel(a_ptr, b_ptr, c_ptr, gathered_ptr, full_ptr, rows, N, K, stri
     end = WORLD * per_shard
     if not ok:
         end = per_shard
-    for item in tl.range(work_queue.first_item(per_shard, P), end, P, flatten=FLATTEN):
+    for item in tl.range(calls.first_item(per_shard, P), end, P, flatten=FLATTEN):
         shard = item // per_shard
         src = (rank - shard + WORLD) % WORLD
         slot = (src - rank - 1 + WORLD) % WORLD
@@ -99,4 +99,4 @@ def ag_gemm_kernel(a_ptr, b_ptr, c_ptr, gathered_ptr, full_ptr, rows, N, K, stri
         if GATHER:
             if pid_n == 0:
                 copy_rows(a, full_ptr + tl.cast(src, tl.int64) * rows * K, pid_m * BLOCK_M, rows, K, BLOCK_M, 128)
-    work_queue.finish_call(calls_ptr, epoch)
+    calls.finish_call(calls_ptr, epoch)

@@ -20,7 +20,7 @@ The tiles are the one GEMM core's (kernels/gemm.py), by pointer.
 import triton
 import triton.language as tl
 
-from tp_overlap_plugin.kernels import rma, work_queue
+from tp_overlap_plugin.kernels import calls, rma
 from tp_overlap_plugin.kernels.gemm import gemm_tile, store_tile, tile_coords
 
 
@@ -44,7 +44,7 @@ def gemm_rs_kernel(a_ptr, b_ptr, c_ptr, recv_ptr, rows, N, K, stride_am, stride_
     Once this rank has given up on a peer, the program stores nothing into peers' heaps and counts
     nothing there (its stream no longer orders those stores after the owner's last read of that
     half), and computes none of its own tiles: their partials may never arrive."""
-    epoch = work_queue.call_number(calls_ptr)
+    epoch = calls.call_number(calls_ptr)
     half = epoch % 2
     ok = True  # a bool (the interpreter types a bare comparison as an integer, which no mask takes)
     ok = ok & rma.no_error(error_ptr)
@@ -74,7 +74,7 @@ def gemm_rs_kernel(a_ptr, b_ptr, c_ptr, recv_ptr, rows, N, K, stride_am, stride_
         if ok:
             owner = (rank + 1 + shard) % WORLD
             slot = (rank - owner - 1 + WORLD) % WORLD
-            stored = work_queue.items_in(shard * per_shard, (shard + 1) * per_shard, P)
+            stored = calls.items_in(shard * per_shard, (shard + 1) * per_shard, P)
             if stored > 0:
                 tl.atomic_add(rma.translate(counts_half + slot, rank, owner, heap_bases), stored, sem="release",
                               scope="sys")
@@ -82,7 +82,7 @@ def gemm_rs_kernel(a_ptr, b_ptr, c_ptr, recv_ptr, rows, N, K, stride_am, stride_
         if peer != rank:
             ok = ok & rma.signal_wait(counts_half + (peer - rank - 1 + WORLD) % WORLD, tl.cast(per_shard, tl.int64), rank,
                                       peer, heap_bases, error_ptr, max_spins)
-    first = work_queue.first_item((WORLD - 1) * per_shard, P)
+    first = calls.first_item((WORLD - 1) * per_shard, P)
     end = WORLD * per_shard
     if not ok:
         end = first
@@ -99,7 +99,7 @@ def gemm_rs_kernel(a_ptr, b_ptr, c_ptr, recv_ptr, rows, N, K, stride_am, stride_
                                tl.where(src == rank, 0, rows), N, BLOCK_M, BLOCK_N)
             total += tl.where(src == rank, mine, theirs)
         store_tile(c_ptr, c_ptr, total, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N, False, False)
-    if work_queue.finish_call(calls_ptr, epoch):
+    if calls.finish_call(calls_ptr, epoch):
         # every program has passed its waits on this half's counts: zero them for call e + 2
         for s in tl.static_range(WORLD - 1):
             tl.store(counts_half + s, 0)

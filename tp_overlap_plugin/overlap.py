@@ -236,7 +236,7 @@ class AllGatherGemm:
         self.flags.zero_()
         self.meet = heap.alloc((W,), torch.int64, name="ag_gemm.meet")
         self.meet.zero_()
-        self.calls = torch.zeros(2, dtype=torch.int64, device=heap.device)  # kernels/work_queue.py
+        self.calls = torch.zeros(2, dtype=torch.int64, device=heap.device)  # kernels/calls.py
         self.push_value = torch.zeros(1, dtype=torch.int64, device=heap.device)
         self.stream = torch.cuda.Stream(heap.device) if heap.device.type == "cuda" else None
         # my slot and my flags in each peer's heap, in push order (rank + 1 first)
@@ -316,7 +316,7 @@ class GemmReduceScatter:
         self.recv = heap.alloc((2, slots, max_rows, n), dtype, name="gemm_rs.recv")
         self.counts = heap.alloc((2, slots), torch.int64, name="gemm_rs.counts")
         self.counts.zero_()
-        self.calls = torch.zeros(2, dtype=torch.int64, device=heap.device)  # kernels/work_queue.py
+        self.calls = torch.zeros(2, dtype=torch.int64, device=heap.device)  # kernels/calls.py
         heap.publish()
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:

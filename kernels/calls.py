@@ -1,15 +1,15 @@
-"""A persistent fused op's call counter and segment walk, in device memory and registers, so that a
-call needs no state from the host (the fused ops run inside CUDA graphs).
+"""A persistent fused op's call counter, in device memory, and how its programs split the items of a
+call, so that a call needs no state from the host (the fused ops run inside CUDA graphs).
 
 `calls` is two int64 words owned by one op on one rank: [0] how many programs have finished the
 running call, [1] the number of the last finished call. The program that finishes last resets [0]
 and advances [1]. Every program read [1] before it counted itself out, so all of a call's programs
 agree on its number: the epoch its flags carry.
 
-The work of a call is a sequence of segments (a chunk of one shard's rows) of tiles; program p takes
-items p, p + P, p + 2P, ... of the whole sequence, so no segment boundary leaves SMs idle, and
-within a segment its items form a plain loop the compiler can flatten and pipeline (the waits a
-segment needs happen before it, not in the loop).
+The work of a call is a sequence of tiles in a few phases (a fused op's own rows, its peers' rows);
+program p takes items p, p + P, p + 2P, ... of the whole sequence, so no phase boundary leaves SMs
+idle, and each phase's items form a plain loop the compiler can flatten and pipeline (the waits a
+phase needs happen before it, not in its loop).
 """
 
 import triton
