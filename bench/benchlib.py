@@ -37,6 +37,25 @@ def time_per_call_ms(fn, *, calls: int = 20, samples: int = 15, group=None) -> f
     return statistics.median(times)
 
 
+def hbm_copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read and written: what a decode step that
+    streams the weights once can hope for."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    bw = 2 * nbytes * 10 / (start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return bw
+
+
 def capture_graph(fn, calls: int):
     """A CUDA graph of `calls` calls to fn; returns a replay function. fn must be warm."""
     stream = torch.cuda.Stream()

@@ -35,7 +35,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import RESULTS_DIR, environment, log, md_table, write_results  # noqa: E402
+from benchlib import (RESULTS_DIR, environment, hbm_copy_bandwidth, log, md_table, time_per_call_ms,  # noqa: E402
+                      write_results)
 
 SCHEMA = "decode-profile/1"
 CATEGORIES = ("attention", "GEMM", "all-reduce/comm", "norm/rope/act", "sampling", "memcpy/memset", "other")
@@ -96,25 +97,6 @@ def kernel_breakdown(events: list[dict], steps: int) -> dict:
     }
 
 
-def hbm_copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Bytes/s of a device-to-device copy, counting bytes read and written (as bench/e2e.py)."""
-    import torch
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    bw = 2 * nbytes * 10 / (start.elapsed_time(end) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return bw
-
-
 # ---- the engine ---------------------------------------------------------------------------------
 
 def weight_bytes(model) -> tuple[int, int]:
@@ -149,16 +131,7 @@ def graph_replay_ms(runner, bs: int, calls: int = 20) -> float | None:
     g, _ = runner.graphs[bs]
     g.replay()
     torch.cuda.synchronize(runner.device)
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+    return time_per_call_ms(g.replay, calls=calls, samples=5)
 
 
 def measure_batch(eng, batch: int, async_mode: bool, args, bytes_per_token: int, seed: int) -> dict:
@@ -336,21 +309,11 @@ def _decode_v1():
 
 
 def _time_ms(fn, dev, calls: int = 20, samples: int = 7) -> float:
-    import torch
     if dev.type != "cuda":   # the interpreter: a logic check, one call
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
-    times = []
-    for _ in range(samples):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+    return time_per_call_ms(fn, calls=calls, samples=samples)
 
 
 def attention_bench(args, mcfg, batches: list[int], bw: float | None) -> list[dict]:

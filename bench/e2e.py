@@ -38,8 +38,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import (MIN_PAIRS, add_comparison_args, bench_parser, by_pair, comparison_header,  # noqa: E402
-                      exit_on_sigterm, fmt_ratio, grouped_bars, interleaved, load_payload, log, md_table,
-                      median_or_nan, pair_ratios, ratio_chart, report, start_comparison, write_results)
+                      exit_on_sigterm, fmt_ratio, grouped_bars, hbm_copy_bandwidth, interleaved, load_payload, log,
+                      md_table, median_or_nan, pair_ratios, ratio_chart, report, start_comparison, write_results)
 
 SCHEMA = "e2e-interleaved/1"
 SPREAD_TARGET = 1.03
@@ -117,23 +117,6 @@ def kv_blocks(specs: dict[str, dict], block_size: int = 16) -> int:
         per_req = sorted((-(-(i + o) // block_size) + 1 for i, o in lengths(spec)), reverse=True)
         need = max(need, sum(per_req[:concurrency(spec)]))
     return need + 8
-
-
-def hbm_copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Bytes/s of a device-to-device copy, counting bytes read and written: what a decode step that
-    streams the weights once can hope for."""
-    import torch
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * nbytes * 10 / (start.elapsed_time(end) / 1e3)
 
 
 def run_variant(args, specs: dict[str, dict]) -> None:

@@ -17,14 +17,13 @@ import sys
 
 import torch
 import torch.distributed as dist
-import triton
-import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import bench_parser, environment, graph_time_per_call_ms, md_table, time_per_call_ms, write_results  # noqa: E402
+from remote_bw import copy_kernel  # noqa: E402
 
 from tp_overlap_plugin.collectives import HeapAllReduce, HeapAllReduceNorm  # noqa: E402
-from tp_overlap_plugin.kernels import layer_ops, rma  # noqa: E402
+from tp_overlap_plugin.kernels import layer_ops  # noqa: E402
 from tp_overlap_plugin.kernels.barrier import launch_barrier  # noqa: E402
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
 
@@ -33,19 +32,6 @@ AR_SIZES = [8 << 10, 32 << 10, 128 << 10, 512 << 10, 2 << 20, 4 << 20, 8 << 20]
 NORM_HIDDEN = 4096
 NORM_TOKENS = [1, 8, 32, 128]
 EPS = 1e-5
-
-
-@triton.jit
-def _remote_copy_kernel(src_ptr, dst_ptr, n, rank, peer, heap_bases, PULL: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    if PULL:
-        src_ptr = rma.translate(src_ptr, rank, peer, heap_bases)
-    else:
-        dst_ptr = rma.translate(dst_ptr, rank, peer, heap_bases)
-    for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < n
-        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
 
 
 def _bench_rank(ctx, quick):
@@ -62,8 +48,8 @@ def _bench_rank(ctx, quick):
         src, dst = (heap_buf, local) if pull else (local, heap_buf)
 
         def copy():
-            _remote_copy_kernel[(sms * 4,)](src, dst, n, h.rank, peer, h.heap_bases, PULL=pull,
-                                            BLOCK=1024, num_warps=8)
+            copy_kernel[(sms * 4,)](src, dst, src, n, h.rank, peer, h.heap_bases, PULL=pull, FLAG=False,
+                                    BLOCK=1024, num_warps=8)
         copy()
         torch.cuda.synchronize()
         dist.barrier(group=ctx.group)
@@ -71,8 +57,8 @@ def _bench_rank(ctx, quick):
         out["copy"][mode] = {"bytes": COPY_BYTES, "ms": ms, "GBps": COPY_BYTES / ms / 1e6}
     # correctness of the pull: we loaded the peer's (random) buffer
     h.barrier()
-    _remote_copy_kernel[(sms * 4,)](heap_buf, local, n, h.rank, peer, h.heap_bases, PULL=True,
-                                    BLOCK=1024, num_warps=8)
+    copy_kernel[(sms * 4,)](heap_buf, local, heap_buf, n, h.rank, peer, h.heap_bases, PULL=True, FLAG=False,
+                            BLOCK=1024, num_warps=8)
     torch.cuda.synchronize()
     assert torch.equal(local, h.peer_view(heap_buf, peer)), "remote load returned wrong data"
 

@@ -32,8 +32,10 @@ PROGRAMS = [1, 4, 8, 16, 32, 66, 132, 264]
 
 
 @triton.jit
-def _copy_kernel(src_ptr, dst_ptr, flag_ptr, n, rank, peer, heap_bases, PULL: tl.constexpr, FLAG: tl.constexpr,
-                 BLOCK: tl.constexpr):
+def copy_kernel(src_ptr, dst_ptr, flag_ptr, n, rank, peer, heap_bases, PULL: tl.constexpr, FLAG: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """dst[:n] = src[:n], the peer's side translated (PULL: src is the peer's, else dst); with FLAG a
+    flag at the peer after every BLOCK. Also foundation.py's bandwidth probe."""
     if PULL:
         src_ptr = rma.translate(src_ptr, rank, peer, heap_bases)
     else:
@@ -64,7 +66,7 @@ def _bench_rank(ctx):
                 src, dst = (heap_buf, local) if pull else (local, heap_buf)
 
                 def copy():
-                    _copy_kernel[(programs,)](src, dst, flags, n, h.rank, peer, h.heap_bases, PULL=pull, FLAG=flag,
+                    copy_kernel[(programs,)](src, dst, flags, n, h.rank, peer, h.heap_bases, PULL=pull, FLAG=flag,
                                               BLOCK=PIECE // 2, num_warps=8)
                 copy()
                 torch.cuda.synchronize()

@@ -52,6 +52,21 @@ def copy_rows(src_ptr, dst_ptr, row0, rows, K, BLOCK_M: tl.constexpr, COLS: tl.c
 
 
 @triton.jit
+def _shard_tile(a_ptr, b_ptr, c_ptr, full_ptr, src, tile, rows, N, K, row_blocks, tiles_n, k_blocks, stride_bk,
+                stride_bn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, GATHER: tl.constexpr):
+    """Tile `tile` of C's rows from rank src's shard, whose rows `a_ptr` holds ([rows, K])."""
+    pid_m, pid_n = tile_coords(tile, row_blocks, tiles_n, GROUP_M)
+    acc = gemm_tile(a_ptr, b_ptr, pid_m, pid_n, rows, N, K, 0, k_blocks, K, 1, stride_bk, stride_bn,
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, False, False)
+    c_shard = c_ptr + tl.cast(src, tl.int64) * rows * N
+    store_tile(c_shard, c_shard, acc, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N, False, False)
+    if GATHER:
+        if pid_n == 0:
+            copy_rows(a_ptr, full_ptr + tl.cast(src, tl.int64) * rows * K, pid_m * BLOCK_M, rows, K, BLOCK_M, 128)
+
+
+@triton.jit
 def ag_gemm_kernel(a_ptr, b_ptr, c_ptr, gathered_ptr, full_ptr, rows, N, K, stride_bk, stride_bn, slot_stride,
                    flags_ptr, calls_ptr, rank, heap_bases, error_ptr, max_spins,
                    WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -62,23 +77,15 @@ def ag_gemm_kernel(a_ptr, b_ptr, c_ptr, gathered_ptr, full_ptr, rows, N, K, stri
 
     Once this rank has given up on a peer (error slot set, or a wait here fails) the program
     computes no tile of a peer's rows: they may never have arrived."""
-    epoch = calls.call_number(calls_ptr)
-    ok = True  # a bool (the interpreter types a bare comparison as an integer, which no mask takes)
-    ok = ok & rma.no_error(error_ptr)
+    epoch, ok = calls.begin_call(calls_ptr, error_ptr)
     P = tl.num_programs(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
     row_blocks = tl.cdiv(rows, BLOCK_M)
     per_shard = row_blocks * tiles_n
     k_blocks = tl.cdiv(K, BLOCK_K)
     for item in tl.range(tl.program_id(0), per_shard, P, flatten=FLATTEN):
-        pid_m, pid_n = tile_coords(item, row_blocks, tiles_n, GROUP_M)
-        acc = gemm_tile(a_ptr, b_ptr, pid_m, pid_n, rows, N, K, 0, k_blocks, K, 1, stride_bk, stride_bn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, False, False)
-        c_mine = c_ptr + tl.cast(rank, tl.int64) * rows * N
-        store_tile(c_mine, c_mine, acc, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N, False, False)
-        if GATHER:
-            if pid_n == 0:
-                copy_rows(a_ptr, full_ptr + tl.cast(rank, tl.int64) * rows * K, pid_m * BLOCK_M, rows, K, BLOCK_M, 128)
+        _shard_tile(a_ptr, b_ptr, c_ptr, full_ptr, rank, item, rows, N, K, row_blocks, tiles_n, k_blocks, stride_bk,
+                    stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, INTERPRET, GATHER)
     for peer in tl.static_range(WORLD):
         if peer != rank:
             ok = ok & rma.signal_wait(flags_ptr + (peer - rank - 1 + WORLD) % WORLD, epoch, rank, peer, heap_bases,
@@ -87,16 +94,9 @@ def ag_gemm_kernel(a_ptr, b_ptr, c_ptr, gathered_ptr, full_ptr, rows, N, K, stri
     if not ok:
         end = per_shard
     for item in tl.range(calls.first_item(per_shard, P), end, P, flatten=FLATTEN):
-        shard = item // per_shard
-        src = (rank - shard + WORLD) % WORLD
+        src = (rank - item // per_shard + WORLD) % WORLD
         slot = (src - rank - 1 + WORLD) % WORLD
-        a = gathered_ptr + tl.cast(slot, tl.int64) * slot_stride
-        pid_m, pid_n = tile_coords(item % per_shard, row_blocks, tiles_n, GROUP_M)
-        acc = gemm_tile(a, b_ptr, pid_m, pid_n, rows, N, K, 0, k_blocks, K, 1, stride_bk, stride_bn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, False, False)
-        c_shard = c_ptr + tl.cast(src, tl.int64) * rows * N
-        store_tile(c_shard, c_shard, acc, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N, False, False)
-        if GATHER:
-            if pid_n == 0:
-                copy_rows(a, full_ptr + tl.cast(src, tl.int64) * rows * K, pid_m * BLOCK_M, rows, K, BLOCK_M, 128)
+        _shard_tile(gathered_ptr + tl.cast(slot, tl.int64) * slot_stride, b_ptr, c_ptr, full_ptr, src,
+                    item % per_shard, rows, N, K, row_blocks, tiles_n, k_blocks, stride_bk, stride_bn,
+                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, INTERPRET, GATHER)
     calls.finish_call(calls_ptr, epoch)

@@ -15,11 +15,21 @@ phase needs happen before it, not in its loop).
 import triton
 import triton.language as tl
 
+from tp_overlap_plugin.kernels import rma
+
 
 @triton.jit
 def call_number(calls_ptr):
     """This call's epoch: 1 + the last finished call's."""
     return tl.load(calls_ptr + 1) + 1
+
+
+@triton.jit
+def begin_call(calls_ptr, error_ptr):
+    """(this call's epoch, whether this rank may still talk to its peers: none of its waits gave up)."""
+    ok = True  # a bool (the interpreter types a bare comparison as an integer, which no mask takes)
+    ok = ok & rma.no_error(error_ptr)
+    return call_number(calls_ptr), ok
 
 
 @triton.jit

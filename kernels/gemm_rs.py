@@ -44,10 +44,8 @@ def gemm_rs_kernel(a_ptr, b_ptr, c_ptr, recv_ptr, rows, N, K, stride_am, stride_
     Once this rank has given up on a peer, the program stores nothing into peers' heaps and counts
     nothing there (its stream no longer orders those stores after the owner's last read of that
     half), and computes none of its own tiles: their partials may never arrive."""
-    epoch = calls.call_number(calls_ptr)
+    epoch, ok = calls.begin_call(calls_ptr, error_ptr)
     half = epoch % 2
-    ok = True  # a bool (the interpreter types a bare comparison as an integer, which no mask takes)
-    ok = ok & rma.no_error(error_ptr)
     P = tl.num_programs(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
     row_blocks = tl.cdiv(rows, BLOCK_M)
