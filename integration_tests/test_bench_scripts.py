@@ -19,7 +19,7 @@ def test_shipped_dispatch_table_is_reproducible(tmp_path):
     table = tmp_path / "table.json"
     subprocess.run([sys.executable, str(ROOT / "bench" / "make_dispatch_table.py"),
                     "--overlap", str(RESULTS / "overlap-tp2-h200x2-2026-11-22-v3.json"),
-                    "--foundation", str(RESULTS / "foundation-tp2-h200x2-2026-11-22-hardened.json"),
+                    "--foundation", str(RESULTS / "foundation-tp2-h200x2-2026-11-23.json"),
                     "--table-out", str(table), "--md-out", str(tmp_path / "table.md")],
                    check=True, capture_output=True, text=True, timeout=120)
     shipped = ROOT / "tp_overlap_plugin" / "dispatch_tables" / "h200-tp2.json"

@@ -141,7 +141,8 @@ def _ipc_heap_carries_everything(ctx, seed):
 
     gen = torch.Generator().manual_seed(seed)
     inputs = [torch.randn(300_000, generator=gen) for _ in range(W)]
-    ar = HeapAllReduce(h, max_bytes=2 << 20)
+    # one-shot covers the largest message here (1.2 MB): a named algorithm never falls back
+    ar = HeapAllReduce(h, max_bytes=2 << 20, one_shot_max_bytes=2 << 20)
     for algorithm in ("one_shot", "two_shot"):
         for numel, dtype in ((1, torch.float32), (4097, torch.bfloat16), (300_000, torch.float32)):
             x = inputs[r][:numel].to(dtype).to(dev)
