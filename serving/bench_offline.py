@@ -117,13 +117,14 @@ def _summary(xs: list[float]) -> dict:
 
 def measure(llm: LLM, lengths: list[tuple[int, int]], seed: int = 0, *, max_concurrency: Optional[int] = None,
             min_seconds: float = 0.0, max_requests: Optional[int] = None, warmup: bool = True,
-            warmup_output_len: int = 2) -> dict:
+            warmup_output_len: Optional[int] = 2) -> dict:
     """Rounds of the requests `lengths` ((input, output) per request) until the measured time reaches
     min_seconds or, given max_requests, the requests do; one round when both are 0/None.
 
     Every round has the same lengths and fresh prompt ids (the prefix cache must not turn a round's
     prefill into hits). The engine schedules by token counts, not by the clock, so with a fixed KV pool
-    each round takes the same steps in every engine, and rates compare however many rounds each ran."""
+    each round takes the same steps in every engine, and rates compare however many rounds each ran.
+    warmup_output_len None: the warm-up is a whole round (outputs at full length)."""
     vocab = llm.engine.mcfg.vocab_size
     ins = [i for i, _ in lengths]
     outs = [o for _, o in lengths]
@@ -132,8 +133,8 @@ def measure(llm: LLM, lengths: list[tuple[int, int]], seed: int = 0, *, max_conc
         # (the prefill chunks, prefill mixed with decodes, the decode batches) has compiled its kernels
         # and settled its allocations. A smaller warm-up left a 5 s Triton compile inside one measured
         # TTFT on H200x2.
-        _timed_run(llm, _prompts_of(vocab, ins, seed + 1), [min(o, warmup_output_len) for o in outs],
-                   max_concurrency)
+        _timed_run(llm, _prompts_of(vocab, ins, seed + 1),
+                   outs if warmup_output_len is None else [min(o, warmup_output_len) for o in outs], max_concurrency)
     runs: list[_Run] = []
     while True:
         round_seed = seed if not runs else seed + 1 + len(runs)

@@ -41,7 +41,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--async-scheduling", action="store_true",
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                    help="launch step i+1 before step i's tokens reach the host (the host works while the GPU does)")
     g.add_argument("--tp-overlap", action="store_true",
                    help="overlapped TP kernels over the symmetric heap (also: TP_OVERLAP=1)")

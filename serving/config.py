@@ -166,7 +166,9 @@ class EngineConfig(BaseModel):
     num_kv_blocks: Optional[int] = Field(None, ge=1, description="override the computed number of KV blocks")
     seed: int = 0
     enforce_eager: bool = False
-    async_scheduling: bool = Field(False, description="build and launch step i+1 before step i's tokens reach "
+    # on by default: at TP=1 and TP=2 on H200 it takes decode steps from 1.27-4.28x to 1.20-2.34x the
+    # memory floor (bench/results/decode-profile-*-2026-11-23), and greedy output is the same
+    async_scheduling: bool = Field(True, description="build and launch step i+1 before step i's tokens reach "
                                    "the host; sampled ids feed the next step on the device")
     enable_prefix_caching: bool = True
     cuda_graph_batch_sizes: Optional[list[int]] = None
