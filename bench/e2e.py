@@ -126,6 +126,7 @@ def run_variant(args, specs: dict[str, dict]) -> None:
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
     from tp_overlap_plugin.serving import LLM, EngineConfig
+    from tp_overlap_plugin import stats
     from tp_overlap_plugin.serving.bench_offline import measure
 
     all_lengths = {n: lengths(s) for n, s in specs.items()}
@@ -154,6 +155,7 @@ def run_variant(args, specs: dict[str, dict]) -> None:
         log(tag, f"engine ready in {out['load_s']:.1f} s")
         for k, (name, spec) in enumerate(specs.items()):
             t0 = time.monotonic()
+            before = stats.snapshot()
             res = measure(llm, all_lengths[name], seed=10_000 * (k + 1), max_concurrency=concurrency(spec),
                           min_seconds=args.min_seconds,
                           max_requests=args.decode_requests if name.startswith("decode") else None,
@@ -162,6 +164,10 @@ def run_variant(args, specs: dict[str, dict]) -> None:
                           # it warms up on a whole round
                           warmup_output_len=None if spec["kind"] == "mix" else 2)
             res["warmup_and_measure_s"] = time.monotonic() - t0
+            # which path each op took (rank 0, eager calls and graph captures; replays run no Python),
+            # so a ratio can be traced to the kernels that ran
+            res["op_paths"] = {key: n - before.get(key, 0) for key, n in stats.snapshot().items()
+                               if n > before.get(key, 0)}
             out["results"][name] = res
             log(tag, f"{name}: {res['output_tokens_per_s']:.1f} out tok/s over {res['elapsed_s']:.1f} s measured, "
                      f"{res['num_requests']} requests in {res.get('rounds', 1)} round(s); "
