@@ -87,3 +87,27 @@ def test_attention_table_runs_under_the_interpreter(tmp_path):
     rows = json.loads(js.read_text())["attention"]
     assert [(a["batch"], a["variant"][:2]) for a in rows] == [(1, "v1"), (1, "v2"), (3, "v1"), (3, "v2")]
     assert all(a["max_abs_err"] < 2e-2 and a["us"] > 0 for a in rows)
+
+
+@pytest.mark.timeout(180)
+def test_prefill_profile_runs_on_the_cpu_and_counts_the_rounds_work(tmp_path):
+    """bench/prefill_profile.py with the flag at TP=2: a round of 2 prompts x 24 tokens in 16-token
+    steps is 3 steps; the work it counts is the model's, and the layers' path is recorded."""
+    script = ROOT / "bench" / "prefill_profile.py"
+    r = subprocess.run([sys.executable, str(script), "--model", "demo", "--tp", "2", "--device", "cpu", "--prompts", "2",
+                        "--prompt-len", "24", "--max-num-batched-tokens", "16", "--warmup", "1", "--rounds", "1",
+                        "--tp-overlap", "--dispatch", "overlap", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=170)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (js,) = tmp_path.glob("prefill-profile-demo-tp2-cpu-*.json")
+    res = json.loads(js.read_text())
+    assert res["schema"] == "prefill-profile/1"
+    x = res["result"]
+    assert x["steps_per_round"] == 3 and len(x["step_ms"]) == 1 and len(x["step_ms"][0]) == 3
+    from tp_overlap_plugin.serving import EngineConfig
+    m = EngineConfig(model="demo").load_model_config()
+    heads = m.num_heads // 2
+    assert x["flops_per_round"]["attention"] == pytest.approx(2 * m.num_layers * 4 * heads * m.head_dim * 24 * 25 / 2)
+    assert x["flops_per_round"]["linear"] > 0 and x["flops_per_round"]["linear"] % (2 * 48) == 0
+    assert x["roofline"] is None and x["efficiency"] is None          # no GPU: no roofline
+    assert sum(x["op_paths"].values()) > 0                            # the flag's layers ran and said how
