@@ -2,7 +2,10 @@
 and a markdown copy in bench/results/ that shows the evidence for every choice:
 
     python bench/make_dispatch_table.py --overlap bench/results/overlap-tp2-h200x2-2026-11-22.json \
-        --foundation bench/results/foundation-tp2-h200x2-2026-11-22.json
+        --foundation bench/results/foundation-tp2-h200x2-2026-11-22.json \
+        [--gemm-ar bench/results/gemm-ar-tp2-h200x2-<date>.json]
+
+Without --gemm-ar the table has no GEMM + all-reduce rows, and the dispatcher never picks it.
 
 A fused op wins only if it beats sequential by MARGIN (the run-to-run noise seen here is ~2%), so
 "never slower than stock" holds with that margin.
@@ -38,7 +41,26 @@ def auto_algorithm(r: dict) -> str:
     return "two_shot" if r["bytes"] > DEFAULT_ONE_SHOT_BYTES and "ours_two_shot_graph_us" in r else "one_shot"
 
 
-def build(overlap: dict, foundation: dict) -> dict:
+def gemm_all_reduce_rows(gemm_ar: dict) -> list[dict]:
+    """Per measured (M, K, N): GEMM + all-reduce against the faster of what runs without it (F.linear
+    + NCCL or + our all-reduce; with the norm after it, + NCCL + norm or + our fused all-reduce +
+    norm), in CUDA graphs and eager. A mode that was not measured is "stock"."""
+    rows = []
+    for r in gemm_ar["rows"]:
+        row = {"M": r["M"], "K": r["K"], "N": r["N"], "shape": r["shape"]}
+        for mode in ("graph", "eager"):
+            for prefix, ours, others in (("", "gemm_ar", ("linear_nccl", "linear_ours")),
+                                         ("norm_", "gemm_ar_norm", ("linear_nccl_norm", "linear_fused_norm"))):
+                t = r.get(f"{ours}_{mode}_us")
+                best = min((r[f"{o}_{mode}_us"] for o in others if f"{o}_{mode}_us" in r), default=None)
+                row[f"{prefix}{mode}_us"], row[f"{prefix}{mode}_best_stock_us"] = t, best
+                row[f"{prefix}{mode}_winner"] = "gemm_ar" if t and best and best / t >= MARGIN else "stock"
+        rows.append(row)
+    rows.sort(key=lambda r: (r["K"], r["N"], r["M"]))
+    return rows
+
+
+def build(overlap: dict, foundation: dict, gemm_ar: dict | None = None) -> dict:
     env = overlap["environment"]
     gemm = []
     for key, r in {**overlap.get("shapes", {}), **overlap.get("sweep", {})}.items():
@@ -58,10 +80,19 @@ def build(overlap: dict, foundation: dict) -> dict:
                    "nccl_eager_us": ne, "algorithm": algorithm,
                    "graph_winner": "ipc" if g and ng and ng / g >= MARGIN else "stock",
                    "eager_winner": "ipc" if e and ne and ne / e >= MARGIN else "stock"})
-    return {"device": env["device"], "world": env["tp"], "date": env["date"], "torch": env["torch"],
-            "triton": env["triton"], "margin": MARGIN, "one_shot_max_bytes": DEFAULT_ONE_SHOT_BYTES, "gemm": gemm, "all_reduce": ar,
-            "command": "python bench/overlap.py --tp W && python bench/foundation.py --tp W && "
-                       "python bench/make_dispatch_table.py --overlap ... --foundation ..."}
+    table = {"device": env["device"], "world": env["tp"], "date": env["date"], "torch": env["torch"],
+             "triton": env["triton"], "margin": MARGIN, "one_shot_max_bytes": DEFAULT_ONE_SHOT_BYTES, "gemm": gemm,
+             "all_reduce": ar,
+             "command": "python bench/overlap.py --tp W && python bench/foundation.py --tp W && "
+                        "python bench/make_dispatch_table.py --overlap ... --foundation ..."}
+    if gemm_ar is not None:
+        genv = gemm_ar["environment"]
+        if (genv["device"], genv["tp"]) != (env["device"], env["tp"]):
+            raise ValueError(f"--gemm-ar ran on {genv['device']} at TP={genv['tp']}, --overlap on {env['device']} "
+                             f"at TP={env['tp']}: one table is for one device and world size")
+        table["gemm_all_reduce"] = gemm_all_reduce_rows(gemm_ar)
+        table["command"] += " --gemm-ar ... (python bench/gemm_ar.py --tp W)"
+    return table
 
 
 def markdown(t: dict) -> str:
@@ -83,6 +114,15 @@ def markdown(t: dict) -> str:
         ["bytes", "ours", "ours graph", "NCCL graph", "chosen in graph", "ours eager", "NCCL eager", "chosen eager"],
         [[r["bytes"], r["algorithm"], r["ours_graph_us"], r["nccl_graph_us"], r["graph_winner"], r["ours_eager_us"],
           r["nccl_eager_us"], r["eager_winner"]] for r in t["all_reduce"]])
+    if "gemm_all_reduce" in t:
+        md += ("\n## GEMM + all-reduce, decode row layers (µs)\n\nAgainst the faster of F.linear + NCCL and F.linear "
+               "+ ours; `+norm`: with the residual add + RMSNorm after it, against the faster of F.linear + NCCL + "
+               "norm and F.linear + our fused all-reduce + norm.\n\n")
+        md += md_table(["layer", "M", "K", "N", "graph", "best stock", "chosen", "graph +norm", "best stock +norm",
+                        "chosen +norm", "eager", "chosen eager", "eager +norm", "chosen eager +norm"],
+                       [[r["shape"], r["M"], r["K"], r["N"], r["graph_us"], r["graph_best_stock_us"], r["graph_winner"],
+                         r["norm_graph_us"], r["norm_graph_best_stock_us"], r["norm_graph_winner"], r["eager_us"],
+                         r["eager_winner"], r["norm_eager_us"], r["norm_eager_winner"]] for r in t["gemm_all_reduce"]])
     return md
 
 
@@ -90,6 +130,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--overlap", required=True)
     p.add_argument("--foundation", required=True)
+    p.add_argument("--gemm-ar", help="a bench/gemm_ar.py run of the same device and TP size")
     p.add_argument("--table-out", help="default: the package's table for the run's device and TP size")
     p.add_argument("--md-out", help="default: bench/results/dispatch-<device>-tp<W>-<date>.md")
     args = p.parse_args(argv)
@@ -97,7 +138,11 @@ def main(argv=None):
         overlap = json.load(f)
     with open(args.foundation) as f:
         foundation = json.load(f)
-    table = build(overlap, foundation)
+    gemm_ar = None
+    if args.gemm_ar:
+        with open(args.gemm_ar) as f:
+            gemm_ar = json.load(f)
+    table = build(overlap, foundation, gemm_ar)
     out = Path(args.table_out) if args.table_out else table_path(table["device"], table["world"])
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as f:

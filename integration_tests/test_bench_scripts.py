@@ -17,12 +17,16 @@ RESULTS = ROOT / "bench" / "results"
 
 def test_shipped_dispatch_table_is_reproducible(tmp_path):
     table = tmp_path / "table.json"
+    shipped = ROOT / "tp_overlap_plugin" / "dispatch_tables" / "h200-tp2.json"
+    # GEMM + all-reduce rows, once measured, come from the newest bench/gemm_ar.py run on the device
+    gemm_ar = sorted(RESULTS.glob("gemm-ar-tp2-h200x2-*.json")) if "gemm_all_reduce" in json.loads(
+        shipped.read_text()) else []
     subprocess.run([sys.executable, str(ROOT / "bench" / "make_dispatch_table.py"),
                     "--overlap", str(RESULTS / "overlap-tp2-h200x2-2026-11-22-v3.json"),
                     "--foundation", str(RESULTS / "foundation-tp2-h200x2-2026-11-23.json"),
+                    *(["--gemm-ar", str(gemm_ar[-1])] if gemm_ar else []),
                     "--table-out", str(table), "--md-out", str(tmp_path / "table.md")],
                    check=True, capture_output=True, text=True, timeout=120)
-    shipped = ROOT / "tp_overlap_plugin" / "dispatch_tables" / "h200-tp2.json"
     assert json.loads(table.read_text()) == json.loads(shipped.read_text())
     assert (tmp_path / "table.md").read_text() == (RESULTS / "dispatch-h200-tp2-2026-11-22.md").read_text()
 
@@ -228,3 +232,39 @@ def test_gemm_table_rules():
     # 1024x256: X at 1 and 16 within 1.1x, Z at 2048 0.9: ours from M = 1
     assert not t.prefers_cublas(1, 1024, 256)
     assert "cublas_below" in json.dumps(table) and "| 2048 |" in md
+
+
+@pytest.mark.timeout(400)
+def test_gemm_ar_bench_smoke_run_feeds_the_dispatch_table(tmp_path):
+    """bench/gemm_ar.py end to end on the CPU (interpreter, eager), then its JSON, as if measured on
+    the shipped table's H200 with graph times, through make_dispatch_table.py --gemm-ar: each (M, K, N)
+    goes to the faster side by the margin, with and without the norm, and the dispatcher answers so."""
+    from tp_overlap_plugin.dispatch import Dispatcher
+
+    _run("gemm_ar.py", "--tp", "2", "--device", "cpu", "--quick", "--out", str(tmp_path))
+    (js,) = tmp_path.glob("gemm-ar-tp2-cpu-*.json")
+    res = json.loads(js.read_text())
+    assert res["schema"] == "gemm-ar/1" and [r["M"] for r in res["rows"]] == [1, 3]
+    ops = ("linear", "linear_nccl", "linear_ours", "gemm_ar", "linear_nccl_norm", "linear_fused_norm", "gemm_ar_norm")
+    for r in res["rows"]:
+        assert r["rel_err_vs_nccl"] < 1e-2 and all(r[f"{op}_eager_us"] > 0 for op in ops), r
+    assert "gemm_ar / floor" in js.with_suffix(".md").read_text()
+    overlap = json.loads((RESULTS / "overlap-tp2-h200x2-2026-11-22-v3.json").read_text())
+    res["environment"].update(device=overlap["environment"]["device"], tp=overlap["environment"]["tp"])
+    for r, (ours, stock, ours_norm) in zip(res["rows"], ((5.0, 6.0, 7.0), (5.0, 5.05, 9.0))):
+        r.update(gemm_ar_graph_us=ours, linear_nccl_graph_us=stock + 3, linear_ours_graph_us=stock,
+                 gemm_ar_norm_graph_us=ours_norm, linear_nccl_norm_graph_us=12.0, linear_fused_norm_graph_us=8.0)
+    fake = tmp_path / "gemm-ar-h200.json"
+    fake.write_text(json.dumps(res))
+    table = tmp_path / "table.json"
+    _run("make_dispatch_table.py", "--overlap", str(RESULTS / "overlap-tp2-h200x2-2026-11-22-v3.json"),
+         "--foundation", str(RESULTS / "foundation-tp2-h200x2-2026-11-23.json"), "--gemm-ar", str(fake),
+         "--table-out", str(table), "--md-out", str(tmp_path / "table.md"))
+    rows = json.loads(table.read_text())["gemm_all_reduce"]
+    assert [(r["M"], r["graph_winner"], r["norm_graph_winner"], r["eager_winner"]) for r in rows] == [
+        (1, "gemm_ar", "gemm_ar", rows[0]["eager_winner"]), (3, "stock", "stock", rows[1]["eager_winner"])]
+    assert "GEMM + all-reduce" in (tmp_path / "table.md").read_text()
+    d = Dispatcher.load("table", path=table)
+    k, n = rows[0]["K"], rows[0]["N"]
+    assert d.gemm_all_reduce(1, k, n, in_graph=True) and d.gemm_all_reduce(1, k, n, True, into_norm=True)
+    assert not d.gemm_all_reduce(2, k, n, in_graph=True) and not d.gemm_all_reduce(1, k + 1, n, in_graph=True)

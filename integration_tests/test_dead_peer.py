@@ -1,7 +1,7 @@
 """A rank dies while its peers run a collective. Every survivor raises RankTimeoutError naming the
 dead rank, after the spin bound (TP_OVERLAP_SPIN_LIMIT, set small here) and not a hang. After that,
 the survivors' collectives give up at once instead of spinning again, raise at the next check, and
-write no output that could pass for a result (the all-reduce's output stays as poisoned)."""
+write no output that could pass for a result (the all-reduces' outputs stay as poisoned)."""
 
 import os
 import time
@@ -17,38 +17,50 @@ DEAD = 1                                        # not rank 0, whose number an un
 EXIT_CODE = 17
 SPINS = {"cpu": 4000, "cuda": 2_000_000}        # about 2 s and 1 s of polling
 WARM_SPINS = {"cpu": 200_000, "cuda": 40_000_000}  # the defaults: warm-up may include compiles
-OPS = ("all_reduce", "ag_gemm", "gemm_rs")
+OPS = ("all_reduce", "ag_gemm", "gemm_rs", "gemm_all_reduce")
+POISONED = ("all_reduce", "gemm_all_reduce")    # ops whose output is checked to stay unwritten
 
 
 def _build(ctx):
     """Every op of this test, set up collectively; each entry runs it once and returns its output."""
     from tp_overlap_plugin.collectives import HeapAllReduce
-    from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter
+    from tp_overlap_plugin.overlap import AllGatherGemm, GemmAllReduce, GemmReduceScatter
 
     h, W, r, dev = ctx.heap, ctx.world_size, ctx.rank, ctx.device
     dtype = torch.float16 if dev.type == "cpu" else torch.bfloat16
     ar = HeapAllReduce(h, max_bytes=128 << 10)
     ag = AllGatherGemm(h, max_rows=8, k=32, dtype=dtype)
     rs = GemmReduceScatter(h, max_rows=8, n=16, dtype=dtype)
+    gar = GemmAllReduce(h, max_rows=8, n=48, dtype=dtype)
     gen = torch.Generator().manual_seed(r)
     # 80 KB: ten 8 KB chunks, more than the CPU grid's four programs, so programs own several
     x = torch.randn(20_480, generator=gen).to(dev)
     a = torch.randn(8, 32, generator=gen).to(dtype).to(dev)
     a_rs = torch.randn(8 * W, 32, generator=gen).to(dtype).to(dev)
     b = torch.randn(32, 16, generator=gen).to(dtype).to(dev)
+    w = torch.randn(48, 32, generator=gen).to(dtype).to(dev)  # 3 tiles of 16 columns on the CPU
+
+    def gemm_all_reduce():
+        y = torch.full((8, 48), float("nan"), dtype=dtype, device=dev)
+        try:
+            gar(a, w, out=y)
+        finally:
+            _last_out["gemm_all_reduce"] = y
+        return y
 
     def all_reduce():
         y = torch.full_like(x, float("nan"))
         try:
             ar(x, out=y)
         finally:
-            _last_out[0] = y
+            _last_out["all_reduce"] = y
         return y
 
-    return {"all_reduce": all_reduce, "ag_gemm": lambda: ag(a, b), "gemm_rs": lambda: rs(a_rs, b)}
+    return {"all_reduce": all_reduce, "ag_gemm": lambda: ag(a, b), "gemm_rs": lambda: rs(a_rs, b),
+            "gemm_all_reduce": gemm_all_reduce}
 
 
-_last_out = [None]
+_last_out = {}  # the poisoned ops' latest outputs
 
 
 def _attempt(ctx, op):
@@ -80,9 +92,9 @@ def _one_rank_dies(ctx, doomed):
         os._exit(EXIT_CODE)
     h.spin_limit = small
     first = _attempt(ctx, ops[doomed])
-    written_first = doomed == "all_reduce" and not torch.isnan(_last_out[0]).all().item()
+    written_first = doomed in POISONED and not torch.isnan(_last_out[doomed]).all().item()
     later = {name: _attempt(ctx, ops[name]) for name in OPS}
-    written_later = not torch.isnan(_last_out[0]).all().item()
+    written_later = any(not torch.isnan(_last_out[name]).all().item() for name in POISONED)
     return {"first": first, "later": later, "written": (written_first, written_later), "spins": small}
 
 

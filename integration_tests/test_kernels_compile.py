@@ -16,6 +16,7 @@ from tp_overlap_plugin.kernels.allreduce_norm import all_reduce_rmsnorm_kernel
 from tp_overlap_plugin.kernels.barrier import barrier_kernel
 from tp_overlap_plugin.kernels.gemm import gemm_kernel
 from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel
+from tp_overlap_plugin.kernels.gemm_ar import gemm_all_reduce_kernel
 from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel
 from tp_overlap_plugin.kernels.layer_ops import rmsnorm_kernel, rope_cache_kernel, silu_mul_kernel
 
@@ -104,7 +105,8 @@ _LAMPORT = {"rank": "i32", "heap_bases": "*i64", "error_ptr": "*i64", "max_spins
 _SLOTS = {"x_ptr": 16, "out_ptr": 16, "slots_ptr": 16, "scatter_ptr": 16, "gather_ptr": 16, "res_ptr": 16,
           "res_out_ptr": 16, "n": 16, "slot_stride": 16, "src_stride": 16, "scatter_slot_stride": 16,
           "scatter_src_stride": 16, "gather_slot_stride": 16, "row_stride": 16, "stride_x": 16, "stride_res": 16,
-          "stride_out": 16, "stride_res_out": 16}
+          "stride_out": 16, "stride_res_out": 16, "N": 16, "K": 16, "stride_om": 16, "stride_bn": 16,
+          "stride_am": 16, "a_ptr": 16, "b_ptr": 16, "bias_ptr": 16, "calls_ptr": 16}
 _CACHE = {"PEER_STORE": "", "POLL_LOAD": ""}
 for _w, _peers, _sub in ((2, 1, 4096), (8, 8, 512)):
     _cx = {"W": _w, "BLOCK": 4096, **_CACHE}
@@ -124,6 +126,23 @@ for _w, _peers, _sub in ((2, 1, 4096), (8, 8, 512)):
              "slot_stride:i32 src_stride:i32 row_stride:i32 eps:fp32", _LAMPORT,
              ["W", "PEERS", "BLOCK", "SUB", "HAS_BIAS", *_CACHE]),
         {**_cx, "PEERS": _peers, "SUB": _sub, "HAS_BIAS": True}, {"num_warps": 8})
+# GEMM + all-reduce (kernels/gemm_ar.py): decode tiles (16 rows, narrow N, long K blocks), the
+# all-reduce's exchange in the epilogue; at 2 ranks on rank 1 with M = 1 (both made constants by
+# the JIT; 128 columns, so a thread holds 16 bytes of a tile on CDNA too) and at 8 ranks (receive sub-blocks of
+# 16 rows for 64-row tiles). B is an nn.Linear
+# weight: its K stride is 1, which the JIT makes a constant too.
+_GEMM_AR_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 bias_ptr:*bf16 out_ptr:*bf16 slots_ptr:*i16 calls_ptr:*i64 M:i32 N:i32 K:i32 "
+                 "stride_am:i32 stride_bk:i32 stride_bn:i32 stride_om:i32 slot_stride:i32 src_stride:i32 row_stride:i32")
+_GEMM_AR_CX = ["W", "PEERS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SUB_M", "GROUP_M", "EVEN_K", "INTERPRET", "HAS_BIAS",
+               *_CACHE]
+for _name, _w, _peers, _bm, _bn, _bk, _sub, _one in (("gemm_all_reduce_bf16_w2", 2, 1, 16, 128, 256, 16,
+                                                      {"rank": 1, "M": 1}),
+                                                     ("gemm_all_reduce_bf16_w8", 8, 8, 64, 32, 128, 16, {})):
+    _one = {"stride_bk": 1, **_one}
+    _cx = {"W": _w, "PEERS": _peers, "BLOCK_M": _bm, "BLOCK_N": _bn, "BLOCK_K": _bk, "SUB_M": _sub, "GROUP_M": 4,
+           "EVEN_K": False, "INTERPRET": False, "HAS_BIAS": True, **_CACHE, **_one}
+    KERNELS[_name] = (gemm_all_reduce_kernel, _sig(_GEMM_AR_ARGS, _LAMPORT, _GEMM_AR_CX + list(_one)), _cx,
+                      {"num_warps": 4, "num_stages": 4 if _bm == 16 else 3})
 LAMPORT = sorted(k for k in KERNELS if "all_reduce" in k)
 
 

@@ -91,12 +91,17 @@ def _heap_size():
 
 
 IPC_ALL_REDUCE = dict(mode="table", all_reduce=[{"bytes": 1, "graph_winner": "ipc", "eager_winner": "ipc"}])
+# the down projection (K = I / 2 per rank, N = H) measured a win for GEMM + all-reduce from M = 1 up
+GEMM_AR = dict(IPC_ALL_REDUCE, gemm_all_reduce_rows=[
+    {"M": 1, "K": I // 2, "N": H, **{k: "gemm_ar" for k in ("graph_winner", "eager_winner", "norm_graph_winner",
+                                                            "norm_eager_winner")}}])
 
 
 @pytest.mark.parametrize("dispatch, block", [(dict(mode="overlap"), _Block), (IPC_ALL_REDUCE, _Block),
-                                             (IPC_ALL_REDUCE, _NormBlock), (dict(mode="stock"), _NormBlock)],
+                                             (IPC_ALL_REDUCE, _NormBlock), (dict(mode="stock"), _NormBlock),
+                                             (GEMM_AR, _Block), (GEMM_AR, _NormBlock)],
                          ids=["sequence_parallel", "replicated_ipc_all_reduce", "replicated_fused_norm",
-                              "stock_norm"])
+                              "stock_norm", "replicated_gemm_all_reduce", "replicated_gemm_all_reduce_norm"])
 def test_overlap_layers_match_stock(dispatch, block):
     seed = int(torch.randint(0, 2**30, ()))
     results = run_ranks(_compare, 2, (seed, dispatch, block.__name__), heap_size=64 << 20, timeout=300)
@@ -113,7 +118,10 @@ def test_overlap_layers_match_stock(dispatch, block):
         else:
             assert counts["layers.replicated_steps"] == len(TOKENS)
             assert "ag_gemm.kernel" not in counts
-            if block is _NormBlock:  # one fused kernel instead of the all-reduce and the norm
+            if "gemm_all_reduce_rows" in dispatch:  # one kernel for the GEMM and the all-reduce; a norm adds itself
+                assert counts["gemm_all_reduce.kernel"] == len(TOKENS)
+                assert not any(k.startswith("all_reduce") for k in counts), counts
+            elif block is _NormBlock:  # one fused kernel instead of the all-reduce and the norm
                 assert counts["all_reduce_norm.kernel"] == len(TOKENS) and "all_reduce.one_shot" not in counts
             else:
                 assert counts["all_reduce.one_shot"] == len(TOKENS)
@@ -127,6 +135,24 @@ def test_unmeasured_device_dispatches_everything_to_stock():
     d = Dispatcher.load("table", device_name="Some Future GPU", world=2)
     assert "no table" in d.source
     assert not d.fused_gemm("ag", 8192, 4096, 14336) and not d.ipc_all_reduce(8192, in_graph=True)
+    assert not d.gemm_all_reduce(1, 2048, 4096, in_graph=True)
+
+
+def test_gemm_all_reduce_rule():
+    """Ours where the measured points on both sides of M won (at and above the largest measured M
+    too), stock between a win and a loss, below the smallest M and for unmeasured shapes; the norm's
+    and eager's columns are separate. The shipped H200 table has no measurement: stock."""
+    rows = [{"M": m, "K": 2048, "N": 4096, "graph_winner": "gemm_ar" if m <= 16 else "stock",
+             "eager_winner": "stock", "norm_graph_winner": "gemm_ar" if m <= 8 else "stock",
+             "norm_eager_winner": "stock"} for m in (1, 8, 16, 64)]
+    d = Dispatcher(gemm_all_reduce_rows=rows)
+    assert d.may_use_kernels
+    assert [d.gemm_all_reduce(m, 2048, 4096, True) for m in (1, 4, 16, 17, 64, 128)] == [True, True, True, False,
+                                                                                         False, False]
+    assert [d.gemm_all_reduce(m, 2048, 4096, True, into_norm=True) for m in (1, 8, 9)] == [True, True, False]
+    assert not d.gemm_all_reduce(1, 2048, 4096, False) and not d.gemm_all_reduce(1, 7168, 4096, True)
+    assert not Dispatcher(gemm_all_reduce_rows=[dict(rows[1])]).gemm_all_reduce(1, 2048, 4096, True)
+    assert not Dispatcher.load("table", device_name="NVIDIA H200", world=2).gemm_all_reduce(1, 2048, 4096, True)
 
 
 def test_measured_table_choices():

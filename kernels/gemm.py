@@ -2,7 +2,8 @@
 made of them: the plain GEMM `gemm_kernel` (a persistent loop over output tiles), and the fused ops,
 which drive the same tiles from a work queue and add their communication around them: AG-GEMM
 waits for a peer's row block before its tiles (kernels/ag_gemm.py), GEMM-RS stores tiles straight
-into a peer's heap and reduces its own (kernels/gemm_rs.py). Nothing else multiplies matrices.
+into a peer's heap and reduces its own (kernels/gemm_rs.py), GEMM + all-reduce pushes every tile
+into every peer's heap and sums what lands (kernels/gemm_ar.py). Nothing else multiplies matrices.
 
 Two ways to read the operands, one body (constexpr `TMA`):
 - TMA: `a_ptr`/`b_ptr` are tensor descriptors, so on Hopper the loads are bulk tensor copies the
@@ -33,7 +34,8 @@ multiplies bf16 operands as raw 16-bit integers, so there the operands are widen
 import triton
 import triton.language as tl
 
-
+# Defaults of constexpr parameters must be constexpr objects (Triton 3.6 passes a plain str through).
+_NO_CACHE = tl.constexpr("")
 
 @triton.jit
 def tile_coords(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
@@ -90,7 +92,7 @@ def gemm_tile(a_ptr, b_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_am, stride
 
 @triton.jit
 def _store_part(c_ptr, c_desc, part, pid_m, col0, M, N, stride_cm, stride_cn,
-                BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, C_TMA: tl.constexpr):
+                BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, C_TMA: tl.constexpr, CACHE: tl.constexpr = _NO_CACHE):
     if C_TMA:
         c_desc.store([pid_m * BLOCK_M, col0], part.to(c_ptr.dtype.element_ty))
     else:
@@ -98,21 +100,24 @@ def _store_part(c_ptr, c_desc, part, pid_m, col0, M, N, stride_cm, stride_cn,
         cols = col0 + tl.arange(0, WIDTH)
         mask = (rows < M)[:, None] & (cols < N)[None, :]
         tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn,
-                 part.to(c_ptr.dtype.element_ty), mask=mask)
+                 part.to(c_ptr.dtype.element_ty), mask=mask, cache_modifier=CACHE)
 
 
 @triton.jit
 def store_tile(c_ptr, c_desc, acc, pid_m, pid_n, M, N, stride_cm, stride_cn,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, C_TMA: tl.constexpr, SUBTILE: tl.constexpr):
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, C_TMA: tl.constexpr, SUBTILE: tl.constexpr,
+               CACHE: tl.constexpr = _NO_CACHE):
+    """Rows >= M and columns >= N of the tile are not stored. CACHE: the store's cache modifier
+    (".wt" for a push into a peer's heap on CDNA, which a reader polls: kernels/allreduce.py)."""
     col0 = pid_n * BLOCK_N
     if SUBTILE:
         halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
         left, right = tl.split(halves)
-        _store_part(c_ptr, c_desc, left, pid_m, col0, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N // 2, C_TMA)
+        _store_part(c_ptr, c_desc, left, pid_m, col0, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N // 2, C_TMA, CACHE)
         _store_part(c_ptr, c_desc, right, pid_m, col0 + BLOCK_N // 2, M, N, stride_cm, stride_cn, BLOCK_M,
-                    BLOCK_N // 2, C_TMA)
+                    BLOCK_N // 2, C_TMA, CACHE)
     else:
-        _store_part(c_ptr, c_desc, acc, pid_m, col0, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, C_TMA)
+        _store_part(c_ptr, c_desc, acc, pid_m, col0, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, C_TMA, CACHE)
 
 
 @triton.jit

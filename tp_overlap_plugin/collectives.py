@@ -20,16 +20,16 @@ DEFAULT_ONE_SHOT_BYTES = 1 << 20
 ALGORITHMS = ("auto", "one_shot", "two_shot")
 # 256 threads: a chunk is 16 bf16 per thread, and so is a receive tile (no spills at W = 2..8, sm_90)
 NUM_WARPS = 8
-_BITS = {2: torch.int16, 4: torch.int32}
+BITS = {2: torch.int16, 4: torch.int32}  # a float dtype's bits, by element size
 
 
-def _num_programs(device: torch.device) -> int:
+def resident_programs(device: torch.device) -> int:
     # One program per SM at most: every program is resident at once, so none spins on a peer
     # program that its own rank has not scheduled.
     return runtime.multiprocessor_count(device) if device.type == "cuda" else 4
 
 
-def _cache_modifiers(device: torch.device) -> dict:
+def cache_modifiers(device: torch.device) -> dict:
     """On CDNA, stores to peer memory stay in the sender's L2 unless written through, and polls
     need a cache modifier to stay coherent (kernels/allreduce.py: _wait_landed)."""
     cdna = device.type == "cuda" and torch.version.hip is not None
@@ -41,7 +41,7 @@ def _round_up(n: int, m: int) -> int:
 
 
 def _bits_view(buf: torch.Tensor, elsize: int) -> torch.Tensor:
-    return buf.view(_BITS[elsize])
+    return buf.view(BITS[elsize])
 
 
 class HeapAllReduce:
@@ -86,12 +86,12 @@ class HeapAllReduce:
             slots.fill_(0xFF)  # NOT_YET in every element, whatever the dtype
         for t in (self.one_shot_epochs, self.two_shot_epochs):
             t.zero_()
-        self.num_programs = _num_programs(heap.device)
-        self.cache_modifiers = _cache_modifiers(heap.device)
+        self.num_programs = resident_programs(heap.device)
+        self.cache_modifiers = cache_modifiers(heap.device)
         # per element size: the slots as words of that size, and the tile shapes (the host's
         # per-call work stays a lookup: eager calls are host-bound)
         self._launch = {}
-        for es in _BITS:
+        for es in BITS:
             block = CHUNK_BYTES // es
             self._launch[es] = {"block": block, "sub": sub_block(block, W), "peers": peers_pow2(W),
                                 "one_shot": _bits_view(self.one_shot_slots, es),
@@ -195,13 +195,13 @@ class HeapAllReduceNorm:
         self.heap, self.hidden, self.max_rows, self.dtype = heap, hidden, max_rows, dtype
         W, es = heap.world_size, torch.empty((), dtype=dtype).element_size()
         self.row_elems = _round_up(hidden, 16 // es)  # rows start 16-byte aligned: vector pushes
-        self.slots = heap.alloc((2, W, max_rows, self.row_elems), _BITS[es], name="all_reduce_norm.slots")
+        self.slots = heap.alloc((2, W, max_rows, self.row_elems), BITS[es], name="all_reduce_norm.slots")
         self.epochs = heap.alloc((max_rows,), torch.int64, name="all_reduce_norm.epochs")
         self.slots.fill_(-1)
         self.epochs.zero_()
         self.block, self.sub = row_blocks(hidden, W, es)
-        self.num_programs = _num_programs(heap.device)
-        self.cache_modifiers = _cache_modifiers(heap.device)
+        self.num_programs = resident_programs(heap.device)
+        self.cache_modifiers = cache_modifiers(heap.device)
         heap.publish()
 
     @staticmethod

@@ -1,8 +1,9 @@
-"""Which path runs an op: our overlapped kernel, our IPC all-reduce, or the stock torch/NCCL op.
+"""Which path runs an op: our overlapped kernel, our IPC all-reduce, GEMM + all-reduce in one kernel,
+or the stock torch/NCCL op.
 
 The choice comes from a table measured on the device (`bench/make_dispatch_table.py` turns a
-`bench/overlap.py` + `bench/foundation.py` run into one; the tables ship in
-`tp_overlap_plugin/dispatch_tables/`). A shape the table has no measurement for goes to the stock
+`bench/overlap.py` + `bench/foundation.py` run, and optionally a `bench/gemm_ar.py` run, into one;
+the tables ship in `tp_overlap_plugin/dispatch_tables/`). A shape the table has no measurement for goes to the stock
 path: without a measurement we cannot claim "never slower than stock".
 
 Modes: "table" (default), "overlap" (always our kernels: tests, and for measuring new shapes),
@@ -29,6 +30,8 @@ class Dispatcher:
     mode: str = "table"
     gemm: list[dict] = field(default_factory=list)        # {op, M, K, N, winner}
     all_reduce: list[dict] = field(default_factory=list)  # {bytes, graph_winner, eager_winner}
+    # {M, K, N, graph_winner, eager_winner, norm_graph_winner, norm_eager_winner}: "gemm_ar" or "stock"
+    gemm_all_reduce_rows: list[dict] = field(default_factory=list)
     source: str = "none"
     margin: float = 1.02  # a layout change must win by this much (the table's own margin when loaded)
     missing: str | None = None  # the table file that was looked for and not found
@@ -50,15 +53,17 @@ class Dispatcher:
             return cls(mode=mode, source=f"no table at {path}: stock everywhere", missing=str(path))
         data = json.loads(path.read_text())
         return cls(mode=mode, gemm=data.get("gemm", []), all_reduce=data.get("all_reduce", []),
-                   source=str(path), margin=data.get("margin", cls.margin))
+                   gemm_all_reduce_rows=data.get("gemm_all_reduce", []), source=str(path),
+                   margin=data.get("margin", cls.margin))
 
     @property
     def may_use_kernels(self) -> bool:
         """False when every op is sure to take the stock path (mode "stock", or no measurement)."""
         if self.mode != "table":
             return self.mode == "overlap"
-        return any(r.get("winner") == "overlap" for r in self.gemm) or any(
-            "ipc" in (r.get("graph_winner"), r.get("eager_winner")) for r in self.all_reduce)
+        return (any(r.get("winner") == "overlap" for r in self.gemm)
+                or any("ipc" in (r.get("graph_winner"), r.get("eager_winner")) for r in self.all_reduce)
+                or any("gemm_ar" in (r.get(k) for k in _GEMM_AR_WINNERS) for r in self.gemm_all_reduce_rows))
 
     def missing_table_warning(self, device_name: str, world: int) -> str | None:
         """The start-up warning for a flag that, for want of a table, changes nothing here."""
@@ -108,6 +113,21 @@ class Dispatcher:
             return self.mode == "overlap"
         return bool(self.all_reduce) and _wins(self.all_reduce, "bytes", nbytes,
                                                "graph_winner" if in_graph else "eager_winner", "ipc")
+
+    def gemm_all_reduce(self, m: int, k: int, n: int, in_graph: bool, into_norm: bool = False) -> bool:
+        """True: a row-parallel layer of the replicated layout ([m, k] local input, n outputs) runs as
+        one GEMM + all-reduce kernel; False: F.linear and then the all-reduce (fused with the residual
+        add and RMSNorm where `into_norm`: the layer feeds a norm). The table's rows compare the
+        kernel (+ the add + norm kernel where into_norm) with the faster of the alternatives, NCCL's
+        and ours, as measured by bench/gemm_ar.py. Unmeasured: False."""
+        if self.mode != "table":
+            return self.mode == "overlap"
+        rows = [r for r in self.gemm_all_reduce_rows if r["K"] == k and r["N"] == n]
+        key = ("norm_" if into_norm else "") + ("graph_winner" if in_graph else "eager_winner")
+        return bool(rows) and _wins(rows, "M", m, key, "gemm_ar")
+
+
+_GEMM_AR_WINNERS = ("graph_winner", "eager_winner", "norm_graph_winner", "norm_eager_winner")
 
 
 def _wins(rows: list[dict], key: str, value: int, winner_key: str, ours: str) -> bool:

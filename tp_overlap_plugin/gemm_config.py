@@ -148,3 +148,27 @@ def prefers_cublas(m: int, n: int, k: int, device: torch.device) -> bool:
     measured crossover), and on devices with no table (unmeasured: stock, like the dispatcher)."""
     table = device_table(device)
     return True if table is None else table.prefers_cublas(m, n, k)
+
+
+GEMM_AR_BLOCK_N = (128, 64, 32, 16)
+
+
+def gemm_all_reduce_config(m: int, n: int, programs: int, device: torch.device) -> TileConfig:
+    """Tiles for GEMM + all-reduce at decode sizes (kernels/gemm_ar.py), on paper until measured:
+    the GEMM streams the weight once, so the tiles are as narrow in N as it takes for every SM to
+    stream a share (the fewest weight columns for the busiest program; of equals, the wider tile),
+    and as tall as M (tl.dot's 16 rows at least). K blocks of 256 at 16 rows, 128 above, 4 stages:
+    about 100 KB of shared memory in flight per SM, what a weight stream at HBM speed needs on Hopper.
+    CDNA3's 64 KB LDS takes 2 stages."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    if device.type == "cpu":  # the interpreter: small tiles, so tests have several of them
+        return TileConfig(block_m, 16, 32, 4, 4, 1)
+    tiles_m = -(-m // block_m)
+
+    def busiest(bn: int) -> int:
+        return -(-(tiles_m * -(-n // bn)) // programs) * bn
+    block_n = min(GEMM_AR_BLOCK_N, key=lambda bn: (busiest(bn), -bn))
+    block_k = 256 if block_m <= 16 else 128
+    if torch.version.hip is not None:
+        return TileConfig(block_m, block_n, 128, 4, 4, 2)
+    return TileConfig(block_m, block_n, block_k, 4, 4, 4)

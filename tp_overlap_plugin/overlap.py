@@ -1,6 +1,7 @@
-"""Host ops for the overlapped tensor-parallel matmuls: `gemm`, `AllGatherGemm`, `GemmReduceScatter`.
+"""Host ops for the overlapped tensor-parallel matmuls: `gemm`, `AllGatherGemm`, `GemmReduceScatter`,
+and `GemmAllReduce` (decode-sized row-parallel layers in the replicated layout).
 
-All three run the one GEMM core's tiles (kernels/gemm.py), each in one persistent launch whatever
+All of them run the one GEMM core's tiles (kernels/gemm.py), each in one persistent launch whatever
 the world size; the fused ops synchronise ranks per row block or tile through flags in the heap,
 and keep every per-call state in device memory, so they can be captured in CUDA graphs. Tile shapes
 come from `pick_config`, a deterministic function of the shape and device (measured, not autotuned
@@ -18,10 +19,14 @@ import torch
 import torch.distributed as dist
 
 from tp_overlap_plugin import runtime, stats
-from tp_overlap_plugin.gemm_config import TileConfig, pick_config, prefers_cublas  # noqa: F401 (re-exported)
+from tp_overlap_plugin.collectives import BITS, cache_modifiers, resident_programs
+from tp_overlap_plugin.gemm_config import (TileConfig, gemm_all_reduce_config, pick_config,  # noqa: F401
+                                           prefers_cublas)
 from tp_overlap_plugin.heap import SymmetricHeap
+from tp_overlap_plugin.kernels.allreduce import TILE_ELEMS, peers_pow2
 from tp_overlap_plugin.kernels.gemm import gemm_kernel
 from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel, copy_engine_begin_kernel
+from tp_overlap_plugin.kernels.gemm_ar import gemm_all_reduce_kernel
 from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -343,3 +348,92 @@ class GemmReduceScatter:
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         h.check_if_free()
         return c
+
+
+# Receive-slot rows are padded to this many elements: 16-byte aligned rows for vector pushes, and a
+# row stride divisible by 16, which Triton specializes on (alignment facts for every row).
+_SLOT_ROW_ALIGN = 16
+
+
+class GemmAllReduce:
+    """out = all_reduce(x @ weight.T) [+ bias], for the replicated (decode) layout's row-parallel layers:
+    every rank holds all M rows of its K-slice of x and the matching columns of the nn.Linear weight
+    ([n, k]); every rank gets the same sum (fp32, rank order 0..W-1, each rank's partial rounded to
+    the dtype first, as F.linear + the all-reduce give). One launch (kernels/gemm_ar.py): the GEMM's
+    tile epilogue pushes each tile into every peer's receive slot.
+
+    Capacity is fixed at construction (heap space is symmetric): up to `max_rows` rows of `n`
+    columns in `dtype`; receive slots take 2 * W * max_rows * n elements of heap (heap_bytes). Call
+    state lives in device memory, so calls can be captured in CUDA graphs. Collective: every rank
+    calls it with the same shapes, in the same order. Errors of a wait surface at heap.check()."""
+
+    def __init__(self, heap: SymmetricHeap, max_rows: int, n: int, dtype: torch.dtype = torch.bfloat16):
+        if max_rows < 1 or n < 1:
+            raise ValueError(f"GemmAllReduce needs max_rows, n >= 1; got {max_rows}, {n}")
+        if dtype not in KERNEL_DTYPES:
+            raise ValueError(f"GemmAllReduce dtype must be one of {KERNEL_DTYPES}, got {dtype}")
+        self.heap, self.max_rows, self.n, self.dtype = heap, max_rows, n, dtype
+        W, es = heap.world_size, torch.empty((), dtype=dtype).element_size()
+        self.row_elems = -(-n // _SLOT_ROW_ALIGN) * _SLOT_ROW_ALIGN
+        self.slots = heap.alloc((2, W, max_rows, self.row_elems), BITS[es], name="gemm_ar.slots")
+        self.slots.fill_(-1)  # NOT_YET everywhere (kernels/allreduce.py)
+        self.calls = torch.zeros(2, dtype=torch.int64, device=heap.device)  # kernels/calls.py
+        self.programs = resident_programs(heap.device)
+        self.cache_modifiers = cache_modifiers(heap.device)
+        heap.publish()
+
+    @staticmethod
+    def heap_bytes(world: int, max_rows: int, n: int, dtype: torch.dtype) -> int:
+        es = torch.empty((), dtype=dtype).element_size()
+        return 2 * world * max_rows * (-(-n // _SLOT_ROW_ALIGN) * _SLOT_ROW_ALIGN) * es + 256
+
+    def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether __call__ takes these operands (else it raises)."""
+        return (x.dim() == 2 and weight.dim() == 2 and x.dtype == weight.dtype == self.dtype
+                and x.shape[0] <= self.max_rows and tuple(weight.shape) == (self.n, x.shape[1])
+                and x.stride(1) == 1 and x.device == weight.device == self.heap.device)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None, config: TileConfig | None = None) -> torch.Tensor:
+        h = self.heap
+        if x.dim() != 2 or weight.dim() != 2:
+            raise ValueError(f"gemm_all_reduce: expected 2-D x and weight, got x{tuple(x.shape)} and "
+                             f"weight{tuple(weight.shape)}")
+        m, k = x.shape
+        if m > self.max_rows:
+            raise ValueError(f"gemm_all_reduce of M={m} rows exceeds max_rows={self.max_rows} (its receive slots "
+                             f"take 2 * world * max_rows * n elements of heap); build GemmAllReduce with a larger "
+                             f"max_rows or use F.linear + the all-reduce")
+        if x.dtype != self.dtype or weight.dtype != self.dtype:
+            raise ValueError(f"gemm_all_reduce was built for {self.dtype}; got x {x.dtype}, weight {weight.dtype}")
+        if tuple(weight.shape) != (self.n, k):
+            raise ValueError(f"gemm_all_reduce weight must be [n={self.n}, k={k}] (an nn.Linear weight for "
+                             f"x{tuple(x.shape)}); got {tuple(weight.shape)}")
+        if x.stride(1) != 1:
+            raise ValueError(f"gemm_all_reduce x needs unit column stride; got strides {x.stride()}")
+        for name, t, shape in (("bias", bias, (self.n,)), ("out", out, (m, self.n))):
+            if t is not None and (tuple(t.shape) != shape or t.dtype != self.dtype or t.stride(-1) != 1):
+                raise ValueError(f"gemm_all_reduce {name} must be a {self.dtype} tensor of shape {shape} with unit "
+                                 f"last stride; got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+        for name, t in (("x", x), ("weight", weight), ("bias", bias), ("out", out)):
+            if t is not None and t.device != h.device:
+                raise ValueError(f"gemm_all_reduce {name} is on {t.device}, but the heap is on {h.device}")
+        if out is None:
+            out = torch.empty((m, self.n), dtype=self.dtype, device=h.device)
+        if m == 0:
+            return out
+        stats.record("gemm_all_reduce.kernel")
+        W = h.world_size
+        cfg = config or gemm_all_reduce_config(m, self.n, self.programs, h.device)
+        tiles = -(-m // cfg.block_m) * -(-self.n // cfg.block_n)
+        peers = peers_pow2(W)
+        sub_m = max(1, min(cfg.block_m, TILE_ELEMS // (cfg.block_n * peers)))
+        gemm_all_reduce_kernel[(min(tiles, self.programs),)](
+            x, weight, bias if bias is not None else out, out, self.slots, self.calls, m, self.n, k, x.stride(0),
+            weight.stride(1), weight.stride(0), out.stride(0), self.slots.stride(0), self.slots.stride(1),
+            self.slots.stride(2), h.rank, h.heap_bases, h.error, h.spin_limit, W=W, PEERS=peers,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SUB_M=sub_m, GROUP_M=cfg.group_m,
+            EVEN_K=k % cfg.block_k == 0, INTERPRET=h.device.type == "cpu", HAS_BIAS=bias is not None,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **self.cache_modifiers)
+        h.check_if_free()
+        return out

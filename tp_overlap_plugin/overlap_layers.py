@@ -8,10 +8,12 @@ Per step (decided by the embedding, the first module of every step) the residual
   * replicated (small T, decode): vLLM's layout, with row layers reduced by our IPC all-reduce;
     a row layer whose output goes straight into the next RMSNorm (the model builds o_proj and
     down_proj so) hands that norm a PendingAllReduce, and the all-reduce, the residual add and the
-    norm run as one kernel (HeapAllReduceNorm).
+    norm run as one kernel (HeapAllReduceNorm). Or a row layer runs as one GEMM + all-reduce
+    kernel (GemmAllReduce) whose output the norm then adds and normalises itself.
 Which, and whether each op takes the fused kernel or the sequential NCCL + GEMM pair, is the
 dispatcher's call (dispatch.py: measured tables, stock where unmeasured); the fused all-reduce +
-norm runs where the dispatcher picks our all-reduce.
+norm runs where the dispatcher picks our all-reduce, GEMM + all-reduce where the dispatcher's
+gemm_all_reduce rows say it beats both.
 """
 
 from __future__ import annotations
@@ -27,27 +29,35 @@ from tp_overlap_plugin.dispatch import Dispatcher
 from tp_overlap_plugin.heap import SymmetricHeap
 from tp_overlap_plugin.layers import (ColumnParallelLinear, ParallelLMHead, PendingAllReduce, RowParallelLinear,
                                       TPGroup, TPLayers, VocabParallelEmbedding)
-from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter
+from tp_overlap_plugin.overlap import KERNEL_DTYPES, AllGatherGemm, GemmAllReduce, GemmReduceScatter
 
 ALL_REDUCE_BYTES = 8 << 20
 # The fused all-reduce + norm takes steps of up to this many bytes of rows (decode batches): its
 # receive slots take 2 * W times as much heap.
 FUSED_NORM_BYTES = 1 << 20
+# GEMM + all-reduce takes steps of up to this many tokens (decode batches, where the GEMM streams the
+# weight): its receive slots take 2 * W * rows * hidden elements of heap.
+GEMM_AR_ROWS = 64
 
 
 def fused_norm_rows(hidden: int, max_tokens: int, dtype: torch.dtype) -> int:
     return max(1, min(max_tokens, FUSED_NORM_BYTES // (hidden * torch.empty((), dtype=dtype).element_size())))
 
 
+def gemm_ar_rows(max_tokens: int) -> int:
+    return max(1, min(max_tokens, GEMM_AR_ROWS))
+
+
 def required_heap_bytes(hidden: int, max_tokens: int, world: int, dtype: torch.dtype) -> int:
     """Heap for one model: AG-GEMM's [W - 1, T/W, hidden] receive buffer and GEMM-RS's two halves of
     the same shape (every column layer reads, and every row layer writes, the hidden size; one op of
-    each serves all layers), the all-reduce's and the fused all-reduce + norm's receive slots, flags."""
+    each serves all layers), the all-reduce's, the fused all-reduce + norm's and GEMM + all-reduce's
+    receive slots (row layers output the hidden size: one op of each), flags."""
     elsize = torch.empty((), dtype=dtype).element_size()
     rows = -(-max_tokens // world)
     return (3 * max(world - 1, 1) * rows * hidden * elsize + HeapAllReduce.heap_bytes(world, ALL_REDUCE_BYTES)
             + HeapAllReduceNorm.heap_bytes(world, hidden, fused_norm_rows(hidden, max_tokens, dtype), dtype)
-            + (16 << 20))
+            + GemmAllReduce.heap_bytes(world, gemm_ar_rows(max_tokens), hidden, dtype) + (16 << 20))
 
 
 class OverlapTPLayers(TPLayers):
@@ -67,6 +77,7 @@ class OverlapTPLayers(TPLayers):
         self._ops: set[tuple[str, int, int]] = set()  # (op, K, N) of every linear layer built
         self.all_reduce = HeapAllReduce(heap, ALL_REDUCE_BYTES, device_group=tp.group)
         self._norms: dict[int, HeapAllReduceNorm] = {}  # the fused all-reduce + norm, per hidden size
+        self._gemm_ar: dict[int, GemmAllReduce] = {}  # GEMM + all-reduce, per output size
         self.tokens = 0              # T of the current step
         self.padded = 0              # T rounded up to a multiple of W
         self.sequence_parallel = False
@@ -94,6 +105,12 @@ class OverlapTPLayers(TPLayers):
             self._norms[hidden] = HeapAllReduceNorm(self.heap, hidden,
                                                     fused_norm_rows(hidden, self.max_tokens, self.dtype), self.dtype)
         return self._norms[hidden]
+
+    def gemm_ar_op(self, n: int) -> GemmAllReduce:
+        """GEMM + all-reduce for row layers of n outputs (built with the first such layer)."""
+        if n not in self._gemm_ar:
+            self._gemm_ar[n] = GemmAllReduce(self.heap, gemm_ar_rows(self.max_tokens), n, self.dtype)
+        return self._gemm_ar[n]
 
     def begin_step(self, tokens: int) -> None:
         if tokens > self.max_tokens:
@@ -160,6 +177,8 @@ class OverlapRow(RowParallelLinear):
         self.layers = layers
         self.rs = layers.rs_op(self.weight.shape[1], output_size)
         self.norm_op = layers.norm_op(output_size) if reduce_into_norm and layers.tp.world_size > 1 else None
+        self.gemm_ar = (layers.gemm_ar_op(output_size)
+                        if layers.tp.world_size > 1 and layers.dtype in KERNEL_DTYPES else None)
 
     def _reduce_add_rmsnorm(self, partial, residual, weight, eps):
         return self.norm_op(partial, residual, weight, eps, bias=self.bias)
@@ -176,6 +195,11 @@ class OverlapRow(RowParallelLinear):
                 stats.record("gemm_rs.sequential")
                 y = runtime.reduce_scatter(x @ w, self.tp.group)
         else:
+            if (self.gemm_ar is not None and self.gemm_ar.applies(x, self.weight)
+                    and L.dispatcher.gemm_all_reduce(x.shape[0], self.weight.shape[1], self.output_size,
+                                                     runtime.capturing(x.device), into_norm=self.norm_op is not None)):
+                # the bias goes in after the sum, inside the kernel; the norm (if any) adds the residual
+                return self.gemm_ar(x, self.weight, bias=self.bias)
             y = nn.functional.linear(x, self.weight)
             if self.tp.world_size > 1 and L.dispatcher.ipc_all_reduce(y.numel() * y.element_size(), runtime.capturing(y.device)):
                 if self.norm_op is not None and self.norm_op.applies(y):
