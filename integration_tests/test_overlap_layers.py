@@ -166,11 +166,13 @@ def test_measured_table_choices():
     # small M: everything stock (host costs of the fused ops dominate)
     assert not any(d.fused_gemm(op, m, k, n) for op, k, n in LLAMA_8B_TP2 for m in (1, 2, 16, 64, 256))
     assert not d.sequence_parallel(256, LLAMA_8B_TP2) and d.sequence_parallel(8192, LLAMA_8B_TP2)
-    # decode all-reduce: each measured size goes to its measured winner, never ours above the cap
+    # decode all-reduce: each measured size goes to its measured winner, which in a graph is ours
+    # (one-shot to 1 MB, then two-shot) at every size measured: 8 KB to 8 MB
     for r in d.all_reduce:
         assert d.ipc_all_reduce(r["bytes"], in_graph=True) == (r["graph_winner"] == "ipc"), r
         assert d.ipc_all_reduce(r["bytes"], in_graph=False) == (r["eager_winner"] == "ipc"), r
-    assert not d.ipc_all_reduce(2 << 20, in_graph=True) and not d.ipc_all_reduce(2 << 20, in_graph=False)
+        assert r["algorithm"] == ("one_shot" if r["bytes"] <= 1 << 20 else "two_shot"), r
+    assert all(d.ipc_all_reduce(b, in_graph=True) for b in (8 << 10, 1 << 20, 2 << 20, 8 << 20))
 
 
 def test_layout_rule_weighs_the_whole_layer():
