@@ -91,6 +91,8 @@ def measure(args, payload: dict) -> None:
         tp_overlap={"dispatch": args.dispatch} if args.tp_overlap else None)
     payload["config"]["engine"] = json.loads(cfg.model_dump_json())
     on_gpu = args.device == "cuda"
+    # before the engine: with its process group up, the timer's barrier would wait for the workers
+    roof = gemm_roofline(cfg.load_model_config(), args.tp, args.max_num_batched_tokens) if on_gpu else None
     t0 = time.monotonic()
     with LLM(cfg) as llm:
         eng = llm.engine
@@ -112,7 +114,6 @@ def measure(args, payload: dict) -> None:
             breakdown = kernel_breakdown(device_events(path), len(profiled))
         # which path each op took in the profiled round (rank 0): the layout and kernels behind the times
         op_paths = {k: n - before.get(k, 0) for k, n in stats.snapshot().items() if n > before.get(k, 0)}
-        roof = gemm_roofline(mcfg, args.tp, args.max_num_batched_tokens) if on_gpu else None
     round_ms = [sum(r) for r in rounds]
     res = {"steps_per_round": len(rounds[0]), "step_ms": rounds, "round_ms_median": statistics.median(round_ms),
            "step_ms_median": statistics.median(s for r in rounds for s in r), "flops_per_round": flops,
