@@ -15,6 +15,7 @@ means stock everywhere; `missing_table_warning()` says so, for the engines to lo
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -23,6 +24,17 @@ from typing import Iterable
 
 MODES = ("table", "overlap", "stock")
 TABLE_DIR = Path(__file__).with_name("dispatch_tables")
+
+
+def _remembered(question):
+    """A table question whose answer is kept per arguments (Dispatcher._answers)."""
+    @functools.wraps(question)
+    def ask(self, *args, **kwargs):
+        key = (question.__name__, args, tuple(sorted(kwargs.items())))
+        if key not in self._answers:
+            self._answers[key] = question(self, *args, **kwargs)
+        return self._answers[key]
+    return ask
 
 
 @dataclass
@@ -36,6 +48,9 @@ class Dispatcher:
     margin: float = 1.02  # a layout change must win by this much (the table's own margin when loaded)
     missing: str | None = None  # the table file that was looked for and not found
     _layouts: dict = field(default_factory=dict, repr=False, compare=False)  # ops -> per-M layout rows
+    # every question's answer, asked again by every layer of every step: the table never changes, and
+    # an eager step of the flag's layers otherwise spends ~10 us per row layer scanning it
+    _answers: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -75,6 +90,7 @@ class Dispatcher:
                 f"bench/make_dispatch_table.py on their results; or set the tp_overlap option "
                 f"\"dispatch\": \"overlap\" to force our kernels.")
 
+    @_remembered
     def fused_gemm(self, op: str, m: int, k: int, n: int) -> bool:
         """True: use AG-GEMM ("ag") / GEMM-RS ("rs"); False: the sequential NCCL + GEMM op."""
         if self.mode != "table":
@@ -108,12 +124,14 @@ class Dispatcher:
             rows.append({"M": M, "layout": "sharded" if seq >= self.margin * best else "replicated"})
         return rows
 
+    @_remembered
     def ipc_all_reduce(self, nbytes: int, in_graph: bool) -> bool:
         if self.mode != "table":
             return self.mode == "overlap"
         return bool(self.all_reduce) and _wins(self.all_reduce, "bytes", nbytes,
                                                "graph_winner" if in_graph else "eager_winner", "ipc")
 
+    @_remembered
     def gemm_all_reduce(self, m: int, k: int, n: int, in_graph: bool, into_norm: bool = False) -> bool:
         """True: a row-parallel layer of the replicated layout ([m, k] local input, n outputs) runs as
         one GEMM + all-reduce kernel; False: F.linear and then the all-reduce (fused with the residual
