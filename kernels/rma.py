@@ -103,9 +103,9 @@ def no_error(error_ptr):
 @triton.jit
 def report_stuck(flag_ptr, expected, seen, rank, peer, heap_bases, error_ptr):
     """Record, unless an earlier failure of this rank already has, that this rank gave up waiting
-    for `peer` to bring `flag_ptr` (an address in my heap) to `expected`. For waits that decide
-    without signal_wait (data that carries its own arrival mark): call it from a branch that every
-    thread of the program takes alike."""
+    for `peer` to bring `flag_ptr` (an address in my heap) to `expected`. Every wait that gives up
+    (signal_wait, and the waits on data that carries its own arrival mark) calls it, from a branch
+    that every thread of the program takes alike."""
     claim = tl.atomic_cas(error_ptr, tl.cast(0, tl.int64), tl.cast(-1, tl.int64), sem="acq_rel", scope="gpu")
     if claim == 0:
         my_base = tl.load(heap_bases + rank)
@@ -144,15 +144,7 @@ def signal_wait(flag_ptr, expected, rank, peer, heap_bases, error_ptr, max_spins
     landed = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     ok = landed >= expected
     if not ok:
-        claim = tl.atomic_cas(error_ptr, tl.cast(0, tl.int64), tl.cast(-1, tl.int64), sem="acq_rel", scope="gpu")
-        if claim == 0:
-            my_base = tl.load(heap_bases + rank)
-            tl.store(error_ptr + _ERR_RANK, rank)
-            tl.store(error_ptr + _ERR_PEER, peer)
-            tl.store(error_ptr + _ERR_FLAG_OFFSET, flag_ptr.to(tl.int64) - my_base)
-            tl.store(error_ptr + _ERR_EXPECTED, expected)
-            tl.store(error_ptr + _ERR_SEEN, landed)
-            tl.atomic_xchg(error_ptr, 1, sem="release", scope="gpu")
+        report_stuck(flag_ptr, expected, landed, rank, peer, heap_bases, error_ptr)
     tl.debug_barrier()
     return ok
 
