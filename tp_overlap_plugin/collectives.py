@@ -40,6 +40,26 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+# Rows of a row-layout receive slot are padded to this many elements: every row starts 16-byte
+# aligned (vector pushes) and the row stride is divisible by 16, which Triton specializes on.
+SLOT_ROW_ALIGN = 16
+
+
+def row_slots_bytes(world: int, max_rows: int, n: int, dtype: torch.dtype) -> int:
+    es = torch.empty((), dtype=dtype).element_size()
+    return 2 * world * max_rows * _round_up(n, SLOT_ROW_ALIGN) * es
+
+
+def alloc_row_slots(heap: SymmetricHeap, max_rows: int, n: int, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """Receive slots for rows of n values of `dtype`, as its bits: [2 alternating calls, W source
+    ranks, max_rows, n padded], NOT_YET in every element (kernels/allreduce.py). The fused
+    all-reduce + norm and GEMM + all-reduce exchange rows through them."""
+    es = torch.empty((), dtype=dtype).element_size()
+    slots = heap.alloc((2, heap.world_size, max_rows, _round_up(n, SLOT_ROW_ALIGN)), BITS[es], name=name)
+    slots.fill_(-1)
+    return slots
+
+
 def _bits_view(buf: torch.Tensor, elsize: int) -> torch.Tensor:
     return buf.view(BITS[elsize])
 
@@ -194,10 +214,8 @@ class HeapAllReduceNorm:
             raise ValueError(f"all_reduce_rmsnorm needs hidden > 0 and max_rows > 0, got {hidden}, {max_rows}")
         self.heap, self.hidden, self.max_rows, self.dtype = heap, hidden, max_rows, dtype
         W, es = heap.world_size, torch.empty((), dtype=dtype).element_size()
-        self.row_elems = _round_up(hidden, 16 // es)  # rows start 16-byte aligned: vector pushes
-        self.slots = heap.alloc((2, W, max_rows, self.row_elems), BITS[es], name="all_reduce_norm.slots")
+        self.slots = alloc_row_slots(heap, max_rows, hidden, dtype, "all_reduce_norm.slots")
         self.epochs = heap.alloc((max_rows,), torch.int64, name="all_reduce_norm.epochs")
-        self.slots.fill_(-1)
         self.epochs.zero_()
         self.block, self.sub = row_blocks(hidden, W, es)
         self.num_programs = resident_programs(heap.device)
@@ -206,8 +224,7 @@ class HeapAllReduceNorm:
 
     @staticmethod
     def heap_bytes(world: int, hidden: int, max_rows: int, dtype: torch.dtype) -> int:
-        es = torch.empty((), dtype=dtype).element_size()
-        return 2 * world * max_rows * _round_up(hidden, 16 // es) * es + 8 * max_rows + 2 * 256
+        return row_slots_bytes(world, max_rows, hidden, dtype) + 8 * max_rows + 2 * 256
 
     def applies(self, x: torch.Tensor) -> bool:
         return (x.dim() == 2 and x.dtype == self.dtype and x.shape[1] == self.hidden and x.shape[0] <= self.max_rows

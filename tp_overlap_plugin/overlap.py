@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tp_overlap_plugin import runtime, stats
-from tp_overlap_plugin.collectives import BITS, cache_modifiers, resident_programs
+from tp_overlap_plugin.collectives import alloc_row_slots, cache_modifiers, resident_programs, row_slots_bytes
 from tp_overlap_plugin.gemm_config import (TileConfig, gemm_all_reduce_config, pick_config,  # noqa: F401
                                            prefers_cublas)
 from tp_overlap_plugin.heap import SymmetricHeap
@@ -350,11 +350,6 @@ class GemmReduceScatter:
         return c
 
 
-# Receive-slot rows are padded to this many elements: 16-byte aligned rows for vector pushes, and a
-# row stride divisible by 16, which Triton specializes on (alignment facts for every row).
-_SLOT_ROW_ALIGN = 16
-
-
 class GemmAllReduce:
     """out = all_reduce(x @ weight.T) [+ bias], for the replicated (decode) layout's row-parallel layers:
     every rank holds all M rows of its K-slice of x and the matching columns of the nn.Linear weight
@@ -373,10 +368,7 @@ class GemmAllReduce:
         if dtype not in KERNEL_DTYPES:
             raise ValueError(f"GemmAllReduce dtype must be one of {KERNEL_DTYPES}, got {dtype}")
         self.heap, self.max_rows, self.n, self.dtype = heap, max_rows, n, dtype
-        W, es = heap.world_size, torch.empty((), dtype=dtype).element_size()
-        self.row_elems = -(-n // _SLOT_ROW_ALIGN) * _SLOT_ROW_ALIGN
-        self.slots = heap.alloc((2, W, max_rows, self.row_elems), BITS[es], name="gemm_ar.slots")
-        self.slots.fill_(-1)  # NOT_YET everywhere (kernels/allreduce.py)
+        self.slots = alloc_row_slots(heap, max_rows, n, dtype, "gemm_ar.slots")
         self.calls = torch.zeros(2, dtype=torch.int64, device=heap.device)  # kernels/calls.py
         self.programs = resident_programs(heap.device)
         self.cache_modifiers = cache_modifiers(heap.device)
@@ -384,8 +376,7 @@ class GemmAllReduce:
 
     @staticmethod
     def heap_bytes(world: int, max_rows: int, n: int, dtype: torch.dtype) -> int:
-        es = torch.empty((), dtype=dtype).element_size()
-        return 2 * world * max_rows * (-(-n // _SLOT_ROW_ALIGN) * _SLOT_ROW_ALIGN) * es + 256
+        return row_slots_bytes(world, max_rows, n, dtype) + 256
 
     def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether __call__ takes these operands (else it raises)."""
