@@ -99,6 +99,25 @@ def kernel_breakdown(events: list[dict], steps: int) -> dict:
 
 # ---- the engine ---------------------------------------------------------------------------------
 
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The options of a script that profiles one engine's steps (this one, prefill_profile.py)."""
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--tp-overlap", action="store_true", help="the flag's layers instead of stock")
+    p.add_argument("--dispatch", default="table", choices=["table", "overlap", "stock"])
+    p.add_argument("--tag", default="")
+    p.add_argument("--out", default=RESULTS_DIR)
+
+
+def resolve_device(args) -> None:
+    """--device auto -> cuda or cpu; on the CPU the kernels run under the interpreter, which must be
+    switched on before any kernel module is imported."""
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def weight_bytes(model) -> tuple[int, int]:
     """(every parameter of this rank, the parameters a decode step reads: an untied embedding table is
     only gathered from, B rows per step)."""
@@ -425,22 +444,13 @@ def main(argv=None):
     p.add_argument("--profile-steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--sched", default="both", choices=["sync", "async", "both"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--tp-overlap", action="store_true", help="the flag's layers instead of stock")
-    p.add_argument("--dispatch", default="table", choices=["table", "overlap", "stock"])
     p.add_argument("--attention-only", action="store_true", help="skip the engine: the kernel table alone")
     p.add_argument("--no-attention", action="store_true", help="skip the kernel table")
     p.add_argument("--attention-sweep", action="store_true", help="kernel variants (tiles, warps, stages, splits)")
-    p.add_argument("--tag", default="")
-    p.add_argument("--out", default=RESULTS_DIR)
+    add_engine_args(p)
     args = p.parse_args(argv)
-
-    if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")   # before any kernel module is imported
-    import torch
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolve_device(args)
     on_gpu = args.device == "cuda"
     batches = [int(b) for b in args.batch.split(",") if b.strip()]
     modes = {"sync": [False], "async": [True], "both": [False, True]}[args.sched]

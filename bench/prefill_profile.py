@@ -29,8 +29,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import RESULTS_DIR, environment, log, md_table, time_per_call_ms, write_results  # noqa: E402
-from decode_profile import CATEGORIES, device_events, kernel_breakdown  # noqa: E402
+from benchlib import environment, log, md_table, time_per_call_ms, write_results  # noqa: E402
+from decode_profile import CATEGORIES, add_engine_args, device_events, kernel_breakdown, resolve_device  # noqa: E402
 
 SCHEMA = "prefill-profile/1"
 
@@ -171,17 +171,9 @@ def main(argv=None):
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--tp-overlap", action="store_true", help="the flag's layers instead of stock")
-    p.add_argument("--dispatch", default="table", choices=["table", "overlap", "stock"])
-    p.add_argument("--tag", default="")
-    p.add_argument("--out", default=RESULTS_DIR)
+    add_engine_args(p)
     args = p.parse_args(argv)
-    if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")   # before any kernel module is imported
-    import torch
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolve_device(args)
     payload = {"schema": SCHEMA, "environment": environment(args.tp, args.device == "cuda"),
                "command": " ".join(["python", "bench/prefill_profile.py"] + list(argv if argv is not None else sys.argv[1:])),
                "config": {k: getattr(args, k) for k in ("model", "tp", "prompts", "prompt_len", "max_num_batched_tokens",
