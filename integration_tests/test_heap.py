@@ -1,9 +1,13 @@
 """Symmetric heap: allocation, alignment, scoped release, exhaustion, /dev/shm hygiene."""
 
+import fcntl
 import os
+import time
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from tp_overlap_plugin.heap import ALIGN, HeapExhaustedError, SHM_PREFIX, SymmetricHeap
 from tp_overlap_plugin.multirank import RankFailedError, run_ranks
@@ -86,3 +90,36 @@ def test_shm_files_removed_after_rank_crash():
     with pytest.raises(RankFailedError):
         run_ranks(_crash_during_heap_setup, 2, timeout=60)
     assert _shm_files() <= before
+
+
+@triton.jit
+def _copy_one(src_ptr, dst_ptr):
+    tl.store(dst_ptr, tl.load(src_ptr))
+
+
+def _interpreter_waits_for_the_world_lock(ctx):
+    h = ctx.heap
+    t = h.alloc((1,), torch.int32, name="t")
+    t.fill_(ctx.rank + 7)
+    out = torch.zeros(1, dtype=torch.int32)
+    lock_fd = h._backend.lock.fd
+    torch.distributed.barrier(group=ctx.group)
+    if ctx.rank == 0:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)  # as if a memory operation of this rank were under way
+        torch.distributed.barrier(group=ctx.group)
+        time.sleep(1.0)
+        fcntl.flock(lock_fd, fcntl.LOCK_UN)
+        return None
+    torch.distributed.barrier(group=ctx.group)
+    start = time.monotonic()
+    _copy_one[(1,)](h.peer_view(t, 0), out)
+    return time.monotonic() - start, int(out[0])
+
+
+def test_interpreter_memory_operations_are_whole_between_ranks():
+    """A peer's load through the heap waits while another rank's memory operation holds the world's
+    lock: the interpreter's per-element memcpy can then never interleave with a peer's (a torn
+    2-byte element, or a late second store over a consumed Lamport slot)."""
+    _, (waited, value) = run_ranks(_interpreter_waits_for_the_world_lock, 2, heap_size=HEAP, timeout=120)
+    assert value == 7
+    assert waited >= 0.8, f"the load did not wait for the lock ({waited:.3f} s)"

@@ -9,7 +9,8 @@ Backends, chosen by device type (override with `backend=` or TP_OVERLAP_HEAP_BAC
   * "torch"  - torch symmetric memory (CUDA; ROCm where torch supports it).
   * "ipc"    - cudaMalloc/hipMalloc + IPC handles through ctypes; the ROCm fallback.
   * "shm"    - a /dev/shm file per rank mmap'd by all ranks; the Triton interpreter on the CPU
-               dereferences these addresses directly.
+               dereferences these addresses directly, one memory operation at a time under a lock
+               the ranks share (`_InterpreterMemoryLock`).
 
 The first bytes of every heap hold a control block: an error slot that bounded spin-waits fill in
 when they give up (`check()` turns it into a RankTimeoutError) and the flags of the host barrier.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import fcntl
 import mmap
 import os
 import uuid
@@ -263,6 +265,7 @@ class _ShmBackend:
         self.heap = heap
         self.maps: list[mmap.mmap] = []
         self.paths: list[str] = []
+        self.lock: _InterpreterMemoryLock | None = None
 
     def map(self):
         h = self.heap
@@ -278,12 +281,15 @@ class _ShmBackend:
         paths = [None] * h.world_size
         dist.all_gather_object(paths, path, group=h.group)
         buffers = []
-        for p in paths:
+        for r, p in enumerate(paths):
             fd = os.open(p, os.O_RDWR)
             try:
                 m = mmap.mmap(fd, h.heap_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
-                os.close(fd)
+                if r == 0:  # rank 0's file is the world's lock; the fd outlives the unlink below
+                    self.lock = _InterpreterMemoryLock(fd)
+                else:
+                    os.close(fd)
             self.maps.append(m)
             buffers.append(torch.frombuffer(m, dtype=torch.uint8))
         dist.barrier(group=h.group)
@@ -293,6 +299,78 @@ class _ShmBackend:
     def close(self):
         # Tensors created by frombuffer pin the mmaps; dropping our references is enough.
         self.maps.clear()
+        if self.lock is not None:
+            self.lock.release()
+
+
+class _InterpreterMemoryLock:
+    """Makes each of the Triton interpreter's memory operations whole with respect to other ranks.
+
+    The interpreter loads and stores an element with a libc memcpy, which copies a 2-byte element
+    as a 2-byte access plus a second access to its last byte (4- and 8-byte elements: two
+    overlapping accesses). Between processes that breaks what GPUs guarantee for aligned 16/32/64-
+    bit accesses (single-copy atomicity), and the Lamport all-reduce depends on it twice: a poll
+    could see a half-written element that no longer reads as NOT_YET, and a pusher's late second
+    access could land after the reader has consumed the element and put NOT_YET back, leaving a
+    value the next call takes as arrived. (Both were caught in CPU stress runs at 8 ranks; the
+    interpreter's atomics are not atomic across processes either.)
+
+    So every interpreter load, store and atomic takes an exclusive flock on rank 0's heap file,
+    which every rank of the world holds open. It is per operation (a whole tile), so spins still
+    interleave with the peers' pushes. A process-wide patch of triton.runtime.interpreter's
+    native module: the most recently mapped heap's lock applies (ranks map their heaps in the
+    same order, so they agree on it), and closing a heap falls back to the one mapped before."""
+
+    OPS = ("load", "store", "atomic_cas", "atomic_rmw")
+    _held: list["_InterpreterMemoryLock"] = []  # mapped heaps' locks, newest last
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        if os.environ.get("TRITON_INTERPRET", "0") != "1":
+            return  # compiled kernels (or no kernels): nothing to serialize
+        from triton.runtime import interpreter
+        native = interpreter._interpreter
+        if not isinstance(native, _LockedNative):
+            missing = [op for op in self.OPS if not hasattr(native, op)]
+            if missing:
+                raise RuntimeError(f"this Triton's interpreter has no {missing} in its native module; the CPU "
+                                   f"heap cannot make its memory operations atomic between ranks")
+            interpreter._interpreter = _LockedNative(native)
+        self._held.append(self)
+
+    def release(self) -> None:
+        if self in self._held:
+            self._held.remove(self)
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class _LockedNative:
+    """triton.runtime.interpreter's native module, with the memory operations under the lock of
+    the newest mapped heap (`_InterpreterMemoryLock`); everything else passes through."""
+
+    def __init__(self, native):
+        self._native = native
+        for op in _InterpreterMemoryLock.OPS:
+            setattr(self, op, self._locked(getattr(native, op)))
+
+    def __getattr__(self, name):
+        return getattr(self._native, name)
+
+    @staticmethod
+    def _locked(fn):
+        def call(*args):
+            held = _InterpreterMemoryLock._held
+            if not held:
+                return fn(*args)
+            fd = held[-1].fd
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                return fn(*args)
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        return call
 
 
 class _TorchSymmBackend:
