@@ -104,8 +104,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--tp-overlap", action="store_true", help="the flag's layers instead of stock")
     p.add_argument("--dispatch", default="table", choices=["table", "overlap", "stock"])
+    p.add_argument("--dispatch-table", default=None, metavar="JSON",
+                   help="a dispatch table to use instead of the shipped one (a candidate, before it ships)")
     p.add_argument("--tag", default="")
     p.add_argument("--out", default=RESULTS_DIR)
+
+
+def overlap_config(args) -> dict | None:
+    """The engine's tp_overlap option from add_engine_args' flags (None: the stock layers)."""
+    if not args.tp_overlap:
+        return None
+    return {"dispatch": args.dispatch, "dispatch_table": args.dispatch_table}
 
 
 def resolve_device(args) -> None:
@@ -248,7 +257,7 @@ def run_engine(args, batches: list[int], modes: list[bool], payload: dict, save)
         max_num_seqs=max(batches), max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=max(batches) * (-(-max_len // bs) + 1) + 8, block_size=bs,
         cuda_graph_batch_sizes=batches, enable_prefix_caching=False,
-        tp_overlap={"dispatch": args.dispatch} if args.tp_overlap else None)
+        tp_overlap=overlap_config(args))
     payload["config"]["engine"] = json.loads(cfg.model_dump_json())
     t0 = time.monotonic()
     with LLM(cfg) as llm:

@@ -30,7 +30,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import environment, log, md_table, time_per_call_ms, write_results  # noqa: E402
-from decode_profile import CATEGORIES, add_engine_args, device_events, kernel_breakdown, resolve_device  # noqa: E402
+from decode_profile import (CATEGORIES, add_engine_args, device_events, kernel_breakdown,  # noqa: E402
+                            overlap_config, resolve_device)
 
 SCHEMA = "prefill-profile/1"
 
@@ -88,7 +89,7 @@ def measure(args, payload: dict) -> None:
         load_format="dummy" if args.model != "demo" else "auto", max_num_seqs=args.prompts,
         max_model_len=args.prompt_len + 8, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False, async_scheduling=False, cuda_graph_batch_sizes=[1],
-        tp_overlap={"dispatch": args.dispatch} if args.tp_overlap else None)
+        tp_overlap=overlap_config(args))
     payload["config"]["engine"] = json.loads(cfg.model_dump_json())
     on_gpu = args.device == "cuda"
     # before the engine: with its process group up, the timer's barrier would wait for the workers
