@@ -18,6 +18,7 @@ from tp_overlap_plugin.kernels.gemm import gemm_kernel
 from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel
 from tp_overlap_plugin.kernels.gemm_ar import gemm_all_reduce_kernel
 from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel
+from tp_overlap_plugin.kernels.gemv import gemv_kernel
 from tp_overlap_plugin.kernels.layer_ops import rmsnorm_kernel, rope_cache_kernel, silu_mul_kernel
 
 TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64)}
@@ -85,6 +86,12 @@ KERNELS = {
     # what the JIT compiles on rank 1 for one-row shards: Triton makes integer arguments equal to 1 constants
     "ag_gemm_rank1": (ag_gemm_kernel, _sig(_AG_ARGS, None, {**_AG, **_ONE}), {**_AG, **_ONE}),
     "gemm_rs_rank1": (gemm_rs_kernel, _sig(_RS_ARGS, None, {**_FUSED_TILES, **_ONE}), {**_FUSED_TILES, **_ONE}),
+    # decode GEMV at one row (the JIT makes M == 1 a constant) with a bias and a K tail, as the layers launch it
+    "gemv": (gemv_kernel, _sig("x_ptr:*bf16 w_ptr:*bf16 bias_ptr:*bf16 y_ptr:*bf16 M:i32 N:i32 K:i32 stride_xm:i32 "
+                               "stride_wn:i32 stride_ym:i32", None,
+                               ["M", "M_PAD", "BLOCK_N", "BLOCK_K", "NUM_STAGES", "EVEN_K", "HAS_BIAS"]),
+             {"M": 1, "M_PAD": 1, "BLOCK_N": 16, "BLOCK_K": 256, "NUM_STAGES": 4, "EVEN_K": False, "HAS_BIAS": True},
+             {"num_warps": 4, "num_stages": 4}),
     "rmsnorm": (rmsnorm_kernel, _sig("x_ptr:*bf16 res_ptr:*bf16 out_ptr:*bf16 res_out_ptr:*bf16 w_ptr:*bf16 "
                                      "stride_x:i32 stride_res:i32 stride_out:i32 stride_res_out:i32 n:i32 eps:fp32",
                                      None, ["HAS_RES", "BLOCK"]), {"HAS_RES": True, "BLOCK": 4096}),

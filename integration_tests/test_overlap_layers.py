@@ -97,11 +97,19 @@ GEMM_AR = dict(IPC_ALL_REDUCE, gemm_all_reduce_rows=[
                                                             "norm_eager_winner")}}])
 
 
+# our GEMV measured a win at 1 and 4 rows and a loss at 8 for every local matmul of a rank (column:
+# K = H, N = I; row: K = I / 2, N = H; head: K = H, N = V / 2), so it runs at 1 and 3 tokens only
+GEMV_WINS_BELOW_8 = dict(IPC_ALL_REDUCE, gemv_rows=[
+    {"M": m, "K": k, "N": n, "winner": "gemv" if m < 8 else "stock"}
+    for m in (1, 4, 8) for k, n in ((H, I), (I // 2, H), (H, -(-V // 2)))])
+
+
 @pytest.mark.parametrize("dispatch, block", [(dict(mode="overlap"), _Block), (IPC_ALL_REDUCE, _Block),
                                              (IPC_ALL_REDUCE, _NormBlock), (dict(mode="stock"), _NormBlock),
-                                             (GEMM_AR, _Block), (GEMM_AR, _NormBlock)],
+                                             (GEMM_AR, _Block), (GEMM_AR, _NormBlock), (GEMV_WINS_BELOW_8, _Block)],
                          ids=["sequence_parallel", "replicated_ipc_all_reduce", "replicated_fused_norm",
-                              "stock_norm", "replicated_gemm_all_reduce", "replicated_gemm_all_reduce_norm"])
+                              "stock_norm", "replicated_gemm_all_reduce", "replicated_gemm_all_reduce_norm",
+                              "replicated_gemv"])
 def test_overlap_layers_match_stock(dispatch, block):
     seed = int(torch.randint(0, 2**30, ()))
     results = run_ranks(_compare, 2, (seed, dispatch, block.__name__), heap_size=64 << 20, timeout=300)
@@ -118,6 +126,8 @@ def test_overlap_layers_match_stock(dispatch, block):
         else:
             assert counts["layers.replicated_steps"] == len(TOKENS)
             assert "ag_gemm.kernel" not in counts
+            # three local matmuls per step (column, row, head) at 1 and 3 tokens
+            assert counts.get("gemv.kernel", 0) == (3 * 2 if "gemv_rows" in dispatch else 0), counts
             if "gemm_all_reduce_rows" in dispatch:  # one kernel for the GEMM and the all-reduce; a norm adds itself
                 assert counts["gemm_all_reduce.kernel"] == len(TOKENS)
                 assert not any(k.startswith("all_reduce") for k in counts), counts

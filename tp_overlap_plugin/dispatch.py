@@ -44,6 +44,7 @@ class Dispatcher:
     all_reduce: list[dict] = field(default_factory=list)  # {bytes, graph_winner, eager_winner}
     # {M, K, N, graph_winner, eager_winner, norm_graph_winner, norm_eager_winner}: "gemm_ar" or "stock"
     gemm_all_reduce_rows: list[dict] = field(default_factory=list)
+    gemv_rows: list[dict] = field(default_factory=list)  # {M, K, N, winner}: "gemv" or "stock"
     source: str = "none"
     margin: float = 1.02  # a layout change must win by this much (the table's own margin when loaded)
     missing: str | None = None  # the table file that was looked for and not found
@@ -68,7 +69,8 @@ class Dispatcher:
             return cls(mode=mode, source=f"no table at {path}: stock everywhere", missing=str(path))
         data = json.loads(path.read_text())
         return cls(mode=mode, gemm=data.get("gemm", []), all_reduce=data.get("all_reduce", []),
-                   gemm_all_reduce_rows=data.get("gemm_all_reduce", []), source=str(path),
+                   gemm_all_reduce_rows=data.get("gemm_all_reduce", []), gemv_rows=data.get("gemv", []),
+                   source=str(path),
                    margin=data.get("margin", cls.margin))
 
     @property
@@ -78,7 +80,8 @@ class Dispatcher:
             return self.mode == "overlap"
         return (any(r.get("winner") == "overlap" for r in self.gemm)
                 or any("ipc" in (r.get("graph_winner"), r.get("eager_winner")) for r in self.all_reduce)
-                or any("gemm_ar" in (r.get(k) for k in _GEMM_AR_WINNERS) for r in self.gemm_all_reduce_rows))
+                or any("gemm_ar" in (r.get(k) for k in _GEMM_AR_WINNERS) for r in self.gemm_all_reduce_rows)
+                or any(r.get("winner") == "gemv" for r in self.gemv_rows))
 
     def missing_table_warning(self, device_name: str, world: int) -> str | None:
         """The start-up warning for a flag that, for want of a table, changes nothing here."""
@@ -143,6 +146,17 @@ class Dispatcher:
         rows = [r for r in self.gemm_all_reduce_rows if r["K"] == k and r["N"] == n]
         key = ("norm_" if into_norm else "") + ("graph_winner" if in_graph else "eager_winner")
         return bool(rows) and _wins(rows, "M", m, key, "gemm_ar")
+
+
+    @_remembered
+    def gemv(self, m: int, k: int, n: int) -> bool:
+        """True: a linear layer of this rank ([m, k] input, n outputs, a decode-sized m) runs as our
+        GEMV (kernels/gemv.py); False: F.linear (cuBLAS). The table's rows compare the two in CUDA
+        graphs per weight shape and M, as measured by bench/gemv.py. Unmeasured: False."""
+        if self.mode != "table":
+            return self.mode == "overlap"
+        rows = [r for r in self.gemv_rows if r["K"] == k and r["N"] == n]
+        return bool(rows) and _wins(rows, "M", m, "winner", "gemv")
 
 
 _GEMM_AR_WINNERS = ("graph_winner", "eager_winner", "norm_graph_winner", "norm_eager_winner")

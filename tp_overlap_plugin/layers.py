@@ -250,8 +250,11 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
         picked = hidden if rows is None else hidden.index_select(0, rows)
-        local = nn.functional.linear(picked, self.weight)
-        return self.tp.all_gather_cat(local, dim=-1)[:, : self.vocab_size]
+        return self.tp.all_gather_cat(self.local_logits(picked), dim=-1)[:, : self.vocab_size]
+
+    def local_logits(self, picked: torch.Tensor) -> torch.Tensor:
+        """This rank's vocab columns of the logits."""
+        return nn.functional.linear(picked, self.weight)
 
 
 class TPLayers:

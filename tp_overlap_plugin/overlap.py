@@ -1,5 +1,6 @@
 """Host ops for the overlapped tensor-parallel matmuls: `gemm`, `AllGatherGemm`, `GemmReduceScatter`,
-and `GemmAllReduce` (decode-sized row-parallel layers in the replicated layout).
+and `GemmAllReduce` (decode-sized row-parallel layers in the replicated layout); and `gemv`, the
+weight stream for decode-sized inputs (kernels/gemv.py), which the layers use where it beats F.linear.
 
 All of them run the one GEMM core's tiles (kernels/gemm.py), each in one persistent launch whatever
 the world size; the fused ops synchronise ranks per row block or tile through flags in the heap,
@@ -17,6 +18,7 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+import triton
 
 from tp_overlap_plugin import runtime, stats
 from tp_overlap_plugin.collectives import alloc_row_slots, cache_modifiers, resident_programs, row_slots_bytes
@@ -28,6 +30,7 @@ from tp_overlap_plugin.kernels.gemm import gemm_kernel
 from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel, copy_engine_begin_kernel
 from tp_overlap_plugin.kernels.gemm_ar import gemm_all_reduce_kernel
 from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel
+from tp_overlap_plugin.kernels.gemv import gemv_kernel
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -211,6 +214,49 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
     if k == 0 or a.dtype not in KERNEL_DTYPES + (torch.float32,):
         return torch.matmul(a, b, out=out)
     _launch(a, b, out, config or pick_config(m, n, k, a.device))
+    return out
+
+
+GEMV_MAX_ROWS = 8
+# 16 weight rows x 256 K per program, 4 warps, a 4-deep load ring: of the probe's sweep on H200 (M = 1,
+# 2, 4 on the Llama-3-8B TP=2 shards and head), the one tile within 4% of each shape's best at M <= 2
+# (bench/notes/gemm.md, "GEMV for decode").
+GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS, GEMV_STAGES = 16, 256, 4, 4
+
+
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The kernel's cases: 1..GEMV_MAX_ROWS rows, 16-bit floats alike, unit stride along K."""
+    return (x.dim() == 2 and weight.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS and x.shape[1] == weight.shape[1]
+            and x.shape[1] > 0 and x.dtype in KERNEL_DTYPES and weight.dtype == x.dtype and x.stride(1) == 1
+            and weight.stride(1) == 1 and x.device == weight.device)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for decode-sized x ([M, K], M <= GEMV_MAX_ROWS; weight [N, K])."""
+    if not gemv_applies(x, weight):
+        raise ValueError(f"gemv: takes x [M, K] with 1 <= M <= {GEMV_MAX_ROWS} (GEMV_MAX_ROWS) and a weight [N, K] "
+                         f"of x's 16-bit dtype ({', '.join(map(str, KERNEL_DTYPES))}), both with unit stride "
+                         f"along K, on one device; got x{tuple(x.shape)} {x.dtype} stride {tuple(x.stride())}, "
+                         f"weight{tuple(weight.shape)} {weight.dtype} stride {tuple(weight.stride())}")
+    m, k = x.shape
+    n = weight.shape[0]
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or not bias.is_contiguous()):
+        raise ValueError(f"gemv: bias must be a contiguous [{n}] {x.dtype} tensor, got {tuple(bias.shape)} {bias.dtype}")
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"gemv: out must be [{m}, {n}] {x.dtype} with unit column stride, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    if n == 0:
+        return out
+    stats.record("gemv.kernel")
+    gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
+        x, weight, bias if bias is not None else x, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        M_PAD=triton.next_power_of_2(m), BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K, NUM_STAGES=GEMV_STAGES,
+        EVEN_K=k % GEMV_BLOCK_K == 0, HAS_BIAS=bias is not None, num_warps=GEMV_WARPS, num_stages=GEMV_STAGES,
+        # the FMA chain needs contraction; Triton 3.10 turns it off by default (the interpreter takes no options)
+        **({} if x.device.type == "cpu" else {"enable_fp_fusion": True}))
     return out
 
 

@@ -13,7 +13,9 @@ Per step (decided by the embedding, the first module of every step) the residual
 Which, and whether each op takes the fused kernel or the sequential NCCL + GEMM pair, is the
 dispatcher's call (dispatch.py: measured tables, stock where unmeasured); the fused all-reduce +
 norm runs where the dispatcher picks our all-reduce, GEMM + all-reduce where the dispatcher's
-gemm_all_reduce rows say it beats both.
+gemm_all_reduce rows say it beats both. In the replicated layout every local matmul (column, row,
+LM head) goes through `OverlapTPLayers.linear`: our GEMV at the decode sizes where the table's gemv
+rows say it streams the weight faster than cuBLAS, F.linear elsewhere.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from tp_overlap_plugin.dispatch import Dispatcher
 from tp_overlap_plugin.heap import SymmetricHeap
 from tp_overlap_plugin.layers import (ColumnParallelLinear, ParallelLMHead, PendingAllReduce, RowParallelLinear,
                                       TPGroup, TPLayers, VocabParallelEmbedding)
-from tp_overlap_plugin.overlap import KERNEL_DTYPES, AllGatherGemm, GemmAllReduce, GemmReduceScatter
+from tp_overlap_plugin.overlap import (KERNEL_DTYPES, AllGatherGemm, GemmAllReduce, GemmReduceScatter, gemv,
+                                       gemv_applies)
 
 ALL_REDUCE_BYTES = 8 << 20
 # The fused all-reduce + norm takes steps of up to this many bytes of rows (decode batches): its
@@ -122,6 +125,13 @@ class OverlapTPLayers(TPLayers):
         self.sequence_parallel = w > 1 and self.dispatcher.sequence_parallel(self.padded, self._ops)
         stats.record("layers.sequence_parallel_steps" if self.sequence_parallel else "layers.replicated_steps")
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """F.linear on this rank's weight, or our GEMV where the table says it streams the weight faster
+        (decode-sized x: kernels/gemv.py)."""
+        if gemv_applies(x, weight) and self.dispatcher.gemv(x.shape[0], weight.shape[1], weight.shape[0]):
+            return gemv(x, weight, bias)
+        return nn.functional.linear(x, weight, bias)
+
     def embedding(self, vocab_size: int, hidden: int) -> "OverlapEmbedding":
         return OverlapEmbedding(self, vocab_size, hidden)
 
@@ -159,7 +169,7 @@ class OverlapColumn(ColumnParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         L = self.layers
         if not L.sequence_parallel:
-            return super().forward(x)
+            return L.linear(x, self.weight, self.bias)
         w = self.weight.t()  # a view: the kernel takes any B strides, so no weight copy
         if L.dispatcher.fused_gemm("ag", L.padded, self.input_size, w.shape[1]):
             y = self.ag(x, w)
@@ -200,7 +210,7 @@ class OverlapRow(RowParallelLinear):
                                                      runtime.capturing(x.device), into_norm=self.norm_op is not None)):
                 # the bias goes in after the sum, inside the kernel; the norm (if any) adds the residual
                 return self.gemm_ar(x, self.weight, bias=self.bias)
-            y = nn.functional.linear(x, self.weight)
+            y = L.linear(x, self.weight)
             if self.tp.world_size > 1 and L.dispatcher.ipc_all_reduce(y.numel() * y.element_size(), runtime.capturing(y.device)):
                 if self.norm_op is not None and self.norm_op.applies(y):
                     # the bias goes in after the sum, inside the fused kernel
@@ -221,3 +231,6 @@ class OverlapLMHead(ParallelLMHead):
         if L.sequence_parallel:
             hidden = runtime.all_gather(hidden, self.tp.group)[:L.tokens]
         return super().forward(hidden, rows)
+
+    def local_logits(self, picked: torch.Tensor) -> torch.Tensor:
+        return self.layers.linear(picked, self.weight)
