@@ -3,9 +3,10 @@ and a markdown copy in bench/results/ that shows the evidence for every choice:
 
     python bench/make_dispatch_table.py --overlap bench/results/overlap-tp2-h200x2-2026-11-22.json \
         --foundation bench/results/foundation-tp2-h200x2-2026-11-22.json \
-        [--gemm-ar bench/results/gemm-ar-tp2-h200x2-<date>.json]
+        [--gemm-ar bench/results/gemm-ar-tp2-h200x2-<date>.json] [--gemv bench/results/gemv-tp2-h200-<date>.json]
 
-Without --gemm-ar the table has no GEMM + all-reduce rows, and the dispatcher never picks it.
+Without --gemm-ar the table has no GEMM + all-reduce rows, and the dispatcher never picks it; without
+--gemv no GEMV rows, and every decode-sized local matmul stays F.linear.
 
 A fused op wins only if it beats sequential by MARGIN (the run-to-run noise seen here is ~2%), so
 "never slower than stock" holds with that margin.
@@ -66,7 +67,24 @@ def gemm_all_reduce_rows(gemm_ar: dict) -> list[dict]:
     return rows
 
 
-def build(overlap: dict, foundation: dict, gemm_ar: dict | None = None) -> dict:
+def gemv_rows(gemv: dict) -> list[dict]:
+    """Per measured (M, K, N): our GEMV against F.linear in CUDA graphs (one GPU: a rank's local
+    matmul involves no peer)."""
+    rows = [{"M": r["M"], "K": r["K"], "N": r["N"], "shape": r["shape"], "gemv_us": r["gemv_us"],
+             "cublas_us": r["cublas_us"], "winner": "gemv" if r["cublas_us"] / r["gemv_us"] >= MARGIN else "stock"}
+            for r in gemv["rows"]]
+    rows.sort(key=lambda r: (r["K"], r["N"], r["M"]))
+    return rows
+
+
+def _same_machine(flag: str, run: dict, env: dict) -> None:
+    renv = run["environment"]
+    if (renv["device"], renv["tp"]) != (env["device"], env["tp"]):
+        raise ValueError(f"{flag} ran on {renv['device']} at TP={renv['tp']}, --overlap on {env['device']} "
+                         f"at TP={env['tp']}: one table is for one device and world size")
+
+
+def build(overlap: dict, foundation: dict, gemm_ar: dict | None = None, gemv: dict | None = None) -> dict:
     env = overlap["environment"]
     gemm = []
     for key, r in {**overlap.get("shapes", {}), **overlap.get("sweep", {})}.items():
@@ -92,12 +110,13 @@ def build(overlap: dict, foundation: dict, gemm_ar: dict | None = None) -> dict:
              "command": "python bench/overlap.py --tp W && python bench/foundation.py --tp W && "
                         "python bench/make_dispatch_table.py --overlap ... --foundation ..."}
     if gemm_ar is not None:
-        genv = gemm_ar["environment"]
-        if (genv["device"], genv["tp"]) != (env["device"], env["tp"]):
-            raise ValueError(f"--gemm-ar ran on {genv['device']} at TP={genv['tp']}, --overlap on {env['device']} "
-                             f"at TP={env['tp']}: one table is for one device and world size")
+        _same_machine("--gemm-ar", gemm_ar, env)
         table["gemm_all_reduce"] = gemm_all_reduce_rows(gemm_ar)
         table["command"] += " --gemm-ar ... (python bench/gemm_ar.py --tp W)"
+    if gemv is not None:
+        _same_machine("--gemv", gemv, env)
+        table["gemv"] = gemv_rows(gemv)
+        table["command"] += " --gemv ... (python bench/gemv.py --tp W)"
     return table
 
 
@@ -129,6 +148,11 @@ def markdown(t: dict) -> str:
                        [[r["shape"], r["M"], r["K"], r["N"], r["graph_us"], r["graph_best_stock_us"], r["graph_winner"],
                          r["norm_graph_us"], r["norm_graph_best_stock_us"], r["norm_graph_winner"], r["eager_us"],
                          r["eager_winner"], r["norm_eager_us"], r["norm_eager_winner"]] for r in t["gemm_all_reduce"]])
+    if "gemv" in t:
+        md += ("\n## Decode-sized local matmuls: our GEMV against F.linear (µs, CUDA graphs, one GPU)\n\n")
+        md += md_table(["layer", "M", "K", "N", "F.linear", "gemv", "F.linear/gemv", "chosen"],
+                       [[r["shape"], r["M"], r["K"], r["N"], r["cublas_us"], r["gemv_us"], r["cublas_us"] / r["gemv_us"],
+                         r["winner"]] for r in t["gemv"]])
     return md
 
 
@@ -137,6 +161,7 @@ def main(argv=None):
     p.add_argument("--overlap", required=True)
     p.add_argument("--foundation", required=True)
     p.add_argument("--gemm-ar", help="a bench/gemm_ar.py run of the same device and TP size")
+    p.add_argument("--gemv", help="a bench/gemv.py run of the same device and TP size")
     p.add_argument("--table-out", help="default: the package's table for the run's device and TP size")
     p.add_argument("--md-out", help="default: bench/results/dispatch-<device>-tp<W>-<date>.md")
     args = p.parse_args(argv)
@@ -148,7 +173,11 @@ def main(argv=None):
     if args.gemm_ar:
         with open(args.gemm_ar) as f:
             gemm_ar = json.load(f)
-    table = build(overlap, foundation, gemm_ar)
+    gemv = None
+    if args.gemv:
+        with open(args.gemv) as f:
+            gemv = json.load(f)
+    table = build(overlap, foundation, gemm_ar, gemv)
     out = Path(args.table_out) if args.table_out else table_path(table["device"], table["world"])
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as f:

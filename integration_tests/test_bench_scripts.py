@@ -21,10 +21,13 @@ def test_shipped_dispatch_table_is_reproducible(tmp_path):
     # GEMM + all-reduce rows, once measured, come from the newest bench/gemm_ar.py run on the device
     gemm_ar = sorted(RESULTS.glob("gemm-ar-tp2-h200x2-*.json")) if "gemm_all_reduce" in json.loads(
         shipped.read_text()) else []
+    # and the GEMV rows from the newest bench/gemv.py run
+    gemv = sorted(RESULTS.glob("gemv-tp2-h200*.json")) if "gemv" in json.loads(shipped.read_text()) else []
     subprocess.run([sys.executable, str(ROOT / "bench" / "make_dispatch_table.py"),
                     "--overlap", str(RESULTS / "overlap-tp2-h200x2-2026-11-22-v3.json"),
                     "--foundation", str(RESULTS / "foundation-tp2-h200x2-2026-11-23.json"),
                     *(["--gemm-ar", str(gemm_ar[-1])] if gemm_ar else []),
+                    *(["--gemv", str(gemv[-1])] if gemv else []),
                     "--table-out", str(table), "--md-out", str(tmp_path / "table.md")],
                    check=True, capture_output=True, text=True, timeout=120)
     assert json.loads(table.read_text()) == json.loads(shipped.read_text())
@@ -269,3 +272,35 @@ def test_gemm_ar_bench_smoke_run_feeds_the_dispatch_table(tmp_path):
     k, n = rows[0]["K"], rows[0]["N"]
     assert d.gemm_all_reduce(1, k, n, in_graph=True) and d.gemm_all_reduce(1, k, n, True, into_norm=True)
     assert not d.gemm_all_reduce(2, k, n, in_graph=True) and not d.gemm_all_reduce(1, k + 1, n, in_graph=True)
+
+
+@pytest.mark.timeout(300)
+def test_gemv_bench_smoke_run_feeds_the_dispatch_table(tmp_path):
+    """bench/gemv.py on the CPU (interpreter, eager), then its JSON, as if measured on the shipped
+    table's H200, through make_dispatch_table.py --gemv: each (M, K, N) goes to the faster side by
+    the margin, and the dispatcher answers so."""
+    from tp_overlap_plugin.dispatch import Dispatcher
+
+    _run("gemv.py", "--tp", "2", "--device", "cpu", "--quick", "--out", str(tmp_path))
+    (js,) = tmp_path.glob("gemv-tp2-cpu-*.json")
+    res = json.loads(js.read_text())
+    assert res["schema"] == "gemv/1" and [(r["shape"], r["M"]) for r in res["rows"]] == [
+        ("tiny qkv", 1), ("tiny qkv", 3), ("tiny down", 1), ("tiny down", 3)]
+    assert all(r["rel_err"] < 1e-2 for r in res["rows"]), res["rows"]
+    overlap = json.loads((RESULTS / "overlap-tp2-h200x2-2026-11-22-v3.json").read_text())
+    res["environment"].update(device=overlap["environment"]["device"], tp=overlap["environment"]["tp"])
+    for r, ours in zip(res["rows"], (8.0, 9.0, 8.0, 12.0)):  # cuBLAS 10 us: a win, a win, a win, a loss
+        r.update(cublas_us=10.0, gemv_us=ours)
+    fake = tmp_path / "gemv-h200.json"
+    fake.write_text(json.dumps(res))
+    table = tmp_path / "table.json"
+    _run("make_dispatch_table.py", "--overlap", str(RESULTS / "overlap-tp2-h200x2-2026-11-22-v3.json"),
+         "--foundation", str(RESULTS / "foundation-tp2-h200x2-2026-11-23.json"), "--gemv", str(fake),
+         "--table-out", str(table), "--md-out", str(tmp_path / "table.md"))
+    rows = json.loads(table.read_text())["gemv"]
+    assert [(r["shape"], r["M"], r["winner"]) for r in rows] == [
+        ("tiny qkv", 1, "gemv"), ("tiny qkv", 3, "gemv"), ("tiny down", 1, "gemv"), ("tiny down", 3, "stock")]
+    assert "our GEMV against F.linear" in (tmp_path / "table.md").read_text()
+    d = Dispatcher.load("table", path=table)
+    assert d.gemv(1, 72, 40) and d.gemv(2, 72, 40) and d.gemv(1, 300, 24) and not d.gemv(3, 300, 24)
+    assert not d.gemv(1, 72, 41)
