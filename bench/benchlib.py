@@ -56,6 +56,17 @@ def hbm_copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return bw
 
 
+def cycle(items):
+    """A function returning the next item on every call: each call captured into a graph gets its own
+    (a weight copy per call, so the copies together overflow L2 as a model's layers do)."""
+    state = [0]
+
+    def nxt():
+        state[0] = (state[0] + 1) % len(items)
+        return items[state[0]]
+    return nxt
+
+
 def capture_graph(fn, calls: int):
     """A CUDA graph of `calls` calls to fn; returns a replay function. fn must be warm."""
     stream = torch.cuda.Stream()

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import bench_parser, environment, graph_time_per_call_ms, md_table, time_per_call_ms, write_results  # noqa: E402
+from benchlib import bench_parser, cycle, environment, graph_time_per_call_ms, md_table, time_per_call_ms, write_results  # noqa: E402
 
 from tp_overlap_plugin.collectives import HeapAllReduce, HeapAllReduceNorm  # noqa: E402
 from tp_overlap_plugin.gemm_config import gemm_all_reduce_config  # noqa: E402
@@ -57,16 +57,6 @@ def floor_us(k: int, n: int, m: int, world: int) -> float:
     weight = n * k * 2
     pushed = (world - 1) * m * n * 2
     return 1e6 * max(weight / HBM_BYTES_PER_S, pushed / LINK_BYTES_PER_S) + ONE_WAY_US
-
-
-def _cycle(items):
-    """A function returning the next item on every call (each captured call gets its own)."""
-    state = [0]
-
-    def nxt():
-        state[0] = (state[0] + 1) % len(items)
-        return items[state[0]]
-    return nxt
 
 
 def _wall_ms(fn, calls: int) -> float:
@@ -110,7 +100,7 @@ def _bench_rank(ctx, shapes, rows):
             row["rel_err_vs_nccl"] = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
             row["normed_max_err_vs_nccl"] = (got_normed.float() - ref_normed.float()).abs().max().item()
             assert row["rel_err_vs_nccl"] < 1e-2, row
-            w_next = {op: _cycle(weights) for op in PLAIN + NORMED}
+            w_next = {op: cycle(weights) for op in PLAIN + NORMED}
 
             def linear_nccl(op):
                 y = F.linear(x, w_next[op]())

@@ -19,7 +19,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import bench_parser, environment, hbm_copy_bandwidth, md_table, write_results  # noqa: E402
+from benchlib import (bench_parser, cycle, environment, graph_time_per_call_ms, hbm_copy_bandwidth,  # noqa: E402
+                      md_table, write_results)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -47,31 +48,6 @@ def shapes(world: int, quick: bool) -> list[tuple[str, int, int]]:
     return out
 
 
-def _graph_us(fns) -> float:
-    """µs per call of `fns` run back to back in one CUDA graph (median of 7 replays); every fn warm."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    times = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(fns))
-    return sorted(times)[len(times) // 2]
-
-
 def measure(shape_list, rows, gpu: bool) -> list[dict]:
     from tp_overlap_plugin.overlap import gemv
     dev = torch.device("cuda" if gpu else "cpu")
@@ -80,15 +56,15 @@ def measure(shape_list, rows, gpu: bool) -> list[dict]:
     for name, k, n in shape_list:
         copies = max(3, -(-L2_FLUSH_BYTES // (n * k * 2))) if gpu else 1
         weights = [(torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16).to(dev) for _ in range(copies)]
-        seq = [weights[i % copies] for i in range(CALLS)]
         for m in rows:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(dev)
             ref = x.double().cpu() @ weights[0].double().cpu().t()
             got = gemv(x, weights[0]).double().cpu()
             err = ((got - ref).norm() / ref.norm()).item()
             if gpu:
-                cublas = _graph_us([lambda w=w: F.linear(x, w) for w in seq])
-                ours = _graph_us([lambda w=w: gemv(x, w) for w in seq])
+                nxt = cycle(weights)
+                cublas = 1e3 * graph_time_per_call_ms(lambda: F.linear(x, nxt()), calls=CALLS, samples=7)
+                ours = 1e3 * graph_time_per_call_ms(lambda: gemv(x, nxt()), calls=CALLS, samples=7)
             else:  # the smoke run: one eager call each, wall time
                 t0 = time.perf_counter()
                 F.linear(x, weights[0])
@@ -100,7 +76,7 @@ def measure(shape_list, rows, gpu: bool) -> list[dict]:
             out.append(row)
             print(f"{name:12s} M={m}: cuBLAS {cublas:8.2f} us, gemv {ours:8.2f} us ({cublas / ours:.2f}x), "
                   f"err {err:.1e}", flush=True)
-        del weights, seq
+        del weights
         if gpu:
             torch.cuda.empty_cache()
     return out
