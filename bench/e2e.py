@@ -166,8 +166,7 @@ def run_variant(args, specs: dict[str, dict]) -> None:
             res["warmup_and_measure_s"] = time.monotonic() - t0
             # which path each op took (rank 0, eager calls and graph captures; replays run no Python),
             # so a ratio can be traced to the kernels that ran
-            res["op_paths"] = {key: n - before.get(key, 0) for key, n in stats.snapshot().items()
-                               if n > before.get(key, 0)}
+            res["op_paths"] = stats.since(before)
             out["results"][name] = res
             log(tag, f"{name}: {res['output_tokens_per_s']:.1f} out tok/s over {res['elapsed_s']:.1f} s measured, "
                      f"{res['num_requests']} requests in {res.get('rounds', 1)} round(s); "

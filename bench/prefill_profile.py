@@ -114,7 +114,7 @@ def measure(args, payload: dict) -> None:
             prof.export_chrome_trace(path)
             breakdown = kernel_breakdown(device_events(path), len(profiled))
         # which path each op took in the profiled round (rank 0): the layout and kernels behind the times
-        op_paths = {k: n - before.get(k, 0) for k, n in stats.snapshot().items() if n > before.get(k, 0)}
+        op_paths = stats.since(before)
     round_ms = [sum(r) for r in rounds]
     res = {"steps_per_round": len(rounds[0]), "step_ms": rounds, "round_ms_median": statistics.median(round_ms),
            "step_ms_median": statistics.median(s for r in rounds for s in r), "flops_per_round": flops,

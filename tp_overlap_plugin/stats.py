@@ -12,3 +12,8 @@ def record(name: str) -> None:
 
 def snapshot() -> dict:
     return dict(calls)
+
+
+def since(before: dict) -> dict:
+    """The counts recorded after `before` (a snapshot()): which paths a stretch of work took."""
+    return {name: n - before.get(name, 0) for name, n in calls.items() if n > before.get(name, 0)}
