@@ -281,17 +281,16 @@ class _ShmBackend:
         paths = [None] * h.world_size
         dist.all_gather_object(paths, path, group=h.group)
         buffers = []
-        for r, p in enumerate(paths):
+        for p in paths:
             fd = os.open(p, os.O_RDWR)
             try:
                 m = mmap.mmap(fd, h.heap_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
-                if r == 0:  # rank 0's file is the world's lock; the fd outlives the unlink below
-                    self.lock = _InterpreterMemoryLock(fd)
-                else:
-                    os.close(fd)
+                os.close(fd)
             self.maps.append(m)
             buffers.append(torch.frombuffer(m, dtype=torch.uint8))
+        # rank 0's file is the world's lock; opened before the unlink below, the fd outlives it
+        self.lock = _InterpreterMemoryLock(os.open(paths[0], os.O_RDWR))
         dist.barrier(group=h.group)
         _unlink_now(path)
         return buffers[h.rank], buffers
@@ -326,9 +325,7 @@ class _InterpreterMemoryLock:
 
     def __init__(self, fd: int):
         self.fd = fd
-        if os.environ.get("TRITON_INTERPRET", "0") != "1":
-            return  # compiled kernels (or no kernels): nothing to serialize
-        from triton.runtime import interpreter
+        from triton.runtime import interpreter  # a heap in host memory is only ever run by the interpreter
         native = interpreter._interpreter
         if not isinstance(native, _LockedNative):
             missing = [op for op in self.OPS if not hasattr(native, op)]
