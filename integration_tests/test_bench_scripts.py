@@ -13,6 +13,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
+# the runs the shipped h200-tp2 table is made of
+SHIPPED_OVERLAP = RESULTS / "overlap-tp2-h200x2-2026-11-22-v3.json"
+SHIPPED_FOUNDATION = RESULTS / "foundation-tp2-h200x2-2026-11-23.json"
 
 
 def test_shipped_dispatch_table_is_reproducible(tmp_path):
@@ -24,8 +27,7 @@ def test_shipped_dispatch_table_is_reproducible(tmp_path):
     # and the GEMV rows from the newest bench/gemv.py run
     gemv = sorted(RESULTS.glob("gemv-tp2-h200*.json")) if "gemv" in json.loads(shipped.read_text()) else []
     subprocess.run([sys.executable, str(ROOT / "bench" / "make_dispatch_table.py"),
-                    "--overlap", str(RESULTS / "overlap-tp2-h200x2-2026-11-22-v3.json"),
-                    "--foundation", str(RESULTS / "foundation-tp2-h200x2-2026-11-23.json"),
+                    "--overlap", str(SHIPPED_OVERLAP), "--foundation", str(SHIPPED_FOUNDATION),
                     *(["--gemm-ar", str(gemm_ar[-1])] if gemm_ar else []),
                     *(["--gemv", str(gemv[-1])] if gemv else []),
                     "--table-out", str(table), "--md-out", str(tmp_path / "table.md")],
@@ -39,6 +41,19 @@ def _run(script, *args, timeout=380):
                        timeout=timeout, env={**os.environ})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
+
+
+def _table_with(tmp_path, flag: str, res: dict) -> tuple[dict, str, Path]:
+    """make_dispatch_table.py on the shipped runs plus `res` (a smoke run's JSON, retagged as if
+    measured on the shipped table's device) given as `flag`: (the table, its markdown, its path)."""
+    env = json.loads(SHIPPED_OVERLAP.read_text())["environment"]
+    res["environment"].update(device=env["device"], tp=env["tp"])
+    fake = tmp_path / f"{flag.strip('-')}-h200.json"
+    fake.write_text(json.dumps(res))
+    table, md = tmp_path / "table.json", tmp_path / "table.md"
+    _run("make_dispatch_table.py", "--overlap", str(SHIPPED_OVERLAP), "--foundation", str(SHIPPED_FOUNDATION),
+         flag, str(fake), "--table-out", str(table), "--md-out", str(md))
+    return json.loads(table.read_text()), md.read_text(), table
 
 
 def _has_matplotlib():
@@ -252,22 +267,15 @@ def test_gemm_ar_bench_smoke_run_feeds_the_dispatch_table(tmp_path):
     for r in res["rows"]:
         assert r["rel_err_vs_nccl"] < 1e-2 and all(r[f"{op}_eager_us"] > 0 for op in ops), r
     assert "gemm_ar / floor" in js.with_suffix(".md").read_text()
-    overlap = json.loads((RESULTS / "overlap-tp2-h200x2-2026-11-22-v3.json").read_text())
-    res["environment"].update(device=overlap["environment"]["device"], tp=overlap["environment"]["tp"])
     for r, (ours, stock, ours_norm) in zip(res["rows"], ((5.0, 6.0, 7.0), (5.0, 5.05, 9.0))):
         r.update(gemm_ar_graph_us=ours, linear_nccl_graph_us=stock + 3, linear_ours_graph_us=stock,
                  gemm_ar_norm_graph_us=ours_norm, linear_nccl_norm_graph_us=12.0, linear_fused_norm_graph_us=8.0)
-    fake = tmp_path / "gemm-ar-h200.json"
-    fake.write_text(json.dumps(res))
-    table = tmp_path / "table.json"
-    _run("make_dispatch_table.py", "--overlap", str(RESULTS / "overlap-tp2-h200x2-2026-11-22-v3.json"),
-         "--foundation", str(RESULTS / "foundation-tp2-h200x2-2026-11-23.json"), "--gemm-ar", str(fake),
-         "--table-out", str(table), "--md-out", str(tmp_path / "table.md"))
-    rows = json.loads(table.read_text())["gemm_all_reduce"]
+    built, md, table = _table_with(tmp_path, "--gemm-ar", res)
+    rows = built["gemm_all_reduce"]
     # eager: always stock (launch-bound timings, make_dispatch_table.gemm_all_reduce_rows)
     assert [(r["M"], r["graph_winner"], r["norm_graph_winner"], r["eager_winner"], r["norm_eager_winner"])
             for r in rows] == [(1, "gemm_ar", "gemm_ar", "stock", "stock"), (3, "stock", "stock", "stock", "stock")]
-    assert "GEMM + all-reduce" in (tmp_path / "table.md").read_text()
+    assert "GEMM + all-reduce" in md
     d = Dispatcher.load("table", path=table)
     k, n = rows[0]["K"], rows[0]["N"]
     assert d.gemm_all_reduce(1, k, n, in_graph=True) and d.gemm_all_reduce(1, k, n, True, into_norm=True)
@@ -287,20 +295,13 @@ def test_gemv_bench_smoke_run_feeds_the_dispatch_table(tmp_path):
     assert res["schema"] == "gemv/1" and [(r["shape"], r["M"]) for r in res["rows"]] == [
         ("tiny qkv", 1), ("tiny qkv", 3), ("tiny down", 1), ("tiny down", 3)]
     assert all(r["rel_err"] < 1e-2 for r in res["rows"]), res["rows"]
-    overlap = json.loads((RESULTS / "overlap-tp2-h200x2-2026-11-22-v3.json").read_text())
-    res["environment"].update(device=overlap["environment"]["device"], tp=overlap["environment"]["tp"])
     for r, ours in zip(res["rows"], (8.0, 9.0, 8.0, 12.0)):  # cuBLAS 10 us: a win, a win, a win, a loss
         r.update(cublas_us=10.0, gemv_us=ours)
-    fake = tmp_path / "gemv-h200.json"
-    fake.write_text(json.dumps(res))
-    table = tmp_path / "table.json"
-    _run("make_dispatch_table.py", "--overlap", str(RESULTS / "overlap-tp2-h200x2-2026-11-22-v3.json"),
-         "--foundation", str(RESULTS / "foundation-tp2-h200x2-2026-11-23.json"), "--gemv", str(fake),
-         "--table-out", str(table), "--md-out", str(tmp_path / "table.md"))
-    rows = json.loads(table.read_text())["gemv"]
+    built, md, table = _table_with(tmp_path, "--gemv", res)
+    rows = built["gemv"]
     assert [(r["shape"], r["M"], r["winner"]) for r in rows] == [
         ("tiny qkv", 1, "gemv"), ("tiny qkv", 3, "gemv"), ("tiny down", 1, "gemv"), ("tiny down", 3, "stock")]
-    assert "our GEMV against F.linear" in (tmp_path / "table.md").read_text()
+    assert "our GEMV against F.linear" in md
     d = Dispatcher.load("table", path=table)
     assert d.gemv(1, 72, 40) and d.gemv(2, 72, 40) and d.gemv(1, 300, 24) and not d.gemv(3, 300, 24)
     assert not d.gemv(1, 72, 41)

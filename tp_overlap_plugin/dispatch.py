@@ -147,7 +147,6 @@ class Dispatcher:
         key = ("norm_" if into_norm else "") + ("graph_winner" if in_graph else "eager_winner")
         return bool(rows) and _wins(rows, "M", m, key, "gemm_ar")
 
-
     @_remembered
     def gemv(self, m: int, k: int, n: int) -> bool:
         """True: a linear layer of this rank ([m, k] input, n outputs, a decode-sized m) runs as our
