@@ -3,8 +3,9 @@
   * device barrier latency, eager and inside a CUDA graph;
   * all-reduce 8 KB-8 MB, ours one-shot and two-shot vs NCCL and torch symmetric memory (one-shot,
     two-shot), eager and in a CUDA graph;
-  * the decode row-layer epilogue at hidden 4096, bf16, T = 1..128 tokens: our fused all-reduce +
-    residual add + RMSNorm (one kernel) vs ours, NCCL and torch symm-mem all-reduce each followed by
+  * the decode row-layer epilogue at hidden 4096 and 8192, bf16, T = 1..256 tokens: our fused
+    all-reduce + residual add + RMSNorm (one kernel) vs our all-reduce alone (issue 15's target:
+    fused <= ours alone + 1 us) and vs ours, NCCL and torch symm-mem all-reduce each followed by
     the add + RMSNorm kernel (layer_ops.rmsnorm), eager and in a CUDA graph.
 
     python bench/foundation.py --tp 2 [--out bench/results] [--quick]
@@ -29,8 +30,8 @@ from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
 
 COPY_BYTES = 256 << 20
 AR_SIZES = [8 << 10, 32 << 10, 128 << 10, 512 << 10, 2 << 20, 4 << 20, 8 << 20]
-NORM_HIDDEN = 4096
-NORM_TOKENS = [1, 8, 32, 128]
+NORM_HIDDEN = [4096, 8192]
+NORM_TOKENS = [1, 8, 32, 128, 256]
 EPS = 1e-5
 
 
@@ -94,7 +95,8 @@ def _bench_rank(ctx, quick):
             ops.update(symm(x))
         _time_ops(ops, row, ctx)
         out["all_reduce"].append(row)
-    out["all_reduce_norm"] = _norm_sweep(ctx, symm, NORM_TOKENS[:2] if quick else NORM_TOKENS)
+    out["all_reduce_norm"] = [row for hidden in NORM_HIDDEN
+                              for row in _norm_sweep(ctx, symm, hidden, NORM_TOKENS[:3] if quick else NORM_TOKENS)]
     h.check()
     return out
 
@@ -110,11 +112,11 @@ def _time_ops(ops, row, ctx):
             row[f"{name}_graph_error"] = repr(e)[:200]
 
 
-def _norm_sweep(ctx, symm, tokens):
-    """The row-layer epilogue of the decode layout, [T, hidden] bf16: all-reduce of the row layer's
+def _norm_sweep(ctx, symm, H, tokens):
+    """The row-layer epilogue of the decode layout, [T, H] bf16: all-reduce of the row layer's
     partial output, + residual, RMSNorm. Fused: one kernel; the others: an all-reduce, then
-    layer_ops.rmsnorm (the add + norm kernel the model runs)."""
-    h, dev, H = ctx.heap, ctx.device, NORM_HIDDEN
+    layer_ops.rmsnorm (the add + norm kernel the model runs); `ours_alone`: the all-reduce alone."""
+    h, dev = ctx.heap, ctx.device
     fused = HeapAllReduceNorm(h, H, max(tokens), torch.bfloat16)
     comm = HeapAllReduce(h, max_bytes=max(tokens) * H * 2)
     weight = (1 + 0.1 * torch.randn(H, device=dev)).to(torch.bfloat16)
@@ -134,7 +136,7 @@ def _norm_sweep(ctx, symm, tokens):
         assert row["residual_max_err"] < 0.1 and row["normed_max_err"] < 0.1, row
         nccl_buf = x.clone()
         y = torch.empty_like(x)
-        ops = {"fused": lambda: fused(x, residual, weight, EPS),
+        ops = {"fused": lambda: fused(x, residual, weight, EPS), "ours_alone": lambda: comm(x, out=y),
                "ours_then_norm": lambda: layer_ops.rmsnorm(comm(x, out=y), weight, EPS, residual),
                "nccl_then_norm": lambda: layer_ops.rmsnorm(_nccl(nccl_buf, ctx), weight, EPS, residual)}
         if symm is not None:
@@ -185,24 +187,27 @@ def _markdown(res: dict) -> str:
     md += md_table(["size", *[f"graph {n}" for n in names], "best ours/NCCL (graph)",
                     *[f"eager {n}" for n in names]], rows)
     if res.get("all_reduce_norm"):
-        md += ("\n## Row-layer epilogue: all-reduce + residual add + RMSNorm, hidden 4096 bf16, µs (rank 0)\n\n"
-               "`fused` is one kernel; the others are an all-reduce followed by layer_ops.rmsnorm.\n\n")
-        names = ["fused", "ours_then_norm", "nccl_then_norm", "torch_symm_then_norm"]
+        md += ("\n## Row-layer epilogue: all-reduce + residual add + RMSNorm, bf16, µs (rank 0)\n\n"
+               "`fused` is one kernel; `ours_alone` is our all-reduce alone (target: fused ≤ it + 1 µs); "
+               "the others are an all-reduce followed by layer_ops.rmsnorm.\n\n")
+        names = ["fused", "ours_alone", "ours_then_norm", "nccl_then_norm", "torch_symm_then_norm"]
         rows = []
         for r in res["all_reduce_norm"]:
             g = {n: r.get(f"{n}_graph_us", float("nan")) for n in names}
-            rows.append([r["tokens"], f"{r['bytes'] >> 10} KB", *[g[n] for n in names],
-                         g["fused"] / g["nccl_then_norm"], *[r.get(f"{n}_eager_us", float("nan")) for n in names]])
-        md += md_table(["T", "size", *[f"graph {n}" for n in names], "fused/NCCL+norm (graph)",
-                        *[f"eager {n}" for n in names]], rows)
+            rows.append([r["hidden"], r["tokens"], f"{r['bytes'] >> 10} KB", *[g[n] for n in names],
+                         g["fused"] - g["ours_alone"], g["fused"] / g["nccl_then_norm"],
+                         *[r.get(f"{n}_eager_us", float("nan")) for n in names]])
+        md += md_table(["hidden", "T", "size", *[f"graph {n}" for n in names], "fused - ours alone (graph)",
+                        "fused/NCCL+norm (graph)", *[f"eager {n}" for n in names]], rows)
     return md
 
 
 def main(argv=None):
     args = bench_parser(__doc__).parse_args(argv)
     heap = (COPY_BYTES + HeapAllReduce.heap_bytes(args.tp, max(AR_SIZES), max(AR_SIZES))
-            + HeapAllReduceNorm.heap_bytes(args.tp, NORM_HIDDEN, max(NORM_TOKENS), torch.bfloat16)
-            + HeapAllReduce.heap_bytes(args.tp, max(NORM_TOKENS) * NORM_HIDDEN * 2) + (16 << 20))
+            + sum(HeapAllReduceNorm.heap_bytes(args.tp, hidden, max(NORM_TOKENS), torch.bfloat16)
+                  + HeapAllReduce.heap_bytes(args.tp, max(NORM_TOKENS) * hidden * 2) for hidden in NORM_HIDDEN)
+            + (16 << 20))
     per_rank = run_ranks(_bench_rank, args.tp, (args.quick,), device="cuda", heap_size=-(-heap // 4096) * 4096,
                          timeout=500)
     payload = {"environment": environment(args.tp), "rank0": per_rank[0], "all_ranks": per_rank}

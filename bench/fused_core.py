@@ -24,17 +24,48 @@ from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel  # noqa: E402
 from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel  # noqa: E402
 from tp_overlap_plugin.overlap import _eager_config, gemm, num_programs, pick_config  # noqa: E402
 
+_W1_STATE = {}
+
+
+def _w1_state(dev):
+    """The device words a world-1 launch reads: heap_bases, error slot, call counter, flags."""
+    key = str(dev)
+    if key not in _W1_STATE:
+        _W1_STATE[key] = (torch.zeros(1, dtype=torch.int64, device=dev), torch.zeros(8, dtype=torch.int64, device=dev),
+                          torch.zeros(2, dtype=torch.int64, device=dev), torch.zeros(1, dtype=torch.int64, device=dev))
+    return _W1_STATE[key]
+
+
+def _w1_options(k, cfg, flat):
+    return dict(WORLD=1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                EVEN_K=k % cfg.block_k == 0, INTERPRET=False, FLATTEN=flat, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+
+
+def ag_kernel_w1(a, b, c, cfg, flat=True):
+    """The AG-GEMM kernel at world 1: c = a @ b through its own-rows loop."""
+    heap_bases, error, calls, flags = _w1_state(a.device)
+    m, k = a.shape
+    ag_gemm_kernel[(num_programs(a.device),)](a, b, c, a, c, m, b.shape[1], k, b.stride(0), b.stride(1), 0, flags,
+                                              calls, 0, heap_bases, error, 1000, GATHER=False,
+                                              **_w1_options(k, cfg, flat))
+
+
+def rs_kernel_w1(a, b, c, cfg, flat=True):
+    """The GEMM-RS kernel at world 1: c = a @ b through its own-rows loop."""
+    heap_bases, error, calls, flags = _w1_state(a.device)
+    m, k = a.shape
+    gemm_rs_kernel[(num_programs(a.device),)](a, b, c, c, m, b.shape[1], k, a.stride(0), b.stride(0), b.stride(1), 0,
+                                              flags, calls, 0, heap_bases, error, 1000, CHUNKS=1,
+                                              **_w1_options(k, cfg, flat))
+
+
 SHAPES = [(8192, 4096, 14336), (8192, 7168, 4096), (8192, 2048, 4096), (8192, 4096, 3072), (2048, 4096, 14336)]
 
 
 def main(argv=None):
     args = bench_parser(__doc__).parse_args(argv)
     dev = torch.device("cuda", 0)
-    programs = num_programs(dev)
-    heap_bases = torch.zeros(1, dtype=torch.int64, device=dev)
-    error = torch.zeros(8, dtype=torch.int64, device=dev)
-    calls = torch.zeros(2, dtype=torch.int64, device=dev)
-    flags = torch.zeros(1, dtype=torch.int64, device=dev)
     rows = []
     for m, k, n in SHAPES:
         a = torch.randn(m, k, device=dev).to(torch.bfloat16)
@@ -42,22 +73,13 @@ def main(argv=None):
         c = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
         ref = a.float() @ b.float()
         cfg = _eager_config(pick_config(m, n, k, dev))
-        kw = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                  EVEN_K=k % cfg.block_k == 0, INTERPRET=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-        def ag(flat):
-            ag_gemm_kernel[(programs,)](a, b, c, a, c, m, n, k, b.stride(0), b.stride(1), 0, flags, calls, 0,
-                                        heap_bases, error, 1000, WORLD=1, FLATTEN=flat, GATHER=False, **kw)
-
-        def rs(flat):
-            gemm_rs_kernel[(programs,)](a, b, c, c, m, n, k, a.stride(0), b.stride(0), b.stride(1), 0, flags, calls,
-                                        0, heap_bases, error, 1000, WORLD=1, FLATTEN=flat, **kw)
 
         variants = {"cublas": lambda: torch.matmul(a, b, out=c),
                     "core_flat": lambda: gemm(a, b, out=c, config=dataclasses.replace(cfg, flatten=True)),
                     "core_plain": lambda: gemm(a, b, out=c, config=dataclasses.replace(cfg, flatten=False)),
-                    "ag_kernel_w1": lambda: ag(True), "rs_kernel_w1": lambda: rs(True),
-                    "ag_kernel_w1_plain": lambda: ag(False), "rs_kernel_w1_plain": lambda: rs(False)}
+                    "ag_kernel_w1": lambda: ag_kernel_w1(a, b, c, cfg), "rs_kernel_w1": lambda: rs_kernel_w1(a, b, c, cfg),
+                    "ag_kernel_w1_plain": lambda: ag_kernel_w1(a, b, c, cfg, flat=False),
+                    "rs_kernel_w1_plain": lambda: rs_kernel_w1(a, b, c, cfg, flat=False)}
         row = {"M": m, "K": k, "N": n, "config": cfg.label()}
         for name, fn in variants.items():
             c.fill_(float("nan"))

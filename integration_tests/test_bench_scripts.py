@@ -305,3 +305,42 @@ def test_gemv_bench_smoke_run_feeds_the_dispatch_table(tmp_path):
     d = Dispatcher.load("table", path=table)
     assert d.gemv(1, 72, 40) and d.gemv(2, 72, 40) and d.gemv(1, 300, 24) and not d.gemv(3, 300, 24)
     assert not d.gemv(1, 72, 41)
+
+
+def _self_peer_ops(ctx):
+    """bench/fused_costs.py's self_peer variants at world 2 on the CPU: they finish without any peer
+    (no wait left for one), the AG's gathered rows are all this rank's own, and the RS adds to my
+    rows' partial the one it computed of the peer's rows (it stored that into its own heap)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from fused_costs import _own_heap_only, _self_peer_ag
+
+    from tp_overlap_plugin.overlap import GemmReduceScatter
+
+    h, W, rows, k, n = ctx.heap, ctx.world_size, 16, 32, 24
+    g = torch.Generator().manual_seed(ctx.rank)
+    a = torch.randn(W * rows, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, k, generator=g).to(torch.bfloat16).t()
+    own_bases = h.heap_bases[h.rank].repeat(W)
+    ag, rs = _self_peer_ag(h, rows, k), GemmReduceScatter(h, rows, n)
+    shard = a[ctx.rank * rows:(ctx.rank + 1) * rows]
+    with _own_heap_only(h, own_bases):
+        for _ in range(2):  # the second call checks the epochs advance without a peer
+            c = ag(shard, b)
+            s = rs(a, b)
+    h.check()
+    mine = shard.float() @ b.float()
+    part = (a.float() @ b.float()).to(torch.bfloat16).float()
+    peer = 1 - ctx.rank
+    want = part[ctx.rank * rows:(ctx.rank + 1) * rows] + part[peer * rows:(peer + 1) * rows]
+    return ([float((c[i * rows:(i + 1) * rows].float() - mine).abs().max()) for i in range(W)],
+            float((s.float() - want).abs().max()), float(mine.abs().max()))
+
+
+@pytest.mark.timeout(120)
+def test_fused_costs_self_peer_runs_alone():
+    from tp_overlap_plugin.multirank import run_ranks
+
+    for ag_errs, rs_err, scale in run_ranks(_self_peer_ops, 2, heap_size=8 << 20, timeout=100):
+        assert all(e <= 0.02 * scale for e in ag_errs) and rs_err <= 0.02 * scale, (ag_errs, rs_err, scale)

@@ -12,7 +12,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from tp_overlap_plugin.kernels.allreduce import one_shot_all_reduce_kernel, two_shot_all_reduce_kernel
-from tp_overlap_plugin.kernels.allreduce_norm import all_reduce_rmsnorm_kernel
+from tp_overlap_plugin.kernels.allreduce_norm import all_reduce_rmsnorm_kernel, row_blocks
 from tp_overlap_plugin.kernels.barrier import barrier_kernel
 from tp_overlap_plugin.kernels.gemm import gemm_kernel
 from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel
@@ -20,6 +20,8 @@ from tp_overlap_plugin.kernels.gemm_ar import gemm_all_reduce_kernel
 from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel
 from tp_overlap_plugin.kernels.gemv import gemv_kernel
 from tp_overlap_plugin.kernels.layer_ops import rmsnorm_kernel, rope_cache_kernel, silu_mul_kernel
+from tp_overlap_plugin.collectives import norm_num_warps
+from tp_overlap_plugin.overlap import RS_CHUNKS
 
 TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64)}
 
@@ -54,6 +56,7 @@ _GEMM_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 M:i32 N:i32 K:i32 stride_am:i
               "split_k:i32")
 _FUSED_TILES = {**_TILES, "EVEN_K": False, "WORLD": 4, "FLATTEN": True}  # odd K: the masked K loop
 _AG = {**_FUSED_TILES, "GATHER": False}
+_RS = {**_FUSED_TILES, "CHUNKS": RS_CHUNKS}
 _ONE = {"rank": 1, "rows": 1, "WORLD": 2}
 _FUSED_COMM = "rank:i32 heap_bases:*i64 error_ptr:*i64 max_spins:i32"
 _AG_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 gathered_ptr:*bf16 full_ptr:*bf16 rows:i32 N:i32 K:i32 "
@@ -82,10 +85,10 @@ KERNELS = {
     "gemm_split_k_ptr": (gemm_kernel, _sig(_GEMM_ARGS, None, _GEMM_SPLIT_PTR), _GEMM_SPLIT_PTR, {"num_warps": 4}),
     # the fused ops: the same tiles in two loops each, waits between them, peer stores in them
     "ag_gemm": (ag_gemm_kernel, _sig(_AG_ARGS, None, _AG), _AG),
-    "gemm_rs": (gemm_rs_kernel, _sig(_RS_ARGS, None, _FUSED_TILES), _FUSED_TILES),
+    "gemm_rs": (gemm_rs_kernel, _sig(_RS_ARGS, None, _RS), _RS),
     # what the JIT compiles on rank 1 for one-row shards: Triton makes integer arguments equal to 1 constants
     "ag_gemm_rank1": (ag_gemm_kernel, _sig(_AG_ARGS, None, {**_AG, **_ONE}), {**_AG, **_ONE}),
-    "gemm_rs_rank1": (gemm_rs_kernel, _sig(_RS_ARGS, None, {**_FUSED_TILES, **_ONE}), {**_FUSED_TILES, **_ONE}),
+    "gemm_rs_rank1": (gemm_rs_kernel, _sig(_RS_ARGS, None, {**_RS, **_ONE}), {**_RS, **_ONE}),
     # decode GEMV at one row (the JIT makes M == 1 a constant) with a bias and a K tail, as the layers launch it
     "gemv": (gemv_kernel, _sig("x_ptr:*bf16 w_ptr:*bf16 bias_ptr:*bf16 y_ptr:*bf16 M:i32 N:i32 K:i32 stride_xm:i32 "
                                "stride_wn:i32 stride_ym:i32", None,
@@ -131,8 +134,10 @@ for _w, _peers, _sub in ((2, 1, 4096), (8, 8, 512)):
         _sig("x_ptr:*bf16 res_ptr:*bf16 w_ptr:*bf16 bias_ptr:*bf16 out_ptr:*bf16 res_out_ptr:*bf16 slots_ptr:*i16 "
              "epoch_ptr:*i64 rows:i32 n:i32 stride_x:i32 stride_res:i32 stride_out:i32 stride_res_out:i32 "
              "slot_stride:i32 src_stride:i32 row_stride:i32 eps:fp32", _LAMPORT,
-             ["W", "PEERS", "BLOCK", "SUB", "HAS_BIAS", *_CACHE]),
-        {**_cx, "PEERS": _peers, "SUB": _sub, "HAS_BIAS": True}, {"num_warps": 8})
+             ["W", "PEERS", "BLOCK", "SUB", "ONE_TILE", "HAS_BIAS", *_CACHE]),
+        # at 2 ranks an 8192-wide row is one receive tile, normalised from registers; at 8, four
+        {**_cx, "PEERS": _peers, "SUB": row_blocks(8192, _w, 2)[1], "ONE_TILE": _w == 2, "HAS_BIAS": True},
+        lambda target: {"num_warps": norm_num_warps(target.warp_size)})
 # GEMM + all-reduce (kernels/gemm_ar.py): decode tiles (16 rows, narrow N, long K blocks), the
 # all-reduce's exchange in the epilogue; at 2 ranks on rank 1 with M = 1 (both made constants by
 # the JIT; 128 columns, so a thread holds 16 bytes of a tile on CDNA too) and at 8 ranks (receive sub-blocks of
@@ -163,8 +168,11 @@ def _compiled(name, target):
         attrs = {(names.index(a),): [["tt.divisibility", d]] for a, d in _SLOTS.items() if a in signature}
         if target == "gfx942":  # what collectives.py passes on ROCm
             constexprs = {**constexprs, "PEER_STORE": ".wt", "POLL_LOAD": ".cv"}
+    options = options[0] if options else None
+    if callable(options):  # options that depend on the target (its warp size)
+        options = options(TARGETS[target])
     return triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                          target=TARGETS[target], options=options[0] if options else None)
+                          target=TARGETS[target], options=options)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles real kernels")

@@ -6,8 +6,11 @@ plus the add + norm kernel into one, and the norm reads the sum from registers i
 memory. The all-reduce is the one-shot of kernels/allreduce.py, with rows for chunks: every rank
 pushes row r of its partial sum into slot e % 2 of every peer's receive rows (e = this row's epoch
 in device memory), then waits for its peers' rows to land (NOT_YET marks what has not), sums them
-in rank order in fp32, and puts NOT_YET back. Rows longer than one tile are done in column blocks;
-the norm's sum of squares accumulates over the blocks and a second pass normalises.
+in rank order in fp32, and puts NOT_YET back. A row that fits one receive tile (`ONE_TILE`: hidden
+4096 and 8192 at TP=2, 4096 at TP=4) is normalised from registers, with the weight loaded once per program before any
+wait; longer rows are done in column blocks, the norm's sum of squares accumulating over the
+blocks, and a second pass reads the new residual back and normalises (one more round trip to
+memory, ~0.5 us: bench/notes/allreduce.md).
 
 Rounding follows the stock path (all-reduce, then layer_ops.rmsnorm): the reduced sum is rounded
 to the dtype, the bias added and rounded, the residual added and rounded (the new residual), and
@@ -23,22 +26,29 @@ import triton.language as tl
 
 from tp_overlap_plugin.kernels import rma
 from tp_overlap_plugin.kernels.allreduce import (CHUNK_BYTES, _advance, _bits, _flag, _not_yet, _peer_tile, _sendable,
-                                                 _sum_in_rank_order, _wait_landed, sub_block)
+                                                 _sum_in_rank_order, _wait_landed, peers_pow2)
+
+
+# Elements of a receive tile (every peer's copy of a row's columns): a 4096- or 8192-wide row at
+# TP=2 and a 4096-wide one at TP=4 come in as one tile and are normalised from registers; a 4096
+# tile (the all-reduce's) made an 8192-wide row two tiles and a second pass, +2-4 us at 1-8 rows
+# (bench/notes/allreduce.md).
+ROW_TILE_ELEMS = 16384
 
 
 def row_blocks(hidden: int, world: int, elsize: int) -> tuple[int, int]:
     """(columns pushed at a time, columns received at a time): a row, or CHUNK_BYTES of it, goes
-    out in one piece; it comes in as receive tiles of every peer at once."""
+    out in one piece; it comes in as receive tiles of every peer at once, the whole row if it fits."""
     block = min(triton.next_power_of_2(hidden), CHUNK_BYTES // elsize)
-    return block, sub_block(block, world)
+    return block, min(triton.next_power_of_2(hidden), max(ROW_TILE_ELEMS // peers_pow2(world), 16))
 
 
 @triton.jit
 def all_reduce_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr, slots_ptr, epoch_ptr, rows, n,
                               stride_x, stride_res, stride_out, stride_res_out, slot_stride, src_stride, row_stride,
                               eps, rank, heap_bases, error_ptr, max_spins, W: tl.constexpr, PEERS: tl.constexpr,
-                              BLOCK: tl.constexpr, SUB: tl.constexpr, HAS_BIAS: tl.constexpr,
-                              PEER_STORE: tl.constexpr, POLL_LOAD: tl.constexpr):
+                              BLOCK: tl.constexpr, SUB: tl.constexpr, ONE_TILE: tl.constexpr,
+                              HAS_BIAS: tl.constexpr, PEER_STORE: tl.constexpr, POLL_LOAD: tl.constexpr):
     """slots[e % 2][src][r] in every heap receives rank src's row r in its call e."""
     pid = tl.program_id(0)
     lane = tl.arange(0, BLOCK)
@@ -59,6 +69,8 @@ def all_reduce_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, bias_ptr, out_ptr, res_out_
     ok = pid >= 0
     pcols, srcs = _peer_tile(rank, W, PEERS)
     lane = tl.arange(0, SUB)
+    if ONE_TILE:
+        w_row = tl.load(w_ptr + lane, mask=lane < n, other=0).to(tl.float32)
     for r in range(pid, rows, tl.num_programs(0)):
         if ok:
             epoch = tl.load(epoch_ptr + r) - 1
@@ -86,7 +98,11 @@ def all_reduce_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, bias_ptr, out_ptr, res_out_
                         hf = tl.where(mask, h.to(tl.float32), 0.0)
                         squares += hf * hf
                         _not_yet(ptrs, m)
-            if ok:
+                        if ONE_TILE:  # the whole row is here, in registers
+                            rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / n + eps)
+                            y = (hf * rstd).to(dtype).to(tl.float32) * w_row
+                            tl.store(out_ptr + r * stride_out + cols, y.to(dtype), mask=mask)
+            if ok and not ONE_TILE:
                 rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / n + eps)
                 # the new residual is read back by the threads that normalise it, after the
                 # reduction above (a CTA barrier) has ordered its stores before these loads

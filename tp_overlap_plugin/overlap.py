@@ -33,6 +33,9 @@ from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel
 from tp_overlap_plugin.kernels.gemv import gemv_kernel
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+# GEMM-RS splits each shard's tiles into this many runs, so that my own rows wait only for partials
+# stored a run earlier (kernels/gemm_rs.py). Fixed, so the kernel compiles once per world size.
+RS_CHUNKS = 2
 
 
 def num_programs(device: torch.device) -> int:
@@ -357,15 +360,15 @@ class GemmReduceScatter:
     columns. Call state lives in device memory, so calls can be captured in CUDA graphs."""
 
     def __init__(self, heap: SymmetricHeap, max_rows: int, n: int, dtype: torch.dtype = torch.bfloat16,
-                 device_group: dist.ProcessGroup | None = None):
-        if max_rows < 1 or n < 1:
-            raise ValueError(f"GemmReduceScatter needs max_rows, n >= 1; got {max_rows}, {n}")
-        self.heap, self.max_rows, self.n, self.dtype = heap, max_rows, n, dtype
+                 device_group: dist.ProcessGroup | None = None, chunks: int = RS_CHUNKS):
+        if max_rows < 1 or n < 1 or chunks < 1:
+            raise ValueError(f"GemmReduceScatter needs max_rows, n, chunks >= 1; got {max_rows}, {n}, {chunks}")
+        self.heap, self.max_rows, self.n, self.dtype, self.chunks = heap, max_rows, n, dtype, chunks
         self.device_group = device_group if device_group is not None else dist.group.WORLD
         W = heap.world_size
         slots = max(W - 1, 1)
         self.recv = heap.alloc((2, slots, max_rows, n), dtype, name="gemm_rs.recv")
-        self.counts = heap.alloc((2, slots), torch.int64, name="gemm_rs.counts")
+        self.counts = heap.alloc((2, slots, chunks), torch.int64, name="gemm_rs.counts")
         self.counts.zero_()
         self.calls = torch.zeros(2, dtype=torch.int64, device=heap.device)  # kernels/calls.py
         heap.publish()
@@ -389,8 +392,8 @@ class GemmReduceScatter:
         gemm_rs_kernel[(num_programs(h.device),)](
             a, b, c, self.recv, rows, n, k, a.stride(0), b.stride(0), b.stride(1), self.max_rows * n,
             self.counts, self.calls, h.rank, h.heap_bases, h.error, h.spin_limit,
-            WORLD=W, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            EVEN_K=k % cfg.block_k == 0, INTERPRET=h.device.type == "cpu", FLATTEN=cfg.flatten,
+            WORLD=W, CHUNKS=self.chunks, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0, INTERPRET=h.device.type == "cpu", FLATTEN=cfg.flatten,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         h.check_if_free()
         return c

@@ -1,0 +1,145 @@
+"""Where a fused op's time goes at world size W, beyond the GEMM it computes. Per Llama TP shape at
+M tokens, these timings in CUDA graphs, every rank at once (each rank's median, the max over ranks):
+
+- `cublas`: the whole product on one GPU (torch.matmul), the floor's GEMM;
+- `w1`: the fused op's kernel at world 1 over all M rows, with the op's own tile config: its loop
+  shape and epilogue, no peer;
+- `self_peer`: the op itself at world W, but every peer address translated to this rank's own heap
+  (a heap_bases table of W copies of mine). It runs all of the op's code: the two tile loops, the
+  waits between them, the GEMM-RS stores and sums, the AG copy-engine pushes (into my own heap);
+  no byte crosses NVLink and no rank waits for another;
+- `ours`: the op as the layers call it (`ours_1chunk`: GEMM-RS with its tiles in one run, the
+  design before chunks, kernels/gemm_rs.py).
+
+The graphs are captured once and timed in interleaved rounds (the median over rounds), so a drift
+of the clocks during the run moves every variant alike.
+
+So w1 / cublas is the kernel's GEMM, self_peer / w1 what the op's structure adds on one GPU, and
+ours / self_peer what the link and the coupling with the peers add.
+
+    python bench/fused_costs.py --tp 2 [--m 8192] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import bench_parser, capture_graph, environment, md_table, time_per_call_ms, write_results  # noqa: E402
+from fused_core import ag_kernel_w1, rs_kernel_w1  # noqa: E402
+from overlap import llama_shapes, weight_t  # noqa: E402
+
+from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
+from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter, _fused_config  # noqa: E402
+
+CALLS = 10  # per graph
+VARIANTS = ("cublas", "w1", "self_peer", "ours", "ours_1chunk")
+
+
+@contextlib.contextmanager
+def _own_heap_only(heap, own_bases):
+    """Peer addresses translate to my own heap (own_bases: W copies of my base) while this is open,
+    and in graphs captured in it."""
+    saved = heap.heap_bases
+    heap.heap_bases = own_bases
+    try:
+        yield
+    finally:
+        heap.heap_bases = saved
+
+
+def _self_peer_ag(heap, rows, k):
+    """An AllGatherGemm whose copy engine pushes into this rank's own heap, slot for slot where
+    each peer would have put my rows, and whose meeting point never waits: nobody else meets there."""
+    op = AllGatherGemm(heap, rows, k)
+    op.meet.fill_(1 << 40)
+    slots = [(heap.rank - q - 1) % heap.world_size for q in range(heap.rank + 1, heap.rank + heap.world_size)]
+    op._at_peer = [(op.gathered[s], op.flags[s:s + 1]) for s in slots]
+    return op
+
+
+def _rank(ctx, m, rounds):
+    h, W, dev = ctx.heap, ctx.world_size, ctx.device
+    own_bases = h.heap_bases[h.rank].repeat(W)
+    rows = m // W
+    gen = torch.Generator(device=dev).manual_seed(7 + ctx.rank)
+    out = {}
+    for model, layer, op, k, n in llama_shapes(W):
+        if model == "70B" and layer in ("qkv", "o_proj"):
+            continue
+        key = f"{model}/{layer}/{m}"
+        row = {"op": op, "M": m, "K": k, "N": n}
+        with h.scope():
+            b = weight_t(n, k, dev, gen)
+            a = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen)
+            c = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+            cfg = _fused_config(rows, n, k, dev, None)
+            row["config"] = cfg.label()
+            if op == "ag":
+                real, own = AllGatherGemm(h, rows, k), _self_peer_ag(h, rows, k)
+                shard = a[ctx.rank * rows:(ctx.rank + 1) * rows]
+                w1 = lambda: ag_kernel_w1(a, b, c, cfg)  # noqa: E731
+                fused = {"self_peer": lambda: own(shard, b), "ours": lambda: real(shard, b), "ours_1chunk": None}
+            else:
+                real, own = GemmReduceScatter(h, rows, n), GemmReduceScatter(h, rows, n)
+                one = GemmReduceScatter(h, rows, n, chunks=1)
+                w1 = lambda: rs_kernel_w1(a, b, c, cfg)  # noqa: E731
+                fused = {"self_peer": lambda: own(a, b), "ours": lambda: real(a, b), "ours_1chunk": lambda: one(a, b)}
+            fns = {"cublas": lambda: torch.matmul(a, b, out=c), "w1": w1, **fused}
+            names = [v for v in VARIANTS if fns[v] is not None]
+            replays = {}
+            for name in names:
+                with _own_heap_only(h, own_bases) if name == "self_peer" else contextlib.nullcontext():
+                    for _ in range(2):  # compiled and warm on every rank before any rank times
+                        fns[name]()
+                    torch.cuda.synchronize()
+                    dist.barrier(group=ctx.group)
+                    replays[name] = capture_graph(fns[name], CALLS)
+            times = {name: [] for name in names}
+            for _ in range(rounds):
+                for name in names:
+                    times[name].append(time_per_call_ms(replays[name], calls=1, samples=3, group=ctx.group) / CALLS)
+            row.update({name: statistics.median(t) for name, t in times.items()})
+            torch.cuda.synchronize()
+            h.check()
+            dist.barrier(group=ctx.group)
+        out[key] = row
+        if ctx.rank == 0:
+            print(key, {v: round(row[v], 4) for v in VARIANTS if v in row}, file=sys.stderr, flush=True)
+    return out
+
+
+def _combine(per_rank):
+    rows = {}
+    for key, row in per_rank[0].items():
+        rows[key] = {**row, **{v: max(r[key][v] for r in per_rank) for v in VARIANTS if v in row}}
+    return rows
+
+
+def main(argv=None):
+    p = bench_parser(__doc__)
+    p.add_argument("--m", type=int, default=8192)
+    p.add_argument("--timeout", type=float, default=500)
+    args = p.parse_args(argv)
+    per_rank = run_ranks(_rank, args.tp, (args.m, 3 if args.quick else 5), device="cuda", heap_size=1400 << 20,
+                         timeout=args.timeout)
+    rows = _combine(per_rank)
+    md = md_table(["shape", "op", "config", *[f"{v} ms" for v in VARIANTS], "w1/cuBLAS", "self_peer/w1",
+                   "ours/self_peer", "ours/cuBLAS"],
+                  [[key, r["op"], r["config"], *[r.get(v, "") for v in VARIANTS], r["w1"] / r["cublas"],
+                    r["self_peer"] / r["w1"], r["ours"] / r["self_peer"], r["ours"] / r["cublas"]]
+                   for key, r in rows.items()])
+    paths = write_results(args.out, f"fused-costs-tp{args.tp}", {"environment": environment(args.tp), "rows": rows},
+                          md)
+    print(md)
+    print("wrote", *paths)
+
+
+if __name__ == "__main__":
+    main()
