@@ -29,7 +29,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import bench_parser, environment, md_table, write_results  # noqa: E402
+from benchlib import bench_parser, environment, md_table, publish  # noqa: E402
 
 from tp_overlap_plugin.collectives import HeapAllReduce  # noqa: E402
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
@@ -212,9 +212,7 @@ def main(argv=None):
                "all_ranks": per_rank}
     md = _markdown(payload)
     name = f"allreduce-stress-tp{args.tp}" + ("-quick" if args.quick else "")
-    paths = write_results(args.out, name, payload, md)
-    print(md)
-    print("wrote", *paths)
+    publish(args.out, name, payload, md)
 
 
 if __name__ == "__main__":

@@ -203,6 +203,14 @@ def write_results(out_dir: str, name: str, payload: dict, markdown: str) -> tupl
     return stem + ".json", stem + ".md"
 
 
+def publish(out_dir: str, name: str, payload: dict, markdown: str) -> tuple[str, str]:
+    """write_results, then the tables and where they went on stdout (the device machines' log)."""
+    paths = write_results(out_dir, name, payload, markdown)
+    print(markdown)
+    print("wrote", *paths)
+    return paths
+
+
 def md_table(headers: list[str], rows: list[list]) -> str:
     def fmt(v):
         if isinstance(v, float):

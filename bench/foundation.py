@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import bench_parser, environment, graph_time_per_call_ms, md_table, time_per_call_ms, write_results  # noqa: E402
+from benchlib import (bench_parser, environment, graph_time_per_call_ms, md_table, publish,  # noqa: E402
+                      time_per_call_ms)
 from remote_bw import copy_kernel  # noqa: E402
 
 from tp_overlap_plugin.collectives import HeapAllReduce, HeapAllReduceNorm  # noqa: E402
@@ -212,9 +213,7 @@ def main(argv=None):
                          timeout=500)
     payload = {"environment": environment(args.tp), "rank0": per_rank[0], "all_ranks": per_rank}
     md = _markdown(per_rank[0])
-    paths = write_results(args.out, f"foundation-tp{args.tp}", payload, md)
-    print(md)
-    print("wrote", *paths)
+    publish(args.out, f"foundation-tp{args.tp}", payload, md)
 
 
 if __name__ == "__main__":

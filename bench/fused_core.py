@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import bench_parser, environment, graph_time_per_call_ms, md_table, write_results  # noqa: E402
+from benchlib import bench_parser, environment, graph_time_per_call_ms, md_table, publish  # noqa: E402
 
 from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel  # noqa: E402
 from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel  # noqa: E402
@@ -94,9 +94,7 @@ def main(argv=None):
     md = md_table(["M", "K", "N", "config", *[f"{x} ms" for x in names], *[f"{x}/cuBLAS" for x in names[1:]]],
                   [[r["M"], r["K"], r["N"], r["config"], *[r[x] for x in names], *[r[x] / r["cublas"] for x in names[1:]]]
                    for r in rows])
-    paths = write_results(args.out, "fused-core", {"environment": environment(1), "rows": rows}, md)
-    print(md)
-    print("wrote", *paths)
+    publish(args.out, "fused-core", {"environment": environment(1), "rows": rows}, md)
 
 
 if __name__ == "__main__":

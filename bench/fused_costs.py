@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import bench_parser, capture_graph, environment, md_table, time_per_call_ms, write_results  # noqa: E402
+from benchlib import bench_parser, capture_graph, environment, md_table, publish, time_per_call_ms  # noqa: E402
 from fused_core import ag_kernel_w1, rs_kernel_w1  # noqa: E402
 from overlap import llama_shapes, weight_t  # noqa: E402
 
@@ -85,14 +85,14 @@ def _rank(ctx, m, rounds):
                 real, own = AllGatherGemm(h, rows, k), _self_peer_ag(h, rows, k)
                 shard = a[ctx.rank * rows:(ctx.rank + 1) * rows]
                 w1 = lambda: ag_kernel_w1(a, b, c, cfg)  # noqa: E731
-                fused = {"self_peer": lambda: own(shard, b), "ours": lambda: real(shard, b), "ours_1chunk": None}
+                fused = {"self_peer": lambda: own(shard, b), "ours": lambda: real(shard, b)}
             else:
                 real, own = GemmReduceScatter(h, rows, n), GemmReduceScatter(h, rows, n)
                 one = GemmReduceScatter(h, rows, n, chunks=1)
                 w1 = lambda: rs_kernel_w1(a, b, c, cfg)  # noqa: E731
                 fused = {"self_peer": lambda: own(a, b), "ours": lambda: real(a, b), "ours_1chunk": lambda: one(a, b)}
             fns = {"cublas": lambda: torch.matmul(a, b, out=c), "w1": w1, **fused}
-            names = [v for v in VARIANTS if fns[v] is not None]
+            names = [v for v in VARIANTS if v in fns]  # ours_1chunk: GEMM-RS only
             replays = {}
             for name in names:
                 with _own_heap_only(h, own_bases) if name == "self_peer" else contextlib.nullcontext():
@@ -135,10 +135,7 @@ def main(argv=None):
                   [[key, r["op"], r["config"], *[r.get(v, "") for v in VARIANTS], r["w1"] / r["cublas"],
                     r["self_peer"] / r["w1"], r["ours"] / r["self_peer"], r["ours"] / r["cublas"]]
                    for key, r in rows.items()])
-    paths = write_results(args.out, f"fused-costs-tp{args.tp}", {"environment": environment(args.tp), "rows": rows},
-                          md)
-    print(md)
-    print("wrote", *paths)
+    publish(args.out, f"fused-costs-tp{args.tp}", {"environment": environment(args.tp), "rows": rows}, md)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import bench_parser, cycle, environment, graph_time_per_call_ms, md_table, time_per_call_ms, write_results  # noqa: E402
+from benchlib import (bench_parser, cycle, environment, graph_time_per_call_ms, md_table, publish,  # noqa: E402
+                      time_per_call_ms)
 
 from tp_overlap_plugin.collectives import HeapAllReduce, HeapAllReduceNorm  # noqa: E402
 from tp_overlap_plugin.gemm_config import gemm_all_reduce_config  # noqa: E402
@@ -184,9 +185,7 @@ def main(argv=None):
            "hbm_bytes_per_s": HBM_BYTES_PER_S, "link_bytes_per_s": LINK_BYTES_PER_S, "one_way_us": ONE_WAY_US},
            "rows": per_rank[0], "all_ranks": per_rank}
     md = markdown(res)
-    paths = write_results(args.out, f"gemm-ar-tp{args.tp}", res, md)
-    print(md)
-    print("wrote", *paths)
+    publish(args.out, f"gemm-ar-tp{args.tp}", res, md)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import (bench_parser, cycle, environment, graph_time_per_call_ms, hbm_copy_bandwidth,  # noqa: E402
-                      md_table, write_results)
+                      md_table, publish)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -116,9 +116,7 @@ def main(argv=None):
            "config": {"quick": args.quick, "calls_per_graph": CALLS, "l2_flush_bytes": L2_FLUSH_BYTES},
            "rows": measure(shape_list, rows, gpu)}
     md = markdown(res)
-    paths = write_results(args.out, f"gemv-tp{args.tp}", res, md)
-    print(md)
-    print("wrote", *paths)
+    publish(args.out, f"gemv-tp{args.tp}", res, md)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import bench_parser, environment, md_table, write_results  # noqa: E402
+from benchlib import bench_parser, environment, md_table, publish  # noqa: E402
 
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
 from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter  # noqa: E402
@@ -163,9 +163,7 @@ def main(argv=None):
                "per_rank": per_rank}
     md = md_table(["mode", "calls per rank", "mismatches (all ranks)", "max rel. error", "seconds"],
                   [[mode, r["calls"], r["mismatches"], r["max_rel_err"], r["seconds"]] for mode, r in res.items()])
-    paths = write_results(args.out, f"overlap-stress-tp{args.tp}", payload, md)
-    print(md)
-    print("wrote", *paths)
+    publish(args.out, f"overlap-stress-tp{args.tp}", payload, md)
     if any(r["mismatches"] for r in res.values()):
         sys.exit(1)
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import bench_parser, environment, md_table, time_per_call_ms, write_results  # noqa: E402
+from benchlib import bench_parser, environment, md_table, publish, time_per_call_ms  # noqa: E402
 
 from tp_overlap_plugin.kernels import rma  # noqa: E402
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
@@ -97,10 +97,8 @@ def main(argv=None):
         r["GBps"] = BYTES / r["ms"] / 1e6
     md = md_table(["mode", "programs", "ms", "GB/s per GPU"], [[r["mode"], r["programs"], r["ms"], r["GBps"]]
                                                                for r in rows])
-    paths = write_results(args.out, f"remote-bw-tp{args.tp}", {"environment": environment(args.tp),
-                                                               "bytes": BYTES, "rows": rows}, md)
-    print(md)
-    print("wrote", *paths)
+    publish(args.out, f"remote-bw-tp{args.tp}", {"environment": environment(args.tp), "bytes": BYTES, "rows": rows},
+            md)
 
 
 if __name__ == "__main__":

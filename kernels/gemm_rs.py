@@ -17,8 +17,9 @@ order.
 
 Why chunks: the stores of the last tiles of the peers' loop are still on the link when that loop
 ends (one 64 KB tile per program: 8 MB on 132 SMs, ~25 us over NVLink on H200). With one chunk
-every rank waits for them before any own tile; with two, chunk 0's partials landed long ago and
-the tail of chunk 1 drains while my own chunk 0 computes (bench/notes/gemm_rs.md).
+every rank waits for them before any own tile; with two, the tail of chunk 1 drains while my own
+chunk 0 computes. Measured on H200 x2: 3% off 70B down (K = 14336), a tie on the 8B shapes, whose
+loss is elsewhere (bench/notes/gemm_rs.md, ag_gemm.md).
 
 The half is the call number's parity (device memory): a peer can reach call e + 2, which writes
 half e % 2 again, only after I finished call e + 1; the program that finishes call e last zeroes
@@ -44,6 +45,13 @@ def load_tile(ptr, pid_m, pid_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
+def _chunk(c, per_shard, CHUNKS: tl.constexpr):
+    """(first tile, tile count) of chunk c of a shard's per_shard tiles, in tile order."""
+    lo = c * per_shard // CHUNKS
+    return lo, (c + 1) * per_shard // CHUNKS - lo
+
+
+@triton.jit
 def gemm_rs_kernel(a_ptr, b_ptr, c_ptr, recv_ptr, rows, N, K, stride_am, stride_bk, stride_bn, slot_stride,
                    counts_ptr, calls_ptr, rank, heap_bases, error_ptr, max_spins,
                    WORLD: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -66,8 +74,7 @@ def gemm_rs_kernel(a_ptr, b_ptr, c_ptr, recv_ptr, rows, N, K, stride_am, stride_
     counts_half = counts_ptr + half * (WORLD - 1) * CHUNKS
     peers_items = (WORLD - 1) * per_shard
     for c in tl.static_range(CHUNKS):
-        lo = c * per_shard // CHUNKS
-        size = (c + 1) * per_shard // CHUNKS - lo
+        lo, size = _chunk(c, per_shard, CHUNKS)
         first = (WORLD - 1) * lo  # this chunk's items: every peer's tiles lo .. lo + size - 1
         end = first + (WORLD - 1) * size
         if not ok:
@@ -95,8 +102,7 @@ def gemm_rs_kernel(a_ptr, b_ptr, c_ptr, recv_ptr, rows, N, K, stride_am, stride_
                                   sem="release", scope="sys")
     a_mine = a_ptr + tl.cast(rank, tl.int64) * rows * stride_am
     for c in tl.static_range(CHUNKS):
-        lo = c * per_shard // CHUNKS
-        size = (c + 1) * per_shard // CHUNKS - lo
+        lo, size = _chunk(c, per_shard, CHUNKS)
         # a chunk's partials were stored a whole chunk of tiles ago (the last one's, a loop ago):
         # the link has drained them while this rank computed
         for peer in tl.static_range(WORLD):
