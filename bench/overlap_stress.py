@@ -1,13 +1,15 @@
 """AG-GEMM and GEMM-RS stress run on GPUs: back-to-back calls with M drawn at random every call,
-eager and as CUDA-graph replays, every result checked against torch (NCCL + fp32 matmul):
+eager and as CUDA-graph replays, every result checked against an fp32 torch reference:
 
-    python bench/overlap_stress.py --tp 4 [--calls 2000] [--out bench/results] [--quick]
+    python bench/overlap_stress.py --tp 4 [--calls 2000] [--out bench/results] [--quick] [--share-gpus]
 
 Shapes are Llama-3-8B's qkv (AG-GEMM) and o_proj (GEMM-RS) at TP=W. Eager: each call takes a new
 M (1 to the op's capacity; AG: rows per shard, RS: rows in all, padded to W) and fresh inputs. Graph:
 one graph per op for each of 8 Ms, captured once, then replayed in random order with fresh inputs
-copied into the graph's input buffers before each replay. The reference runs between our calls on
-the same stream, so NCCL kernels interleave with ours as they do in a model. A call whose relative
+copied into the graph's input buffers before each replay. Every rank draws every rank's inputs and
+weights from per-rank seeds, so it computes the reference alone (fp32, the ranks summed in order),
+between our calls on the same stream; no collective is needed, which lets `--share-gpus` run more
+ranks than GPUs (a correctness check: ranks on one GPU are time-sliced). A call whose relative
 error exceeds the tolerance, or is not finite, is a mismatch; the run reports the count (the target
 is 0) and the worst error per mode.
 """
@@ -40,12 +42,13 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 
 class _Op:
-    """One fused op with fresh inputs for M, our call and the reference (fp32, through NCCL)."""
+    """One fused op with fresh inputs for M, our call and the reference. Every rank holds every
+    rank's weight and input generator (seeded by rank), drawn in the same order everywhere."""
 
     def __init__(self, ctx, kind):
         self.ctx, self.kind = ctx, kind
         W, dev = ctx.world_size, ctx.device
-        self.gen = torch.Generator(device=dev).manual_seed(77 + ctx.rank)
+        self.gens = [torch.Generator(device=dev).manual_seed(77 + r) for r in range(W)]
         if kind == "ag":
             self.k, self.n = HIDDEN, QKV // W
             self.op = AllGatherGemm(ctx.heap, MAX_ROWS, self.k)
@@ -53,31 +56,30 @@ class _Op:
             self.k, self.n = HIDDEN // W, HIDDEN
             self.op = GemmReduceScatter(ctx.heap, MAX_ROWS, self.n)
         # B as the TP layers pass it: an nn.Linear weight, transposed (a view)
-        self.b = (torch.randn(self.n, self.k, device=dev, generator=self.gen) / self.k ** 0.5).to(torch.bfloat16).t()
-        self.b32 = self.b.float()
+        self.bs = [(torch.randn(self.n, self.k, device=dev, generator=g) / self.k ** 0.5).to(torch.bfloat16).t()
+                   for g in self.gens]
+        self.b32s = [b.float() for b in self.bs]
 
     def capacity(self) -> int:
         return MAX_ROWS if self.kind == "ag" else MAX_ROWS * self.ctx.world_size
 
-    def inputs(self, m: int) -> torch.Tensor:
-        return torch.randn(m, self.k, device=self.ctx.device, generator=self.gen).to(torch.bfloat16)
+    def inputs(self, m: int) -> list[torch.Tensor]:
+        """Every rank's A for this call; this rank's is [ctx.rank]."""
+        return [torch.randn(m, self.k, device=self.ctx.device, generator=g).to(torch.bfloat16) for g in self.gens]
 
     def __call__(self, a: torch.Tensor) -> torch.Tensor:
-        return self.op(a, self.b)
+        return self.op(a, self.bs[self.ctx.rank])
 
-    def reference(self, a: torch.Tensor) -> torch.Tensor:
-        W, g = self.ctx.world_size, self.ctx.device_group
+    def reference(self, a_all: list[torch.Tensor]) -> torch.Tensor:
+        rank, W = self.ctx.rank, self.ctx.world_size
         if self.kind == "ag":
-            full = torch.empty(W * a.shape[0], self.k, dtype=a.dtype, device=a.device)
-            dist.all_gather_into_tensor(full, a, group=g)
-            return full.float() @ self.b32
-        m = a.shape[0]
+            return torch.cat(a_all).float() @ self.b32s[rank]
+        m = a_all[0].shape[0]
         rows = -(-m // W)
-        full = torch.zeros(rows * W, self.n, dtype=torch.float32, device=a.device)
-        full[:m] = a.float() @ self.b32
-        shard = torch.empty(rows, self.n, dtype=torch.float32, device=a.device)
-        dist.reduce_scatter_tensor(shard, full, group=g)
-        return shard
+        full = torch.zeros(rows * W, self.n, dtype=torch.float32, device=a_all[0].device)
+        for a, b in zip(a_all, self.b32s):  # rank order
+            full[:m] += a.float() @ b
+        return full[rank * rows:(rank + 1) * rows]
 
 
 def _stress_rank(ctx, calls, seed):
@@ -92,7 +94,7 @@ def _stress_rank(ctx, calls, seed):
 
     # warm: every kernel on every rank compiles before any cross-rank wait is timed or checked
     for op in ops.values():
-        op(op.inputs(ctx.world_size))
+        op(op.inputs(ctx.world_size)[ctx.rank])
     torch.cuda.synchronize()
     dist.barrier(group=ctx.group)
 
@@ -101,8 +103,8 @@ def _stress_rank(ctx, calls, seed):
     for _ in range(calls):
         kind = list(ops)[int(torch.randint(0, len(ops), (), generator=order))]
         op = ops[kind]
-        a = op.inputs(draw_m(op))
-        errs.append(_rel_err(op(a), op.reference(a)))
+        a_all = op.inputs(draw_m(op))
+        errs.append(_rel_err(op(a_all[ctx.rank]), op.reference(a_all)))
         kinds.append(kind)
     errs = torch.stack(errs).cpu()
     torch.cuda.synchronize()
@@ -116,7 +118,7 @@ def _stress_rank(ctx, calls, seed):
     for kind, op in ops.items():
         ms = sorted({1, op.capacity(), *(draw_m(op) for _ in range(GRAPH_MS - 2))})
         for m in ms:
-            a = op.inputs(m)
+            a = op.inputs(m)[ctx.rank]
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -134,9 +136,10 @@ def _stress_rank(ctx, calls, seed):
     for _ in range(calls):
         kind, m, a, c, graph = graphs[int(torch.randint(0, len(graphs), (), generator=order))]
         op = ops[kind]
-        a.copy_(op.inputs(m))
+        a_all = op.inputs(m)
+        a.copy_(a_all[ctx.rank])
         graph.replay()
-        errs.append(_rel_err(c, op.reference(a)))
+        errs.append(_rel_err(c, op.reference(a_all)))
     errs = torch.stack(errs).cpu()
     torch.cuda.synchronize()
     ctx.heap.check()
@@ -150,20 +153,25 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--seed", type=int, default=2026)
     p.add_argument("--timeout", type=float, default=540)
+    p.add_argument("--share-gpus", action="store_true", help="more ranks than GPUs (correctness only)")
     args = p.parse_args(argv)
     calls = 200 if args.quick else args.calls
     heap = 3 * (args.tp - 1) * MAX_ROWS * HIDDEN * 2 + (64 << 20)  # AG: 1 buffer, RS: 2 halves, of W - 1 slots
     per_rank = run_ranks(_stress_rank, args.tp, (calls, args.seed), device="cuda", heap_size=heap,
-                         timeout=args.timeout)
+                         timeout=args.timeout, share_gpus=args.share_gpus)
     res = {mode: {**per_rank[0][mode],
                   "mismatches": sum(r[mode]["mismatches"] for r in per_rank),
                   "max_rel_err": max(r[mode]["max_rel_err"] for r in per_rank)} for mode in ("eager", "graph")}
-    payload = {"environment": environment(args.tp), "tolerance": TOLERANCE, "max_rows": MAX_ROWS,
+    shared = args.share_gpus and torch.cuda.device_count() < args.tp
+    payload = {"environment": environment(args.tp, ranks_share_gpus=shared), "tolerance": TOLERANCE, "max_rows": MAX_ROWS,
                "shapes": {"ag": [HIDDEN, QKV // args.tp], "rs": [HIDDEN // args.tp, HIDDEN]}, **res,
                "per_rank": per_rank}
     md = md_table(["mode", "calls per rank", "mismatches (all ranks)", "max rel. error", "seconds"],
                   [[mode, r["calls"], r["mismatches"], r["max_rel_err"], r["seconds"]] for mode, r in res.items()])
-    publish(args.out, f"overlap-stress-tp{args.tp}", payload, md)
+    if shared:
+        md = (f"**{args.tp} ranks on {torch.cuda.device_count()} GPUs** (time-sliced: a correctness check, "
+              f"no timing)\n\n" + md)
+    publish(args.out, f"overlap-stress-tp{args.tp}" + ("-shared-gpus" if shared else ""), payload, md)
     if any(r["mismatches"] for r in res.values()):
         sys.exit(1)
 

@@ -1,8 +1,11 @@
 """Tests that take a `device` argument run on the CPU (Triton interpreter) and, marked `gpu`, on
-CUDA/ROCm GPUs; a GPU case with more ranks than GPUs present is skipped."""
+CUDA/ROCm GPUs; a GPU case with more ranks than GPUs present is skipped, unless
+TP_OVERLAP_SHARE_GPUS=1 lets ranks share GPUs (tp_overlap_plugin/multirank.py)."""
 
 import pytest
 import torch
+
+from tp_overlap_plugin.multirank import gpu_ranks_fit
 
 
 def pytest_generate_tests(metafunc):
@@ -15,6 +18,5 @@ def _skip_without_gpus(request):
     params = getattr(getattr(request.node, "callspec", None), "params", {})
     if params.get("device") == "cuda":
         need = params.get("world", 1)
-        have = torch.cuda.device_count()
-        if have < need:
-            pytest.skip(f"needs {need} GPUs, found {have}")
+        if not gpu_ranks_fit(need):
+            pytest.skip(f"needs {need} GPUs, found {torch.cuda.device_count()}")

@@ -65,10 +65,12 @@ def _assert_within(got, ref, slack, what):
 def _cases(world):
     """(tokens, hidden, dtype, bias): rows of 100, 1000 or 2500 columns are one receive tile at 2
     and 4 ranks (normalised from registers); 5000 at 4 ranks is two (4096-column tiles), with the
-    second pass over the row."""
+    second pass over the row. Rows of 4500 fp32 (at 2 ranks) and 5000 bf16 go out in several
+    pushes (2048 and 4096 columns), each with its own epoch."""
     if world == 2:
         return [(1, 100, torch.bfloat16, False), (40, 100, torch.bfloat16, False), (7, 1000, torch.bfloat16, True),
-                (3, 100, torch.bfloat16, False), (5, 96, torch.float32, False), (1, 96, torch.float32, True)]
+                (3, 100, torch.bfloat16, False), (5, 96, torch.float32, False), (1, 96, torch.float32, True),
+                (3, 4500, torch.float32, False), (1, 4500, torch.float32, True)]
     return [(3, 2500, torch.bfloat16, False), (9, 100, torch.bfloat16, True), (2, 5000, torch.bfloat16, True),
             (1, 2500, torch.bfloat16, True)]
 

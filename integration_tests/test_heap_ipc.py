@@ -18,7 +18,7 @@ import triton.language as tl
 
 from tp_overlap_plugin.heap import IpcMemHandle, IpcRuntime, configure_runtime, runtime_signatures
 from tp_overlap_plugin.kernels import rma
-from tp_overlap_plugin.multirank import run_ranks
+from tp_overlap_plugin.multirank import gpu_ranks_fit, run_ranks
 
 
 @pytest.mark.parametrize("prefix", ["cuda", "hip"])
@@ -173,7 +173,7 @@ def _ipc_heap_carries_everything(ctx, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
 def test_ipc_heap_on_gpus(world):
-    if torch.cuda.device_count() < world:
+    if not gpu_ranks_fit(world):
         pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
     seed = int(torch.randint(0, 2**30, ()))
     results = run_ranks(_ipc_heap_carries_everything, world, (seed,), device="cuda", heap_size=64 << 20,

@@ -132,8 +132,8 @@ for _w, _peers, _sub in ((2, 1, 4096), (8, 8, 512)):
     KERNELS[f"all_reduce_rmsnorm_bf16_w{_w}"] = (
         all_reduce_rmsnorm_kernel,
         _sig("x_ptr:*bf16 res_ptr:*bf16 w_ptr:*bf16 bias_ptr:*bf16 out_ptr:*bf16 res_out_ptr:*bf16 slots_ptr:*i16 "
-             "epoch_ptr:*i64 rows:i32 n:i32 stride_x:i32 stride_res:i32 stride_out:i32 stride_res_out:i32 "
-             "slot_stride:i32 src_stride:i32 row_stride:i32 eps:fp32", _LAMPORT,
+             "push_epoch_ptr:*i64 row_epoch_ptr:*i64 rows:i32 n:i32 stride_x:i32 stride_res:i32 stride_out:i32 "
+             "stride_res_out:i32 slot_stride:i32 src_stride:i32 row_stride:i32 eps:fp32", _LAMPORT,
              ["W", "PEERS", "BLOCK", "SUB", "ONE_TILE", "HAS_BIAS", *_CACHE]),
         # at 2 ranks an 8192-wide row is one receive tile, normalised from registers; at 8, four
         {**_cx, "PEERS": _peers, "SUB": row_blocks(8192, _w, 2)[1], "ONE_TILE": _w == 2, "HAS_BIAS": True},

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tp_overlap_plugin import stats
-from tp_overlap_plugin.multirank import run_ranks
+from tp_overlap_plugin.multirank import gpu_ranks_fit, run_ranks
 from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter, gemm, pick_config
 
 
@@ -229,7 +229,7 @@ def _graph_replays(ctx):
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
 def test_fused_ops_replay_in_cuda_graphs(world):
-    if torch.cuda.device_count() < world:
+    if not gpu_ranks_fit(world):
         pytest.skip(f"needs {world} GPUs")
     for errs, ag_calls, rs_calls in run_ranks(_graph_replays, world, device="cuda", heap_size=64 << 20,
                                               timeout=300):

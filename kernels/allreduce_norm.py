@@ -44,36 +44,43 @@ def row_blocks(hidden: int, world: int, elsize: int) -> tuple[int, int]:
 
 
 @triton.jit
-def all_reduce_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr, slots_ptr, epoch_ptr, rows, n,
-                              stride_x, stride_res, stride_out, stride_res_out, slot_stride, src_stride, row_stride,
-                              eps, rank, heap_bases, error_ptr, max_spins, W: tl.constexpr, PEERS: tl.constexpr,
-                              BLOCK: tl.constexpr, SUB: tl.constexpr, ONE_TILE: tl.constexpr,
+def all_reduce_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr, slots_ptr, push_epoch_ptr,
+                              row_epoch_ptr, rows, n, stride_x, stride_res, stride_out, stride_res_out, slot_stride,
+                              src_stride, row_stride, eps, rank, heap_bases, error_ptr, max_spins, W: tl.constexpr,
+                              PEERS: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, ONE_TILE: tl.constexpr,
                               HAS_BIAS: tl.constexpr, PEER_STORE: tl.constexpr, POLL_LOAD: tl.constexpr):
-    """slots[e % 2][src][r] in every heap receives rank src's row r in its call e."""
+    """slots[e % 2][src][r] in every heap receives rank src's row r in its call e.
+
+    The pushes are spread over the grid a BLOCK of a row at a time, and the rows are received and
+    normalised one per program: one SM pushing a whole 8192-wide row alone cost ~1.4 us more than
+    two pushing half each (bench/notes/allreduce.md). So a row's pieces may go out from other
+    programs than the one that receives it, and each counts its own epoch: piece b of row r in
+    push_epochs[r * pieces + b], the row's receiver in row_epochs[r]. All of them count the calls
+    that had row r, so they agree, with no program reading another's counter."""
     pid = tl.program_id(0)
     lane = tl.arange(0, BLOCK)
     dtype = x_ptr.dtype.element_ty
     live = _flag(tl.load(error_ptr, volatile=True) == 0)  # a rank that has given up pushes nothing
-    for r in range(pid, rows, tl.num_programs(0)):
-        epoch = _advance(epoch_ptr + r)
+    pieces = tl.cdiv(n, BLOCK)
+    for i in range(pid, rows * pieces, tl.num_programs(0)):
+        r = i // pieces
+        cols = (i % pieces) * BLOCK + lane
+        mask = cols < n
+        epoch = _advance(push_epoch_ptr + i)
         dst = slots_ptr + (epoch % 2) * slot_stride + rank * src_stride + r * row_stride
-        for start in range(0, n, BLOCK):
-            cols = start + lane
-            mask = cols < n
-            bits = _sendable(_bits(tl.load(x_ptr + r * stride_x + cols, mask=mask)))
-            for q in tl.static_range(1, W):
-                peer = (rank + q) % W
-                tl.store(rma.translate(dst + cols, rank, peer, heap_bases), bits, mask=mask & live,
-                         cache_modifier=PEER_STORE)
-    tl.debug_barrier()  # the epochs stored above are read back below, by other threads
+        bits = _sendable(_bits(tl.load(x_ptr + r * stride_x + cols, mask=mask)))
+        for q in tl.static_range(1, W):
+            peer = (rank + q) % W
+            tl.store(rma.translate(dst + cols, rank, peer, heap_bases), bits, mask=mask & live,
+                     cache_modifier=PEER_STORE)
     ok = pid >= 0
     pcols, srcs = _peer_tile(rank, W, PEERS)
     lane = tl.arange(0, SUB)
     if ONE_TILE:
         w_row = tl.load(w_ptr + lane, mask=lane < n, other=0).to(tl.float32)
     for r in range(pid, rows, tl.num_programs(0)):
+        epoch = _advance(row_epoch_ptr + r)
         if ok:
-            epoch = tl.load(epoch_ptr + r) - 1
             base = slots_ptr + (epoch % 2) * slot_stride + r * row_stride
             squares = tl.zeros((SUB,), dtype=tl.float32)
             for start in range(0, n, SUB):

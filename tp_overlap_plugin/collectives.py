@@ -223,18 +223,24 @@ class HeapAllReduceNorm:
         self.heap, self.hidden, self.max_rows, self.dtype = heap, hidden, max_rows, dtype
         W, es = heap.world_size, torch.empty((), dtype=dtype).element_size()
         self.slots = alloc_row_slots(heap, max_rows, hidden, dtype, "all_reduce_norm.slots")
-        self.epochs = heap.alloc((max_rows,), torch.int64, name="all_reduce_norm.epochs")
-        self.epochs.zero_()
         self.block, self.sub = row_blocks(hidden, W, es)
-        self.num_programs = resident_programs(heap.device)
-        self.cache_modifiers = cache_modifiers(heap.device)
+        self.pieces = triton.cdiv(hidden, self.block)  # a row goes out in this many pushes
+        self.push_epochs = heap.alloc((max_rows * self.pieces,), torch.int64, name="all_reduce_norm.push_epochs")
+        self.row_epochs = heap.alloc((max_rows,), torch.int64, name="all_reduce_norm.row_epochs")
+        for t in (self.push_epochs, self.row_epochs):
+            t.zero_()
         on_gpu = heap.device.type == "cuda"
+        # The interpreter runs programs one after another, and a row's pieces may be pushed by a
+        # later program than the one that waits for them: there, one program does it all.
+        self.num_programs = resident_programs(heap.device) if on_gpu else 1
+        self.cache_modifiers = cache_modifiers(heap.device)
         self.num_warps = norm_num_warps(torch.cuda.get_device_properties(heap.device).warp_size if on_gpu else 32)
         heap.publish()
 
     @staticmethod
     def heap_bytes(world: int, hidden: int, max_rows: int, dtype: torch.dtype) -> int:
-        return row_slots_bytes(world, max_rows, hidden, dtype) + 8 * max_rows + 2 * 256
+        pieces = triton.cdiv(hidden, row_blocks(hidden, world, torch.empty((), dtype=dtype).element_size())[0])
+        return row_slots_bytes(world, max_rows, hidden, dtype) + 8 * max_rows * (pieces + 1) + 3 * 256
 
     def applies(self, x: torch.Tensor) -> bool:
         return (x.dim() == 2 and x.dtype == self.dtype and x.shape[1] == self.hidden and x.shape[0] <= self.max_rows
@@ -267,9 +273,9 @@ class HeapAllReduceNorm:
             return normed, new_residual
         stats.record("all_reduce_norm.kernel")
         h, W = self.heap, self.heap.world_size
-        all_reduce_rmsnorm_kernel[(min(rows, self.num_programs),)](
-            x, residual, weight, bias if bias is not None else weight, normed, new_residual, self.slots, self.epochs,
-            rows, self.hidden, x.stride(0), residual.stride(0), normed.stride(0), new_residual.stride(0),
+        all_reduce_rmsnorm_kernel[(min(rows * self.pieces, self.num_programs),)](
+            x, residual, weight, bias if bias is not None else weight, normed, new_residual, self.slots,
+            self.push_epochs, self.row_epochs, rows, self.hidden, x.stride(0), residual.stride(0), normed.stride(0), new_residual.stride(0),
             self.slots.stride(0), self.slots.stride(1), self.slots.stride(2), eps, rank=h.rank,
             heap_bases=h.heap_bases, error_ptr=h.error, max_spins=h.spin_limit, W=W, PEERS=peers_pow2(W),
             BLOCK=self.block, SUB=self.sub, ONE_TILE=self.hidden <= self.sub, HAS_BIAS=bias is not None,

@@ -8,6 +8,12 @@ first rank to fail raises RankFailedError here with its rank and traceback; a ra
 without a word, or a run past `timeout`, kills every rank. A test that kills a rank on purpose
 names it in `may_exit`: its exit without a result is then its result, a RankExited. `fn` may live
 in a test file that is not importable by module name: the children load it from its file.
+
+`share_gpus=True` (default: TP_OVERLAP_SHARE_GPUS=1 in the environment) lets more ranks than GPUs run, rank r on GPU r % count: a check of the
+protocol at a world size the machine cannot hold one rank per GPU (TP=4 on two GPUs). Ranks on one
+GPU are time-sliced, so it is for correctness, never for timing; NCCL refuses two ranks on a GPU, so
+the device group is gloo, and the heap uses the ipc backend (one allocation per process, opened by
+the other processes of the same GPU as well as the peers').
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ class RankContext:
     world_size: int
     device: torch.device
     group: dist.ProcessGroup            # gloo, CPU: heap rendezvous and host-side exchanges
-    device_group: dist.ProcessGroup     # the device's backend (gloo on CPU, NCCL/RCCL on GPU)
+    device_group: dist.ProcessGroup     # NCCL/RCCL on GPUs; gloo on the CPU and when ranks share GPUs
     heap: object | None = None          # SymmetricHeap when run_ranks got a heap_size
     extras: dict = field(default_factory=dict)
 
@@ -87,13 +93,21 @@ class _FnRef:
 
 def run_ranks(fn, world_size: int, args: tuple = (), *, device: str = "cpu", heap_size: int | None = None,
               heap_kwargs: dict | None = None, timeout: float = 120.0, env: dict | None = None,
-              may_exit=()) -> list:
+              may_exit=(), share_gpus: bool | None = None) -> list:
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     may_exit = set(may_exit)
-    if device == "cuda" and torch.cuda.device_count() < world_size:
-        raise RuntimeError(f"run_ranks needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    if device == "cuda" and torch.cuda.device_count() == 0:
+        raise RuntimeError("run_ranks(device='cuda') found no GPU")
+    if share_gpus is None:
+        share_gpus = sharing_gpus()
+    shared = device == "cuda" and torch.cuda.device_count() < world_size
+    if shared and not share_gpus:
+        raise RuntimeError(f"run_ranks needs {world_size} GPUs, found {torch.cuda.device_count()} "
+                           f"(share_gpus=True runs several ranks per GPU, for correctness checks only)")
     child_env = dict(env or {})
+    if shared:
+        child_env.setdefault("TP_OVERLAP_HEAP_BACKEND", "ipc")
     if device == "cpu":
         child_env.setdefault("TRITON_INTERPRET", "1")
     else:
@@ -110,7 +124,7 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, device: str = "cpu", hea
         for rank in range(world_size):
             p = ctx.Process(target=_rank_main, daemon=True,
                             args=(fnref, rank, world_size, store_file.name, device, heap_size,
-                                  heap_kwargs or {}, args, results_q, timeout))
+                                  heap_kwargs or {}, args, results_q, timeout, shared))
             p.start()
             procs.append(p)
     results: dict[int, object] = {}
@@ -166,6 +180,18 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, device: str = "cpu", hea
     return [results[r] for r in range(world_size)]
 
 
+def sharing_gpus() -> bool:
+    """Whether GPU runs may put several ranks on a GPU (TP_OVERLAP_SHARE_GPUS=1): the GPU tests then
+    run their 4- and 8-rank cases on a 2-GPU machine."""
+    return os.environ.get("TP_OVERLAP_SHARE_GPUS") == "1"
+
+
+def gpu_ranks_fit(world_size: int) -> bool:
+    """Whether run_ranks(device="cuda") can start this many ranks here (a GPU test skips if not)."""
+    have = torch.cuda.device_count()
+    return have >= world_size or (have > 0 and sharing_gpus())
+
+
 @contextlib.contextmanager
 def _patched_environ(env: dict):
     saved = {k: os.environ.get(k) for k in env}
@@ -181,7 +207,7 @@ def _patched_environ(env: dict):
 
 
 def _rank_main(fnref, rank, world_size, store_path, device, heap_size, heap_kwargs, args, results_q,
-               timeout):
+               timeout, shared):
     heap = None
     try:
         store = dist.FileStore(store_path, world_size)
@@ -193,10 +219,14 @@ def _rank_main(fnref, rank, world_size, store_path, device, heap_size, heap_kwar
         else:
             dev = torch.device("cuda", rank % torch.cuda.device_count())
             torch.cuda.set_device(dev)
-            dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, timeout=td,
-                                    device_id=dev)
-            device_group = dist.group.WORLD
-            group = dist.new_group(backend="gloo", timeout=td)
+            if shared:
+                dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=td)
+                group = device_group = dist.group.WORLD
+            else:
+                dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, timeout=td,
+                                        device_id=dev)
+                device_group = dist.group.WORLD
+                group = dist.new_group(backend="gloo", timeout=td)
         ctx = RankContext(rank, world_size, dev, group, device_group)
         if heap_size is not None:
             from tp_overlap_plugin.heap import SymmetricHeap
