@@ -30,7 +30,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import bench_parser, environment, md_table, publish  # noqa: E402
+from benchlib import (add_share_gpus_option, bench_parser, environment, md_table, publish,  # noqa: E402
+                      ranks_share_gpus, shared_gpus_banner)
 
 from tp_overlap_plugin.collectives import HeapAllReduce  # noqa: E402
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
@@ -202,8 +203,7 @@ def main(argv=None):
     p.add_argument("--max-bytes", type=int, default=MAX_BYTES)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--share-gpus", action="store_true", help="more ranks than GPUs (correctness only: ranks on "
-                                                             "one GPU are time-sliced)")
+    add_share_gpus_option(p)
     args = p.parse_args(argv)
     calls = args.calls or (400 if args.quick else 6000)
     t0 = time.perf_counter()
@@ -211,14 +211,12 @@ def main(argv=None):
     per_rank = run_ranks(_stress_rank, args.tp, (args.seed, calls, calls, args.sleep_every, args.max_bytes),
                          device=args.device, heap_size=-(-heap // 4096) * 4096, timeout=args.timeout,
                          share_gpus=args.share_gpus)
-    shared = args.device == "cuda" and args.share_gpus and torch.cuda.device_count() < args.tp
-    payload = {"environment": environment(args.tp, on_gpu=args.device == "cuda", ranks_share_gpus=shared), "seed": args.seed, "calls": calls,
-               "burst": BURST, "max_bytes": args.max_bytes, "wall_s": time.perf_counter() - t0, "rank0": per_rank[0],
-               "all_ranks": per_rank}
-    md = _markdown(payload)
-    if shared:
-        md = (f"**{args.tp} ranks on {torch.cuda.device_count()} GPUs** (time-sliced: a correctness check, "
-              f"the seconds are not timings)\n\n" + md)
+    on_gpu = args.device == "cuda"
+    shared = ranks_share_gpus(args.tp, args.share_gpus, on_gpu)
+    payload = {"environment": environment(args.tp, on_gpu=on_gpu, ranks_share_gpus=shared), "seed": args.seed,
+               "calls": calls, "burst": BURST, "max_bytes": args.max_bytes, "wall_s": time.perf_counter() - t0,
+               "rank0": per_rank[0], "all_ranks": per_rank}
+    md = (shared_gpus_banner(args.tp) if shared else "") + _markdown(payload)
     name = f"allreduce-stress-tp{args.tp}" + ("-shared-gpus" if shared else "") + ("-quick" if args.quick else "")
     publish(args.out, name, payload, md)
 

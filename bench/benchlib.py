@@ -82,6 +82,16 @@ def capture_graph(fn, calls: int):
     return graph.replay
 
 
+def interleaved_ms(replays: dict, *, calls: int, rounds: int, samples: int, group=None) -> dict:
+    """Per name, the median over `rounds` of a replay's time per call (ms; each replay runs `calls`
+    calls). Within a round the replays run in turn, so drift on a shared machine hits them alike."""
+    times = {name: [] for name in replays}
+    for _ in range(rounds):
+        for name, replay in replays.items():
+            times[name].append(time_per_call_ms(replay, calls=1, samples=samples, group=group) / calls)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def graph_time_per_call_ms(fn, *, calls: int = 20, samples: int = 15, group=None) -> float:
     replay = capture_graph(fn, calls)
     replay()
@@ -99,6 +109,22 @@ def bench_parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--out", default=RESULTS_DIR)
     p.add_argument("--quick", action="store_true")
     return p
+
+
+def add_share_gpus_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--share-gpus", action="store_true",
+                   help="more ranks than GPUs (run_ranks(share_gpus=True)): ranks on one GPU are time-sliced, so "
+                        "the run checks correctness only")
+
+
+def ranks_share_gpus(tp: int, share_gpus: bool, on_gpu: bool = True) -> bool:
+    return on_gpu and share_gpus and torch.cuda.device_count() < tp
+
+
+def shared_gpus_banner(tp: int) -> str:
+    """The first line of a result whose ranks shared GPUs: its seconds are no timings."""
+    return (f"**{tp} ranks on {torch.cuda.device_count()} GPUs** (time-sliced: a correctness check, the seconds "
+            f"are not timings)\n\n")
 
 
 def environment(tp: int, on_gpu: bool = True, **extra) -> dict:

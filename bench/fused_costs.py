@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import statistics
 import sys
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import bench_parser, capture_graph, environment, md_table, publish, time_per_call_ms  # noqa: E402
+from benchlib import bench_parser, capture_graph, environment, interleaved_ms, md_table, publish  # noqa: E402
 from fused_core import ag_kernel_w1, rs_kernel_w1  # noqa: E402
 from overlap import llama_shapes, weight_t  # noqa: E402
 
@@ -101,11 +100,7 @@ def _rank(ctx, m, rounds):
                     torch.cuda.synchronize()
                     dist.barrier(group=ctx.group)
                     replays[name] = capture_graph(fns[name], CALLS)
-            times = {name: [] for name in names}
-            for _ in range(rounds):
-                for name in names:
-                    times[name].append(time_per_call_ms(replays[name], calls=1, samples=3, group=ctx.group) / CALLS)
-            row.update({name: statistics.median(t) for name, t in times.items()})
+            row.update(interleaved_ms(replays, calls=CALLS, rounds=rounds, samples=3, group=ctx.group))
             torch.cuda.synchronize()
             h.check()
             dist.barrier(group=ctx.group)

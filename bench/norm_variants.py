@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import bench_parser, capture_graph, environment, md_table, publish, time_per_call_ms  # noqa: E402
+from benchlib import bench_parser, capture_graph, environment, interleaved_ms, md_table, publish  # noqa: E402
 
 from tp_overlap_plugin.collectives import HeapAllReduce, HeapAllReduceNorm  # noqa: E402
 from tp_overlap_plugin.kernels import layer_ops  # noqa: E402
@@ -22,6 +22,7 @@ from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
 TOKENS = [1, 8, 32, 128, 256]
 ROUNDS = 4
 CALLS = 20
+EPS = 1e-5
 
 
 def _rank(ctx, hiddens, warps):
@@ -39,14 +40,14 @@ def _rank(ctx, hiddens, warps):
             dist.broadcast(residual, 0, group=ctx.device_group)
             reduced = x.clone()
             dist.all_reduce(reduced, group=ctx.device_group)
-            ref_out, ref_res = layer_ops.rmsnorm(reduced, weight, 1e-5, residual)
+            ref_out, ref_res = layer_ops.rmsnorm(reduced, weight, EPS, residual)
             y = torch.empty_like(x)
             ops = {"ours_alone": lambda: comm(x, out=y)}
             for w, f in fused.items():
-                got_out, got_res = f(x, residual, weight, 1e-5)
+                got_out, got_res = f(x, residual, weight, EPS)
                 assert (got_out.float() - ref_out.float()).abs().max() < 0.1
                 assert (got_res.float() - ref_res.float()).abs().max() < 0.1
-                ops[f"fused_w{w}"] = (lambda f=f: f(x, residual, weight, 1e-5))
+                ops[f"fused_w{w}"] = (lambda f=f: f(x, residual, weight, EPS))
             replays = {}
             for name, op in ops.items():
                 op()
@@ -54,14 +55,8 @@ def _rank(ctx, hiddens, warps):
                 replays[name] = capture_graph(op, CALLS)
                 replays[name]()
             torch.cuda.synchronize()
-            times = {name: [] for name in ops}
-            for _ in range(ROUNDS):
-                for name, rp in replays.items():
-                    times[name].append(1e3 * time_per_call_ms(rp, calls=1, samples=10, group=ctx.group) / CALLS)
-            row = {"hidden": H, "tokens": t}
-            for name, ts in times.items():
-                row[f"{name}_us"] = sorted(ts)[len(ts) // 2]
-            rows.append(row)
+            ms = interleaved_ms(replays, calls=CALLS, rounds=ROUNDS, samples=10, group=ctx.group)
+            rows.append({"hidden": H, "tokens": t, **{f"{name}_us": 1e3 * v for name, v in ms.items()}})
     h.check()
     return rows
 

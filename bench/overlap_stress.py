@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import bench_parser, environment, md_table, publish  # noqa: E402
+from benchlib import (add_share_gpus_option, bench_parser, environment, md_table, publish,  # noqa: E402
+                      ranks_share_gpus, shared_gpus_banner)
 
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
 from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter  # noqa: E402
@@ -153,7 +154,7 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--seed", type=int, default=2026)
     p.add_argument("--timeout", type=float, default=540)
-    p.add_argument("--share-gpus", action="store_true", help="more ranks than GPUs (correctness only)")
+    add_share_gpus_option(p)
     args = p.parse_args(argv)
     calls = 200 if args.quick else args.calls
     heap = 3 * (args.tp - 1) * MAX_ROWS * HIDDEN * 2 + (64 << 20)  # AG: 1 buffer, RS: 2 halves, of W - 1 slots
@@ -162,15 +163,13 @@ def main(argv=None):
     res = {mode: {**per_rank[0][mode],
                   "mismatches": sum(r[mode]["mismatches"] for r in per_rank),
                   "max_rel_err": max(r[mode]["max_rel_err"] for r in per_rank)} for mode in ("eager", "graph")}
-    shared = args.share_gpus and torch.cuda.device_count() < args.tp
-    payload = {"environment": environment(args.tp, ranks_share_gpus=shared), "tolerance": TOLERANCE, "max_rows": MAX_ROWS,
-               "shapes": {"ag": [HIDDEN, QKV // args.tp], "rs": [HIDDEN // args.tp, HIDDEN]}, **res,
+    shared = ranks_share_gpus(args.tp, args.share_gpus)
+    payload = {"environment": environment(args.tp, ranks_share_gpus=shared), "tolerance": TOLERANCE,
+               "max_rows": MAX_ROWS, "shapes": {"ag": [HIDDEN, QKV // args.tp], "rs": [HIDDEN // args.tp, HIDDEN]}, **res,
                "per_rank": per_rank}
-    md = md_table(["mode", "calls per rank", "mismatches (all ranks)", "max rel. error", "seconds"],
-                  [[mode, r["calls"], r["mismatches"], r["max_rel_err"], r["seconds"]] for mode, r in res.items()])
-    if shared:
-        md = (f"**{args.tp} ranks on {torch.cuda.device_count()} GPUs** (time-sliced: a correctness check, "
-              f"no timing)\n\n" + md)
+    md = (shared_gpus_banner(args.tp) if shared else "") + md_table(
+        ["mode", "calls per rank", "mismatches (all ranks)", "max rel. error", "seconds"],
+        [[mode, r["calls"], r["mismatches"], r["max_rel_err"], r["seconds"]] for mode, r in res.items()])
     publish(args.out, f"overlap-stress-tp{args.tp}" + ("-shared-gpus" if shared else ""), payload, md)
     if any(r["mismatches"] for r in res.values()):
         sys.exit(1)

@@ -24,17 +24,21 @@ NUM_WARPS = 8
 # threads (16 warps on NVIDIA, 8 wavefronts on CDNA, so a thread still pushes 16 bytes of a 4096-wide
 # block) measured 0.1-0.7 us faster than 256 at hidden 4096-8192, 1-128 rows, a tie at 256 (H200 x2).
 NORM_THREADS = 512
+BITS = {2: torch.int16, 4: torch.int32}  # a float dtype's bits, by element size
 
 
 def norm_num_warps(warp_size: int) -> int:
     return max(NORM_THREADS // warp_size, 1)
-BITS = {2: torch.int16, 4: torch.int32}  # a float dtype's bits, by element size
 
 
-def resident_programs(device: torch.device) -> int:
-    # One program per SM at most: every program is resident at once, so none spins on a peer
-    # program that its own rank has not scheduled.
-    return runtime.multiprocessor_count(device) if device.type == "cuda" else 4
+def resident_programs(device: torch.device, cross_program_waits: bool = False) -> int:
+    """Grid size of a kernel that spins on peers: one program per SM at most, so every program is
+    resident at once and none spins on a peer program that its own rank has not scheduled. The
+    interpreter runs a grid's programs one after another, so a kernel whose programs wait on other
+    programs of their own rank (`cross_program_waits`) gets one program there."""
+    if device.type == "cuda":
+        return runtime.multiprocessor_count(device)
+    return 1 if cross_program_waits else 4
 
 
 def cache_modifiers(device: torch.device) -> dict:
@@ -229,18 +233,18 @@ class HeapAllReduceNorm:
         self.row_epochs = heap.alloc((max_rows,), torch.int64, name="all_reduce_norm.row_epochs")
         for t in (self.push_epochs, self.row_epochs):
             t.zero_()
-        on_gpu = heap.device.type == "cuda"
-        # The interpreter runs programs one after another, and a row's pieces may be pushed by a
-        # later program than the one that waits for them: there, one program does it all.
-        self.num_programs = resident_programs(heap.device) if on_gpu else 1
+        # a row's pieces may be pushed by another program than the one that waits for them
+        self.num_programs = resident_programs(heap.device, cross_program_waits=True)
         self.cache_modifiers = cache_modifiers(heap.device)
+        on_gpu = heap.device.type == "cuda"
         self.num_warps = norm_num_warps(torch.cuda.get_device_properties(heap.device).warp_size if on_gpu else 32)
         heap.publish()
 
     @staticmethod
     def heap_bytes(world: int, hidden: int, max_rows: int, dtype: torch.dtype) -> int:
-        pieces = triton.cdiv(hidden, row_blocks(hidden, world, torch.empty((), dtype=dtype).element_size())[0])
-        return row_slots_bytes(world, max_rows, hidden, dtype) + 8 * max_rows * (pieces + 1) + 3 * 256
+        block = row_blocks(hidden, world, torch.empty((), dtype=dtype).element_size())[0]
+        epochs = max_rows * (triton.cdiv(hidden, block) + 1)  # push_epochs and row_epochs
+        return row_slots_bytes(world, max_rows, hidden, dtype) + 8 * epochs + 3 * 256
 
     def applies(self, x: torch.Tensor) -> bool:
         return (x.dim() == 2 and x.dtype == self.dtype and x.shape[1] == self.hidden and x.shape[0] <= self.max_rows
@@ -275,8 +279,8 @@ class HeapAllReduceNorm:
         h, W = self.heap, self.heap.world_size
         all_reduce_rmsnorm_kernel[(min(rows * self.pieces, self.num_programs),)](
             x, residual, weight, bias if bias is not None else weight, normed, new_residual, self.slots,
-            self.push_epochs, self.row_epochs, rows, self.hidden, x.stride(0), residual.stride(0), normed.stride(0), new_residual.stride(0),
-            self.slots.stride(0), self.slots.stride(1), self.slots.stride(2), eps, rank=h.rank,
+            self.push_epochs, self.row_epochs, rows, self.hidden, x.stride(0), residual.stride(0), normed.stride(0),
+            new_residual.stride(0), self.slots.stride(0), self.slots.stride(1), self.slots.stride(2), eps, rank=h.rank,
             heap_bases=h.heap_bases, error_ptr=h.error, max_spins=h.spin_limit, W=W, PEERS=peers_pow2(W),
             BLOCK=self.block, SUB=self.sub, ONE_TILE=self.hidden <= self.sub, HAS_BIAS=bias is not None,
             num_warps=self.num_warps, **self.cache_modifiers)

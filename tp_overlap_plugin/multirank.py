@@ -9,8 +9,9 @@ without a word, or a run past `timeout`, kills every rank. A test that kills a r
 names it in `may_exit`: its exit without a result is then its result, a RankExited. `fn` may live
 in a test file that is not importable by module name: the children load it from its file.
 
-`share_gpus=True` (default: TP_OVERLAP_SHARE_GPUS=1 in the environment) lets more ranks than GPUs run, rank r on GPU r % count: a check of the
-protocol at a world size the machine cannot hold one rank per GPU (TP=4 on two GPUs). Ranks on one
+`share_gpus=True` (default: TP_OVERLAP_SHARE_GPUS=1 in the environment) lets more ranks than GPUs
+run, rank r on GPU r % count: a check of the protocol at a world size the machine cannot hold one
+rank per GPU (TP=4 on two GPUs). Ranks on one
 GPU are time-sliced, so it is for correctness, never for timing; NCCL refuses two ranks on a GPU, so
 the device group is gloo, and the heap uses the ipc backend (one allocation per process, opened by
 the other processes of the same GPU as well as the peers').

@@ -41,7 +41,7 @@ RS_CHUNKS = 2
 def num_programs(device: torch.device) -> int:
     """Persistent grid size: one program per SM. The interpreter runs programs one after another;
     one program walks all tiles in order there."""
-    return 1 if device.type == "cpu" else runtime.multiprocessor_count(device)
+    return resident_programs(device, cross_program_waits=True)
 
 
 def _check_operands(op: str, a: torch.Tensor, b: torch.Tensor, device: torch.device) -> None:
