@@ -29,6 +29,7 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from pydantic import ValidationError
 
+from .args import engine_config_from_args
 from .config import SamplingParams
 from .protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
                        ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatResponseMessage,
@@ -701,7 +702,6 @@ def serve_main(a: argparse.Namespace) -> int:
         return 2
     import uvicorn
 
-    from .cli import engine_config_from_args
     from .config import env_rank_world
     from .engine import AsyncLLM
 

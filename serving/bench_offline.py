@@ -23,6 +23,7 @@ from typing import Optional, Union
 
 import torch
 
+from .args import add_engine_args, engine_config_from_args
 from .config import EngineConfig, SamplingParams
 from .engine import LLM
 from .workloads import lognormal_lengths
@@ -156,8 +157,6 @@ def scenario(llm: LLM, batch: int, input_len: int, output_len: int, seed: int = 
 
 def add_bench_offline_subcommands(bench_sub) -> None:
     """`throughput` and `latency` under `tp-overlap bench`."""
-    from .cli import add_engine_args
-
     t = bench_sub.add_parser("throughput", help="offline throughput: num-prompts random requests at once")
     add_engine_args(t)
     t.add_argument("--input-len", type=int, default=128)
@@ -183,7 +182,6 @@ def add_bench_offline_subcommands(bench_sub) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from .cli import engine_config_from_args
 
     cfg: EngineConfig = engine_config_from_args(args)
     with LLM(cfg) as llm:
