@@ -97,16 +97,18 @@ BAD_COMPLETIONS = [
     ({"prompt": [1, 2, 99999]}, ["outside the vocabulary"], "prompt"),
     ({"prompt": "hi", "n": 100, "max_tokens": 2, "stream": False, "user": "u"} | {"prompt": ["a", "b", "c"]},
      ["at most 256"], "n"),
+    # JSON escapes of lone surrogates decode to text no tokenizer can encode
+    (b'{"prompt": "\\ud800", "max_tokens": 4}', ["'prompt'", "lone surrogate \\ud800"], "prompt"),
+    (b'{"prompt": ["ok", "a\\udc00"], "stream": true}', ["'prompt.1'", "not valid Unicode"], "prompt.1"),
+    (b'{"prompt": "ok", "stop": ["\\udfff"]}', ["'stop.0'"], "stop.0"),
+    (b'{"prompt": "ok", "user": "\\ud83d"}', ["'user'"], "user"),
+    (b"", ["the request body is empty"], None),
 ]
 
 
 @pytest.mark.parametrize("body,fragments,param", BAD_COMPLETIONS, ids=range(len(BAD_COMPLETIONS)))
 def test_bad_completion_requests_are_400(server, body, fragments, param):
-    if isinstance(body, bytes):
-        r = _post(server, "/v1/completions", content=body)
-    else:
-        r = _post(server, "/v1/completions", body)
-    err = _assert_error(r, 400, *fragments, param=param)
+    err = _assert_error(_post_any(server, "/v1/completions", body), 400, *fragments, param=param)
     assert err["type"] == "invalid_request_error"
 
 
@@ -119,12 +121,47 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, ["unsupported parameter 'tools'"]),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, ["top_logprobs=2"]),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "max_completion_tokens": 5}, ["disagree"]),
+    (b'{"messages": [{"role": "user", "content": "\\udc00"}]}', ["'messages.0.content'", "surrogate"]),
+    (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800x"}]}], "stream": true}',
+     ["'messages.0.content.0.text'"]),
 ]
+
+BAD_TOKENIZE = [
+    ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "x"}]}, ["exactly one"]),
+    ("/tokenize", {}, ["exactly one"]),
+    ("/tokenize", b'{"prompt": "\\ud800"}', ["'prompt'", "surrogate"]),
+    ("/tokenize", {"prompt": "hi", "continue_final_message": True}, ["unsupported parameter"]),
+    ("/detokenize", {"tokens": [1, 2, 320]}, ["tokens[2] = 320", "outside the vocabulary [0, 320)"]),
+    ("/detokenize", {"tokens": [-1]}, ["tokens[0] = -1"]),
+    ("/detokenize", {"tokens": "abc"}, ["tokens"]),
+]
+
+
+def _post_any(server, path, body):
+    return _post(server, path, content=body) if isinstance(body, bytes) else _post(server, path, body)
 
 
 @pytest.mark.parametrize("body,fragments", BAD_CHATS, ids=range(len(BAD_CHATS)))
 def test_bad_chat_requests_are_400(server, body, fragments):
-    _assert_error(_post(server, "/v1/chat/completions", body), 400, *fragments)
+    _assert_error(_post_any(server, "/v1/chat/completions", body), 400, *fragments)
+
+
+@pytest.mark.parametrize("path,body,fragments", BAD_TOKENIZE, ids=range(len(BAD_TOKENIZE)))
+def test_bad_tokenize_requests_are_400(server, path, body, fragments):
+    _assert_error(_post_any(server, path, body), 400, *fragments)
+
+
+def test_json_body_without_json_content_type_names_the_header(server):
+    body = b'{"prompt": "hi", "max_tokens": 2}'
+    # curl -d sends form encoding unless told otherwise
+    for ctype in ("application/x-www-form-urlencoded", "text/plain"):
+        r = httpx.post(server.url + "/v1/completions", content=body, headers={**AUTH, "Content-Type": ctype})
+        _assert_error(r, 400, f"sent as '{ctype}'", "Content-Type: application/json")
+    # No content type at all: older FastAPI read such a body as JSON; with strict_content_type (the default
+    # since, against cross-site requests) it does not.
+    r = httpx.post(server.url + "/v1/completions", content=body, headers=AUTH)
+    if r.status_code != 200:
+        _assert_error(r, 400, "sent without a Content-Type header", "Content-Type: application/json")
 
 
 def test_context_limits_are_named(server):
@@ -212,3 +249,43 @@ def test_engine_failure_is_500_and_health_turns_503(inproc_server):
     _assert_error(httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                                  "stream": True}, timeout=30), 500, "engine")
     assert "tp_overlap_num_requests_running" in httpx.get(url + "/metrics").text
+
+
+def test_unexpected_exception_is_a_json_500_and_the_connection_stays_open(inproc_server, monkeypatch):
+    import http.client
+    import json
+
+    from tp_overlap_plugin.serving.api_server import OpenAIServer
+
+    _, url = inproc_server
+
+    def broken(*args, **kw):
+        raise RuntimeError("injected bug")
+
+    # logprobs=0 formats log-probabilities in the handler: before the response without streaming, after
+    # the status line (mid-stream) with it.
+    monkeypatch.setattr(OpenAIServer, "_completion_logprobs", broken)
+    conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=30)
+    try:
+        def call(method, path, body=None):
+            conn.request(method, path, body=None if body is None else json.dumps(body),
+                         headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            return r.status, r.getheader("content-type"), r.read().decode()
+
+        base = {"model": "demo", "prompt": "hello", "max_tokens": 3, "logprobs": 0}
+        status, ctype, text = call("POST", "/v1/completions", base)
+        assert status == 500 and ctype == "application/json", text
+        err = json.loads(text)["error"]
+        assert set(err) == {"message", "type", "param", "code"} and "injected bug" in err["message"]
+        # The same keep-alive connection serves the next request (uvicorn used to drop it: ECONNRESET).
+        assert call("GET", "/v1/models")[0] == 200
+        status, ctype, text = call("POST", "/v1/completions", {**base, "stream": True})
+        assert status == 200 and ctype.startswith("text/event-stream")
+        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "injected bug" in json.loads(events[-2])["error"]["message"], text
+        assert call("HEAD", "/health")[0] == 200
+        status, _, text = call("POST", "/v1/completions", {"model": "demo", "prompt": "hello", "max_tokens": 3})
+        assert status == 200, text
+    finally:
+        conn.close()

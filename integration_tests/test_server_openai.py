@@ -122,6 +122,38 @@ def test_chat_streaming_and_not(client, offline):
     assert chunks[-1].usage.completion_tokens == 20 and chunks[-1].usage.prompt_tokens == n_prompt
 
 
+def test_tokenize_and_detokenize_agree_with_the_generation_routes(server, client, offline):
+    url = server.url
+    text = "Grüße, tensor parallel"
+    r = httpx.post(url + "/tokenize", json={"model": "demo", "prompt": text, "return_token_strs": True}).json()
+    ids = offline.tokenizer.encode(text)
+    assert r == {"count": len(ids), "max_model_len": MAX_LEN, "tokens": ids,
+                 "token_strs": [offline.tokenizer.decode([t]) for t in ids]}
+    plain = httpx.post(url + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    assert plain["tokens"] == ids[1:] and plain["token_strs"] is None     # the byte tokenizer's BOS is gone
+    usage = client.completions.create(model="demo", prompt=text, max_tokens=1).usage
+    assert usage.prompt_tokens == r["count"]
+
+    # Messages tokenize to exactly what the chat route feeds the model.
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+    chat = httpx.post(url + "/tokenize", json={"messages": msgs}).json()
+    ref = offline.chat(msgs, SamplingParams(temperature=0, max_tokens=1))[0]
+    assert chat["tokens"] == ref.prompt_token_ids
+    usage = client.chat.completions.create(model="demo", messages=msgs, max_tokens=1).usage
+    assert usage.prompt_tokens == chat["count"]
+    no_prompt = httpx.post(url + "/tokenize", json={"messages": msgs, "add_generation_prompt": False}).json()
+    assert no_prompt["count"] < chat["count"]
+
+    back = httpx.post(url + "/detokenize", json={"model": "demo", "tokens": ids}).json()
+    assert back == {"prompt": text}
+    assert httpx.post(url + "/detokenize", json={"tokens": []}).json() == {"prompt": ""}
+
+
+def test_head_health(server):
+    r = httpx.head(server.url + "/health")
+    assert r.status_code == 200 and r.content == b""
+
+
 def test_chat_default_max_tokens_fills_the_context(client):
     # Without max_tokens a chat reply may use what is left of the context, as in the OpenAI API.
     msgs = [{"role": "user", "content": "x" * 200}]

@@ -4,7 +4,8 @@
     tp-overlap serve --model /models/Llama-3.1-8B --tp 2 --api-key secret
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both stream as SSE with `stream: true`),
-GET /v1/models, GET /health, GET /metrics (Prometheus), GET /version. Errors use OpenAI's body
+GET /v1/models, POST /tokenize and /detokenize (vLLM's shapes), GET and HEAD /health, GET /metrics
+(Prometheus), GET /version. Errors use OpenAI's body
 `{"error": {"message", "type", "param", "code"}}`: 400 for invalid requests (never FastAPI's 422), 401 for
 a missing or wrong API key, 404 for an unknown model or route, 500 when the engine fails a request.
 
@@ -27,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Union
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from .args import engine_config_from_args
 from .config import SamplingParams
@@ -35,7 +36,8 @@ from .protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionR
                        ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatResponseMessage,
                        ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
                        CompletionResponse, CompletionStreamChoice, CompletionStreamResponse, DeltaMessage,
-                       ErrorInfo, ErrorResponse, ModelCard, ModelList, UsageInfo, VersionResponse, new_id)
+                       DetokenizeRequest, DetokenizeResponse, ErrorInfo, ErrorResponse, ModelCard, ModelList,
+                       TokenizeRequest, TokenizeResponse, UsageInfo, VersionResponse, new_id)
 
 try:
     from fastapi import FastAPI, Request
@@ -124,6 +126,8 @@ def _describe_validation_errors(errors) -> tuple[str, Optional[str]]:
             param = None
         elif kind == "extra_forbidden":
             msg = f"unsupported parameter '{param}': this server does not implement it"
+        elif kind == "missing" and param is None:
+            msg = "the request body is empty; send a JSON object"
         elif kind == "missing":
             msg = f"missing required parameter '{param}'"
         elif kind == "model_attributes_type" and param is None:
@@ -140,6 +144,45 @@ def _describe_validation_errors(errors) -> tuple[str, Optional[str]]:
         return "invalid request", None
     more = f" (and {len(parts) - 3} more errors)" if len(parts) > 3 else ""
     return "; ".join(parts[:3]) + more, first_param
+
+
+def _is_json_media_type(ctype: str) -> bool:
+    media = ctype.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _unencodable_field(value: Any, path: tuple = ()) -> Optional[tuple[str, str]]:
+    """(field path, offending text) of the first string in a parsed request that is not valid Unicode.
+
+    JSON's `\\ud800` escapes decode to lone surrogates, which no tokenizer can encode; found here, they are
+    a 400 naming the field instead of an encoding error deep in the tokenizer."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return ".".join(map(str, path)), value[e.start:e.end]
+        return None
+    if isinstance(value, BaseModel):
+        items = ((k, getattr(value, k)) for k in type(value).model_fields)
+    elif isinstance(value, dict):
+        items = [(k, k) for k in value] + list(value.items())   # keys are text too
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return None
+    for k, v in items:
+        hit = _unencodable_field(v, (*path, k))
+        if hit is not None:
+            return hit
+    return None
+
+
+def check_encodable(req: BaseModel) -> None:
+    hit = _unencodable_field(req)
+    if hit is not None:
+        param, bad = hit
+        raise ApiError(400, f"invalid value for '{param}': the text is not valid Unicode (it holds the lone "
+                            f"surrogate {bad.encode('unicode_escape').decode()}); send UTF-8 text", param=param)
 
 
 def package_version() -> str:
@@ -566,6 +609,36 @@ class OpenAIServer:
                                             finish_reason=c.finish_reason) for c in choices]
         return ChatCompletionResponse(id=base, model=self.model_name, choices=out_choices, usage=self._usage(choices))
 
+    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        self._check_model(req.model)
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer", param="prompt" if req.prompt is not None else "messages")
+        if req.prompt is not None:
+            ids = list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False))
+        else:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            try:
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+            except ValueError as e:
+                raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+            if req.add_special_tokens is None:     # what /v1/chat/completions feeds the model
+                ids = self._encode_chat(text)
+            else:
+                ids = list(self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens))
+        strs = [self._token_str(t) for t in ids] if req.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self._check_model(req.model)
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer", param="tokens")
+        vocab = self.engine.engine.mcfg.vocab_size
+        bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"tokens[{bad}] = {req.tokens[bad]} is outside the vocabulary [0, {vocab})",
+                           param="tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
     # ---- app -----------------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
         version = package_version()
@@ -575,6 +648,15 @@ class OpenAIServer:
 
         @app.exception_handler(RequestValidationError)
         async def _validation(request: Request, exc: RequestValidationError):
+            ctype = request.headers.get("content-type")
+            if not _is_json_media_type(ctype or "") and any(e.get("type") == "model_attributes_type"
+                                                             for e in exc.errors()):
+                # FastAPI reads a body as JSON only under a JSON content type (recent versions: only when
+                # the header is there); otherwise it arrives as raw bytes, which would read as "not an
+                # object" to a client that did send a JSON object.
+                sent = f"sent as '{ctype}'" if ctype else "sent without a Content-Type header"
+                return error_response(400, f"the request body was {sent}; send it as JSON with the header "
+                                           f"'Content-Type: application/json'")
             msg, param = _describe_validation_errors(exc.errors())
             return error_response(400, msg, param)
 
@@ -594,19 +676,30 @@ class OpenAIServer:
         @app.post("/v1/completions", response_model=CompletionResponse, responses={
             **_ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when streaming"}})
         async def completions(req: CompletionRequest, request: Request):
+            check_encodable(req)
             return await server.completions(req, request)
 
         @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={
             **_ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when streaming"}})
         async def chat_completions(req: ChatCompletionRequest, request: Request):
+            check_encodable(req)
             return await server.chat_completions(req, request)
+
+        @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)
+        async def tokenize(req: TokenizeRequest):
+            check_encodable(req)
+            return server.tokenize(req)
+
+        @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)
+        async def detokenize(req: DetokenizeRequest):
+            return server.detokenize(req)
 
         @app.get("/v1/models", response_model=ModelList, responses={401: _ERROR_RESPONSES[401]})
         async def models():
             return ModelList(data=[ModelCard(id=server.model_name, root=server.model_root,
                                              max_model_len=server.max_model_len)])
 
-        @app.get("/health", responses={503: {"description": "the engine is dead"}})
+        @app.api_route("/health", methods=["GET", "HEAD"], responses={503: {"description": "the engine is dead"}})
         async def health():
             if engine_alive(server.engine):
                 return Response(status_code=200)
@@ -621,22 +714,67 @@ class OpenAIServer:
             return VersionResponse(version=version)
 
         inner = _ApiKeyGuard(app, self.api_key) if self.api_key else app
-        wrapped = _ResponseCounter(inner, server.metrics)
+        wrapped = _ResponseCounter(_ErrorBarrier(inner), server.metrics)
         # Route tables and the OpenAPI schema stay reachable on the FastAPI object.
         wrapped.fastapi = app
         return wrapped
 
 
+class _ErrorBarrier:
+    """ASGI middleware: an exception no handler turned into a response ends here, as a JSON 500 in OpenAI's
+    shape, or, once a stream has started, as an error event that closes the stream.
+
+    Starlette re-raises an exception after its handler has sent the 500, and uvicorn then drops the
+    connection without `Connection: close`, so a keep-alive client's next request fails with a reset. This
+    middleware keeps the exception from reaching uvicorn, and the connection stays usable."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = {"started": False, "done": False, "sse": False}
+
+        async def tracking_send(message):
+            if message["type"] == "http.response.start":
+                state["started"] = True
+                ctype = dict(message.get("headers") or []).get(b"content-type", b"")
+                state["sse"] = ctype.startswith(b"text/event-stream")
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                state["done"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            if state["done"]:
+                return      # the exception handler answered (and logged) already
+            logger.error("unhandled error on %s", scope.get("path"), exc_info=exc)
+            body = error_body(500, f"internal server error: {type(exc).__name__}: {exc}", code="internal_error")
+            with contextlib.suppress(Exception):   # the client may be gone
+                if not state["started"]:
+                    await error_response(500, body["error"]["message"], code="internal_error")(scope, receive, send)
+                elif state["sse"]:
+                    await send({"type": "http.response.body", "body": (_sse(body) + _sse("[DONE]")).encode(),
+                                "more_body": False})
+                else:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 class _ApiKeyGuard:
-    """ASGI middleware: /v1/* needs `Authorization: Bearer <key>`. Checked before the body is parsed, so an
+    """ASGI middleware: /v1/*, /tokenize and /detokenize need `Authorization: Bearer <key>`. Checked before the body is parsed, so an
     unauthenticated client learns nothing about its request. /health, /metrics and /version stay open."""
+
+    GUARDED = ("/v1", "/tokenize", "/detokenize")
 
     def __init__(self, app, key: str):
         self.app = app
         self.expected = f"Bearer {key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(self.GUARDED):
             auth = b""
             for k, v in scope.get("headers", []):
                 if k == b"authorization":
@@ -652,7 +790,8 @@ class _ApiKeyGuard:
 class _ResponseCounter:
     """ASGI middleware counting responses by route and status for /metrics."""
 
-    _ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/version"}
+    _ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
+               "/metrics", "/version"}
 
     def __init__(self, app, metrics: ServerMetrics):
         self.app = app

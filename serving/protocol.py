@@ -355,3 +355,38 @@ class ModelList(_Response):
 
 class VersionResponse(_Response):
     version: str
+
+
+# ---- /tokenize, /detokenize (vLLM's request and response shapes) -------------------------------------
+class TokenizeRequest(_Request):
+    """A prompt, or chat messages rendered through the model's chat template; exactly one of them."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
+    add_generation_prompt: bool = Field(True, description="messages only")
+    add_special_tokens: Optional[bool] = Field(
+        None, description="default: true for a prompt; for messages, the ids /v1/chat/completions would use")
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of 'prompt' and 'messages'")
+        return self
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeRequest(_Request):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
