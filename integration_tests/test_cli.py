@@ -1,12 +1,15 @@
 """The console script's subcommands as a user runs them (the README's commands)."""
 
+import argparse
 import json
 import subprocess
 import sys
 
 import pytest
 
-from tp_overlap_plugin.serving.cli import main
+from tp_overlap_plugin.serving.args import CliError
+from tp_overlap_plugin.serving.cli import build_parser, main
+from tp_overlap_plugin.serving.testing import free_port
 
 
 @pytest.mark.timeout(180)
@@ -21,7 +24,7 @@ def test_demo_subcommand_all_reduces_correctly():
 
 
 @pytest.mark.timeout(180)
-def test_bench_throughput_reports_every_token(tmp_path):
+def test_bench_throughput_reports_every_token(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "throughput", "--model", "demo", "--num-prompts", "4", "--input-len", "12",
                  "--output-len", "5", "--output-json", str(out)]) == 0
@@ -29,8 +32,73 @@ def test_bench_throughput_reports_every_token(tmp_path):
     assert res["num_requests"] == 4
     assert res["output_tokens_per_s"] * res["elapsed_s"] == pytest.approx(20)
     assert res["ttft_ms"]["median"] > 0 and res["tpot_ms"]["median"] > 0
+    # A table on stdout; the JSON only in the file.
+    table = capsys.readouterr().out
+    assert "{" not in table and "tp-overlap bench throughput" in table
+    assert f"{'Output throughput (tok/s)':<40}{res['output_tokens_per_s']:>16.2f}" in table
+
+    assert main(["bench", "latency", "--input-len", "4", "--output-len", "1", "--iters", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "{" not in table and "Median TTFT (ms)" in table and "Iterations" in table
+
+
+def _error_lines(capsys) -> list[str]:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return err.strip().splitlines()
 
 
 def test_bad_tp_is_a_clear_error(capsys):
     assert main(["demo", "--tp", "0"]) == 2
     assert "--tp must be >= 1" in capsys.readouterr().err
+
+
+def _leaf_parsers(parser, path=()):
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield path, parser
+    for sub in subs:
+        for name, p in sub.choices.items():
+            yield from _leaf_parsers(p, (*path, name))
+
+
+def test_every_subcommand_help_shows_the_defaults():
+    leaves = dict(_leaf_parsers(build_parser()))
+    assert set(leaves) == {("demo",), ("generate",), ("serve",), ("bench", "serve"), ("bench", "throughput"),
+                           ("bench", "latency")}
+    for path, p in leaves.items():
+        for a in p._actions:
+            if not a.option_strings or a.default in (None, argparse.SUPPRESS) or a.dest == "help":
+                continue
+            f = p._get_formatter()
+            f.add_argument(a)
+            rendered = " ".join(f.format_help().split())
+            assert rendered.endswith(f"(default: {a.default})"), (path, rendered)
+    assert "see above" not in leaves[("bench", "serve")].format_help()
+
+
+def test_command_line_errors_are_one_line_and_a_hint(capsys):
+    # Each of these printed a traceback, or the whole usage block.
+    assert main(["serve", "--tp-overlap-config", "notjson"]) == 2
+    error, hint = _error_lines(capsys)
+    assert error.startswith("tp-overlap serve: error: --tp-overlap-config is not valid JSON") and "'notjson'" in error
+    assert hint.startswith("  hint: ") and '{"dispatch": "overlap"}' in hint
+
+    assert main(["bench", "serve", "--port", str(free_port()), "--num-prompts", "2", "--disable-tqdm"]) == 1
+    error, hint = _error_lines(capsys)
+    assert error.startswith("tp-overlap bench serve: error: cannot reach the server at http://127.0.0.1:")
+    assert "tp-overlap serve" in hint and "--base-url" in hint
+
+    assert main(["generate", "--max-num-seqs", "0"]) == 2
+    error, hint = _error_lines(capsys)
+    assert error == "tp-overlap generate: error: --max-num-seqs: Input should be greater than or equal to 1 (got 0)"
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--no-such-option"])
+    assert exit_.value.code == 2
+    error, hint = _error_lines(capsys)
+    assert "unrecognized arguments: --no-such-option" in error and "--help" in hint
+
+    # --debug: the exception itself, traceback and all
+    with pytest.raises(CliError, match="not valid JSON"):
+        main(["serve", "--tp-overlap-config", "notjson", "--debug"])

@@ -154,7 +154,9 @@ def test_bench_serve_reports_throughput_and_latencies(server, tmp_path, capsys, 
     # One chunk per token, except that a token decoding to no text yet rides with the next chunk.
     assert len(res["requests"]) == 12 and all(len(r["itl"]) <= 7 for r in res["requests"])
     assert sum(len(r["itl"]) for r in res["requests"]) >= 12 * 7 // 3, [len(r["itl"]) for r in res["requests"]]
-    assert "Output throughput (tok/s)" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "Output throughput (tok/s)" in captured.out
+    assert "requests: 100%" in captured.err and "12/12" in captured.err    # the progress bar
 
 
 def test_bench_serve_reports_failures(server, tmp_path, capsys):

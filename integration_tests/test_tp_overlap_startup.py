@@ -67,6 +67,19 @@ def test_engine_refuses_before_spawning_when_the_kernels_cannot_run(monkeypatch)
                            **SMALL)).shutdown()
 
 
+@pytest.mark.timeout(60)
+def test_a_heap_size_that_cannot_be_allocated_gets_advice_that_fits(monkeypatch):
+    from tp_overlap_plugin.serving import EngineConfig, LLMEngine
+
+    monkeypatch.delenv("TP_OVERLAP", raising=False)
+    with pytest.raises(RuntimeError) as exc:     # 1 PiB per rank: no machine maps that
+        LLMEngine(EngineConfig(tensor_parallel_size=2, tp_overlap={"heap_size": 1 << 50}, **SMALL))
+    msg = str(exc.value)
+    # The user set the size: the advice is to lower it (with what the model needs), not to set it.
+    assert "tp_overlap.heap_size=1125899906842624; lower it" in msg and "MiB per rank" in msg, msg
+    assert "set tp_overlap.heap_size" not in msg
+
+
 def _cli(args, env_extra=None, timeout=150):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TP_OVERLAP")}
     env.update(env_extra or {})
@@ -102,5 +115,7 @@ def test_server_without_the_interpreter_refuses_to_start():
     proc = _cli(["serve", *ENGINE_ARGS, "--dtype", "bfloat16", *OVERLAP, "--port", "1"],
                 env_extra={"TRITON_INTERPRET": "0"}, timeout=50)
     assert proc.returncode == 1, proc.stderr[-3000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("tp-overlap serve: the engine did not start") and "TRITON_INTERPRET=1" in last, last
+    *_, error, hint = proc.stderr.strip().splitlines()
+    assert error.startswith("tp-overlap serve: error: the engine did not start"), error
+    assert "TRITON_INTERPRET=1" in error, error
+    assert hint.strip() == "hint: --debug shows the traceback"

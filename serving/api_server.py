@@ -23,14 +23,13 @@ import json
 import logging
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Union
 
 from pydantic import BaseModel, ValidationError
 
-from .args import engine_config_from_args
+from .args import DEBUG_HINT, CliError, engine_config_from_args
 from .config import SamplingParams
 from .protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
                        ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatResponseMessage,
@@ -764,8 +763,9 @@ class _ErrorBarrier:
 
 
 class _ApiKeyGuard:
-    """ASGI middleware: /v1/*, /tokenize and /detokenize need `Authorization: Bearer <key>`. Checked before the body is parsed, so an
-    unauthenticated client learns nothing about its request. /health, /metrics and /version stay open."""
+    """ASGI middleware: /v1/*, /tokenize and /detokenize need `Authorization: Bearer <key>`. Checked before
+    the body is parsed, so an unauthenticated client learns nothing about its request. /health, /metrics
+    and /version stay open."""
 
     GUARDED = ("/v1", "/tokenize", "/detokenize")
 
@@ -822,34 +822,31 @@ def build_app(engine, served_model_name: str, api_key: Optional[str] = None, mod
 # ---- command line ---------------------------------------------------------------------------------
 def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 for all)")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=os.environ.get("TP_OVERLAP_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $TP_OVERLAP_API_KEY, else none)")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 for all)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port")
+    # Read from the environment at start, not as the option's default: --help would print the key.
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
+                        "(default: $TP_OVERLAP_API_KEY, else none)")
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the --model value)")
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="on SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are aborted")
-    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="the server's and uvicorn's log level")
     g.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
 
 
 def serve_main(a: argparse.Namespace) -> int:
     if _MISSING_EXTRA is not None:
-        print(f"tp-overlap serve needs the serve extra (pip install 'tp-overlap[serve]'): {_MISSING_EXTRA}",
-              file=sys.stderr)
-        return 2
+        raise CliError(f"the server needs the serve extra: {_MISSING_EXTRA}", hint="pip install 'tp-overlap[serve]'")
     import uvicorn
 
     from .config import env_rank_world
     from .engine import AsyncLLM
 
     logging.basicConfig(level=getattr(logging, a.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        cfg = engine_config_from_args(a)
-    except ValidationError as e:
-        print(f"tp-overlap serve: {e}", file=sys.stderr)
-        return 2
+    cfg = engine_config_from_args(a)
     t0 = time.perf_counter()
 
     def _interrupt(signum, frame):
@@ -872,19 +869,15 @@ def serve_main(a: argparse.Namespace) -> int:
     try:
         engine = AsyncLLM(cfg)
     except Exception as e:
-        # Nothing is served without an engine: exit with the reason as the last line, not a server
-        # that answers 503.
-        logger.debug("engine start-up failed", exc_info=True)
-        print(f"tp-overlap serve: the engine did not start: {e}"
-              + ("" if logger.isEnabledFor(logging.DEBUG) else " (--log-level debug shows where)"), file=sys.stderr)
-        return 1
+        # Nothing is served without an engine: exit with the reason, not a server that answers 503.
+        raise CliError(f"the engine did not start: {e}", hint=DEBUG_HINT, status=1) from e
     finally:
         signal.signal(signal.SIGTERM, previous)
     if not engine.is_driver:      # a torchrun worker rank: it served rank 0's steps until shutdown
         return 0
     try:
         name = a.served_model_name or cfg.model
-        app = build_app(engine, name, a.api_key, model_root=cfg.model)
+        app = build_app(engine, name, a.api_key or os.environ.get("TP_OVERLAP_API_KEY"), model_root=cfg.model)
         logger.info("engine ready in %.1f s: model %s, tp=%d, max_model_len=%d, %d KV blocks of %d tokens",
                     time.perf_counter() - t0, cfg.model, cfg.tensor_parallel_size, engine.engine.max_model_len,
                     engine.engine.block_manager.num_blocks, cfg.block_size)

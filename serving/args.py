@@ -1,4 +1,6 @@
-"""The engine's command-line options, shared by `serve`, `generate` and the offline benches.
+"""The command line's shared pieces: the engine's options (used by `serve`, `generate` and the offline
+benches), the parser class every subcommand uses (defaults in --help, one-line usage errors), and
+`CliError`, the one way a subcommand reports a failure to its user.
 
 One module that the subcommands import (and that imports none of them), so that cli.py, api_server.py
 and bench_offline.py do not import each other.
@@ -8,29 +10,91 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from typing import NoReturn, Optional
+
+from pydantic import ValidationError
 
 from .config import EngineConfig
+
+DEBUG_HINT = "--debug shows the traceback"
+
+
+class CliError(Exception):
+    """A failure the user can act on: printed as one line and a hint, without a traceback. The exit
+    status is 2 for a bad command line, 1 for a failure while running."""
+
+    def __init__(self, message: str, hint: Optional[str] = None, status: int = 2):
+        super().__init__(message)
+        self.message = " ".join(message.split())    # one line, whatever the cause's formatting
+        self.hint = hint
+        self.status = status
+
+
+def report_error(prog: str, message: str, hint: Optional[str]) -> None:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    if hint:
+        print(f"  hint: {hint}", file=sys.stderr)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, as in `vllm serve --help`; a None default (the help
+    says what happens then) and a suppressed one are left out."""
+
+    def _get_help_string(self, action):
+        help = action.help or ""
+        if "%(default)" in help or action.default in (None, argparse.SUPPRESS) or not action.option_strings:
+            return help
+        return f"{help} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """Subparsers inherit this class (argparse builds them with the parent's type), so every subcommand
+    shows defaults and reports a usage error as one line plus a hint instead of the whole usage block."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        report_error(self.prog, message, f"'{self.prog} --help' lists the options")
+        sys.exit(2)
+
+
+def add_debug_arg(p: argparse.ArgumentParser) -> None:
+    # SUPPRESS: a subcommand's default must not overwrite a --debug given before the subcommand
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="print the traceback of an error (default: off)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=d.model,
-                   help="'demo' (built in), a local HF model directory, or a shipped config name "
+                   help="'demo' (built in), a local HF model directory, a Hugging Face Hub id (org/name; "
+                        "its cache, HF_HOME and HF_HUB_OFFLINE apply), or a shipped config name "
                         "(llama-3-8b, llama-3-70b, qwen2.5-7b; with --load-format dummy)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    g.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
-    g.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default=d.load_format)
-    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=d.dtype)
-    g.add_argument("--device", dest="engine_device", choices=["auto", "cpu", "cuda"], default=d.device)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    g.add_argument("--block-size", type=int, default=d.block_size)
-    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    g.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                   help="tensor-parallel size: ranks (one process each); must divide the head counts")
+    g.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default=d.load_format,
+                   help="dummy: random weights (benchmarks of a shipped config)")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=d.dtype,
+                   help="auto: float32 on the CPU; on a GPU the checkpoint's bfloat16 or float16, else bfloat16")
+    g.add_argument("--device", dest="engine_device", choices=["auto", "cpu", "cuda"], default=d.device,
+                   help="auto: cuda when a GPU is present")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length in tokens (default: the model's max_position_embeddings)")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences in one batch at most")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="tokens in one step at most; longer prompts are prefilled in chunks")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block")
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="share of GPU memory the weights and the KV cache may take")
     g.add_argument("--kv-cache-bytes", type=int, default=d.kv_cache_bytes, help="KV cache budget per rank on CPU")
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV-cache blocks (default: as many as the memory budget holds)")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed of the engine's sampler")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                    help="launch step i+1 before step i's tokens reach the host (the host works while the GPU does)")
@@ -40,16 +104,50 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='sub-config, e.g. \'{"dispatch": "overlap", "heap_size": 1073741824}\'; implies --tp-overlap')
 
 
+# EngineConfig field -> the option that sets it, so that a validation error names what the user typed.
+_FLAGS = {"model": "--model", "tokenizer": "--tokenizer", "tensor_parallel_size": "--tp",
+          "load_format": "--load-format", "dtype": "--dtype", "device": "--device",
+          "max_model_len": "--max-model-len", "max_num_seqs": "--max-num-seqs",
+          "max_num_batched_tokens": "--max-num-batched-tokens", "block_size": "--block-size",
+          "gpu_memory_utilization": "--gpu-memory-utilization", "kv_cache_bytes": "--kv-cache-bytes",
+          "num_kv_blocks": "--num-kv-blocks", "seed": "--seed", "tp_overlap": "--tp-overlap-config"}
+
+
+def describe_validation_error(e: ValidationError, flags: Optional[dict[str, str]] = None) -> str:
+    """pydantic's multi-line report as one line, each problem under the option (or field) it is about."""
+    flags = _FLAGS if flags is None else flags
+    parts = []
+    for err in e.errors():
+        loc = [str(x) for x in err.get("loc", ())]
+        where = flags.get(loc[0], loc[0]) if loc else ""
+        if len(loc) > 1:
+            where += " " + ".".join(loc[1:])
+        msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+        value = err.get("input")
+        shown = "" if isinstance(value, dict) or value is None else f" (got {value!r})"
+        parts.append(f"{where}: {msg}{shown}" if where else msg)
+    return "; ".join(parts)
+
+
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the options describe; CliError (naming the option) when they do not make one."""
     extra = {}
     if a.tp_overlap_config is not None:
-        extra["tp_overlap"] = json.loads(a.tp_overlap_config)
+        try:
+            extra["tp_overlap"] = json.loads(a.tp_overlap_config)
+        except json.JSONDecodeError as e:
+            raise CliError(f"--tp-overlap-config is not valid JSON ({e}): {a.tp_overlap_config!r}",
+                           hint='quote the JSON for the shell, e.g. --tp-overlap-config \'{"dispatch": "overlap"}\''
+                           ) from None
     elif a.tp_overlap:
         extra["tp_overlap"] = True
-    return EngineConfig(**extra, model=a.model, tokenizer=a.tokenizer, tensor_parallel_size=a.tp,
-                        load_format=a.load_format, dtype=a.dtype, device=a.engine_device,
-                        max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
-                        max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
-                        gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_bytes=a.kv_cache_bytes,
-                        num_kv_blocks=a.num_kv_blocks, seed=a.seed, enforce_eager=a.enforce_eager,
-                        async_scheduling=a.async_scheduling)
+    try:
+        return EngineConfig(**extra, model=a.model, tokenizer=a.tokenizer, tensor_parallel_size=a.tp,
+                            load_format=a.load_format, dtype=a.dtype, device=a.engine_device,
+                            max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+                            max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
+                            gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_bytes=a.kv_cache_bytes,
+                            num_kv_blocks=a.num_kv_blocks, seed=a.seed, enforce_eager=a.enforce_eager,
+                            async_scheduling=a.async_scheduling)
+    except ValidationError as e:
+        raise CliError(describe_validation_error(e), hint="--help lists the options and their defaults") from None

@@ -23,7 +23,7 @@ from typing import Optional, Union
 
 import torch
 
-from .args import add_engine_args, engine_config_from_args
+from .args import CliError, add_debug_arg, add_engine_args, engine_config_from_args
 from .config import EngineConfig, SamplingParams
 from .engine import LLM
 from .workloads import lognormal_lengths
@@ -159,30 +159,67 @@ def add_bench_offline_subcommands(bench_sub) -> None:
     """`throughput` and `latency` under `tp-overlap bench`."""
     t = bench_sub.add_parser("throughput", help="offline throughput: num-prompts random requests at once")
     add_engine_args(t)
-    t.add_argument("--input-len", type=int, default=128)
-    t.add_argument("--output-len", type=int, default=128)
-    t.add_argument("--num-prompts", type=int, default=64)
-    t.add_argument("--dataset", default="fixed", choices=["fixed", "lognormal"],
+    g = t.add_argument_group("benchmark")
+    g.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (lognormal: the median)")
+    g.add_argument("--output-len", type=int, default=128, help="output tokens per request (lognormal: the median)")
+    g.add_argument("--num-prompts", type=int, default=64, help="requests per round")
+    g.add_argument("--dataset", default="fixed", choices=["fixed", "lognormal"],
                    help="lognormal: long-tailed lengths (ShareGPT-like) with --input-len/--output-len as medians, "
                         "clipped to max-model-len")
-    t.add_argument("--lognormal-sigma", type=float, default=1.0, help="shape of the lognormal lengths")
-    t.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: all)")
-    t.add_argument("--min-seconds", type=float, default=0.0,
+    g.add_argument("--lognormal-sigma", type=float, default=1.0, help="shape of the lognormal lengths")
+    g.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: all)")
+    g.add_argument("--min-seconds", type=float, default=0.0,
                    help="repeat the num-prompts round (fresh prompts) until this much time is measured")
-    t.add_argument("--output-json", default=None)
+    g.add_argument("--output-json", default=None, metavar="PATH", help="also write the results as JSON here")
+    add_debug_arg(t)
     t.set_defaults(func=_main, mode="throughput")
     lat = bench_sub.add_parser("latency", help="one batch, end to end, repeated: TTFT and decode step time")
     add_engine_args(lat)
-    lat.add_argument("--input-len", type=int, default=128)
-    lat.add_argument("--output-len", type=int, default=128)
-    lat.add_argument("--batch-size", type=int, default=1)
-    lat.add_argument("--iters", type=int, default=3)
-    lat.add_argument("--output-json", default=None)
+    g = lat.add_argument_group("benchmark")
+    g.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    g.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    g.add_argument("--batch-size", type=int, default=1, help="requests in the batch")
+    g.add_argument("--iters", type=int, default=3, help="times the batch runs (the first warms up)")
+    g.add_argument("--output-json", default=None, metavar="PATH", help="also write the results as JSON here")
+    add_debug_arg(lat)
     lat.set_defaults(func=_main, mode="latency")
 
 
-def _main(args: argparse.Namespace) -> int:
+def _check_args(args: argparse.Namespace) -> None:
+    names = ["input_len", "output_len"] + (["num_prompts"] if args.mode == "throughput" else ["batch_size", "iters"])
+    for name in names:
+        if getattr(args, name) < 1:
+            raise CliError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if getattr(args, "max_concurrency", None) is not None and args.max_concurrency < 1:
+        raise CliError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
 
+
+def format_table(res: dict) -> str:
+    """The human-readable summary of a throughput or latency result (the JSON has everything)."""
+    if "runs" in res:    # latency
+        r0 = res["runs"][0]
+        rows = [("Batch size", r0["batch"]), ("Input / output tokens", f"{r0['input_len']} / {r0['output_len']}"),
+                ("Iterations", len(res["runs"])),
+                ("Median elapsed (s)", f"{res['median_elapsed_s']:.3f}"),
+                ("Median TTFT (ms)", f"{res['median_ttft_ms']:.2f}"),
+                ("Median TPOT (ms)", f"{res['median_tpot_ms']:.2f}")]
+        title = "tp-overlap bench latency"
+    else:
+        rows = [("Requests", res["num_requests"]), ("Elapsed (s)", f"{res['elapsed_s']:.2f}"),
+                ("Request throughput (req/s)", f"{res['requests_per_s']:.2f}"),
+                ("Output throughput (tok/s)", f"{res['output_tokens_per_s']:.2f}"),
+                ("Total throughput (tok/s)", f"{res['total_tokens_per_s']:.2f}")]
+        for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms")):
+            for stat in ("mean", "median", "p99"):
+                if stat in res[key]:
+                    rows.append((f"{stat.capitalize()} {name} (ms)", f"{res[key][stat]:.2f}"))
+        title = "tp-overlap bench throughput"
+    lines = [f"{' ' + title + ' ':=^56}"] + [f"{k:<40}{v!s:>16}" for k, v in rows] + ["=" * 56]
+    return "\n".join(lines)
+
+
+def _main(args: argparse.Namespace) -> int:
+    _check_args(args)
     cfg: EngineConfig = engine_config_from_args(args)
     with LLM(cfg) as llm:
         if not llm.is_driver:
@@ -199,11 +236,12 @@ def _main(args: argparse.Namespace) -> int:
             runs = [scenario(llm, args.batch_size, args.input_len, args.output_len, cfg.seed + i, warmup=i == 0)
                     for i in range(args.iters)]
             res = {"runs": runs, "median_elapsed_s": statistics.median(r["elapsed_s"] for r in runs),
-                   "median_tpot_ms": statistics.median(r["tpot_ms"]["median"] for r in runs),
+                   "median_tpot_ms": statistics.median(r["tpot_ms"].get("median", 0.0) for r in runs),
                    "median_ttft_ms": statistics.median(r["ttft_ms"]["median"] for r in runs)}
     res["config"] = json.loads(cfg.model_dump_json())
-    print(json.dumps(res, indent=2))
+    print(format_table(res))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(res, f, indent=2)
+        print(f"results written to {args.output_json}")
     return 0

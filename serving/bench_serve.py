@@ -34,46 +34,51 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 
+from .args import CliError
 from .workloads import lognormal_lengths
 
 
 def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("target")
     g.add_argument("--base-url", default=None, help="server URL, e.g. http://10.0.0.5:8000 (default: --host/--port)")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    g.add_argument("--host", default="127.0.0.1", help="server host, when no --base-url")
+    g.add_argument("--port", type=int, default=8000, help="server port, when no --base-url")
+    g.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"],
+                   help="the route every request goes to")
     g.add_argument("--model", default=None, help="model name to send (default: the first one /v1/models lists)")
-    g.add_argument("--api-key", default=os.environ.get("TP_OVERLAP_API_KEY") or os.environ.get("OPENAI_API_KEY"),
-                   help="bearer token (default: $TP_OVERLAP_API_KEY, else $OPENAI_API_KEY)")
+    # Read from the environment at run time, not as the option's default: --help would print the key.
+    g.add_argument("--api-key", default=None, help="bearer token (default: $TP_OVERLAP_API_KEY, else $OPENAI_API_KEY)")
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset-name", default="random", choices=["random", "lognormal"],
-                   help="lognormal: long-tailed lengths like a ShareGPT-style set, made in code (see above)")
-    d.add_argument("--num-prompts", type=int, default=100)
-    d.add_argument("--random-input-len", type=int, default=128)
-    d.add_argument("--random-output-len", type=int, default=64)
+                   help="random: uniform lengths around --random-input-len/--random-output-len; lognormal: "
+                        "long-tailed lengths with those medians, like a ShareGPT-style set, made in code")
+    d.add_argument("--num-prompts", type=int, default=100, help="requests to send")
+    d.add_argument("--random-input-len", type=int, default=128,
+                   help="prompt length: token ids for /v1/completions, characters for chat")
+    d.add_argument("--random-output-len", type=int, default=64, help="max_tokens of a request")
     d.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="lengths are drawn from [len*(1-r), len*(1+r)] (default 0: fixed)")
+                   help="lengths are drawn from [len*(1-r), len*(1+r)]; 0: fixed")
     d.add_argument("--random-vocab-size", type=int, default=256,
                    help="completion prompts use token ids in [0, N); 256 fits every supported tokenizer")
     d.add_argument("--lognormal-sigma", type=float, default=1.0, help="lognormal: the lengths' shape")
     d.add_argument("--lognormal-max-len", type=int, default=2048,
                    help="lognormal: input + output of a request at most this (the server's max-model-len)")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=int, default=0, help="seed of the lengths, prompts and arrival times")
     t = p.add_argument_group("traffic")
     t.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="requests per second, Poisson arrivals (default inf: all at once)")
+                   help="requests per second, Poisson arrivals; inf: all at once")
     t.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the inter-arrival times: 1 is Poisson, <1 burstier, >1 steadier")
     t.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (default: none)")
-    t.add_argument("--temperature", type=float, default=0.0)
+    t.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     t.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="generate exactly the drawn output length (default on)")
+                   help="generate exactly the drawn output length")
     t.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     o = p.add_argument_group("output")
     o.add_argument("--result-file", default=None, help="write the results as JSON here")
     o.add_argument("--save-detailed", action="store_true", help="add per-request timings to the JSON")
     o.add_argument("--label", default=None, help="free text stored in the JSON (e.g. the server's config)")
+    o.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 @dataclass
@@ -183,28 +188,55 @@ def _summary(values: list[float], scale: float = 1000.0) -> dict[str, float]:
             "std": statistics.pstdev(v) if len(v) > 1 else 0.0, "p99": p99}
 
 
+_SERVER_HINT = ("start a server first (`tp-overlap serve`, in another terminal), or point --base-url or "
+                "--host/--port at one")
+
+
+async def _first_model(client, base: str, headers: dict) -> str:
+    """The first model the server lists, or CliError naming what went wrong."""
+    import httpx
+
+    try:
+        r = await client.get(base + "/v1/models", headers=headers)
+    except httpx.HTTPError as e:
+        raise CliError(f"cannot reach the server at {base}: {type(e).__name__}: {e}", hint=_SERVER_HINT,
+                       status=1) from None
+    if r.status_code == 401:
+        raise CliError(f"{base}/v1/models answered 401 (the server wants an API key)",
+                       hint="pass --api-key, or set TP_OVERLAP_API_KEY", status=1)
+    try:
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+    except (httpx.HTTPStatusError, ValueError, LookupError, TypeError) as e:
+        raise CliError(f"{base}/v1/models did not list a model ({type(e).__name__}: {e}; HTTP {r.status_code})",
+                       hint="name the model with --model", status=1) from None
+
+
 async def run_benchmark(a: argparse.Namespace) -> dict:
     import httpx
 
+    from tqdm import tqdm
+
     base = (a.base_url or f"http://{a.host}:{a.port}").rstrip("/")
-    headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
+    api_key = a.api_key or os.environ.get("TP_OVERLAP_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limit = a.max_concurrency or a.num_prompts
     limits = httpx.Limits(max_connections=max(limit, 1), max_keepalive_connections=max(limit, 1))
     async with httpx.AsyncClient(limits=limits, timeout=a.request_timeout) as client:
-        model = a.model
-        if model is None:
-            r = await client.get(base + "/v1/models", headers=headers)
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
+        model = a.model or await _first_model(client, base, headers)
         bodies = make_random_requests(a, model)
         gaps = _arrival_gaps(random.Random(a.seed + 1), len(bodies), a.request_rate, a.burstiness)
         sem = asyncio.Semaphore(a.max_concurrency) if a.max_concurrency else None
+        bar = tqdm(total=len(bodies), desc="requests", unit="req", disable=a.disable_tqdm, file=sys.stderr)
 
         async def limited(body):
-            if sem is None:
-                return await _one_request(client, base + a.endpoint, body, headers, a.request_timeout)
-            async with sem:
-                return await _one_request(client, base + a.endpoint, body, headers, a.request_timeout)
+            try:
+                if sem is None:
+                    return await _one_request(client, base + a.endpoint, body, headers, a.request_timeout)
+                async with sem:
+                    return await _one_request(client, base + a.endpoint, body, headers, a.request_timeout)
+            finally:
+                bar.update(1)
 
         t0 = time.perf_counter()
         tasks = []
@@ -214,6 +246,10 @@ async def run_benchmark(a: argparse.Namespace) -> dict:
             tasks.append(asyncio.create_task(limited(body)))
         results: list[RequestResult] = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
+        bar.close()
+    if all(r.error.startswith("ConnectError") for r in results):
+        raise CliError(f"every request failed: cannot connect to {base} ({results[0].error})", hint=_SERVER_HINT,
+                       status=1)
 
     good = [r for r in results if r.ok]
     n_in = sum(r.prompt_tokens for r in good)
@@ -285,18 +321,13 @@ def bench_serve_main(a: argparse.Namespace) -> int:
     """Exit status 1 when any request failed, so that scripts notice."""
     for name in ("num_prompts", "random_input_len", "random_output_len", "random_vocab_size"):
         if getattr(a, name) < 1:
-            print(f"tp-overlap bench serve: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return 2
+            raise CliError(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 <= a.random_range_ratio < 1:
-        print("tp-overlap bench serve: --random-range-ratio must be in [0, 1)", file=sys.stderr)
-        return 2
+        raise CliError("--random-range-ratio must be in [0, 1)")
     if a.dataset_name == "lognormal" and (a.lognormal_sigma < 0 or a.lognormal_max_len < 8):
-        print("tp-overlap bench serve: --lognormal-sigma must be >= 0 and --lognormal-max-len >= 8", file=sys.stderr)
-        return 2
+        raise CliError("--lognormal-sigma must be >= 0 and --lognormal-max-len >= 8")
     if a.request_rate <= 0 or a.burstiness <= 0 or (a.max_concurrency is not None and a.max_concurrency < 1):
-        print("tp-overlap bench serve: --request-rate, --burstiness and --max-concurrency must be positive",
-              file=sys.stderr)
-        return 2
+        raise CliError("--request-rate, --burstiness and --max-concurrency must be positive")
     res = asyncio.run(run_benchmark(a))
     print(format_report(res))
     if a.result_file:

@@ -17,7 +17,8 @@ import sys
 import time
 from typing import Optional
 
-from .args import add_engine_args, engine_config_from_args
+from .args import (DEBUG_HINT, CliError, Parser, add_debug_arg, add_engine_args, describe_validation_error,
+                   engine_config_from_args, report_error)
 from .config import SamplingParams
 
 
@@ -26,15 +27,20 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--prompt", action="append", default=None, help="repeatable; default: one demo prompt")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--sample-seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[])
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0 disables")
+    g.add_argument("--top-p", type=float, default=1.0, help="1 disables")
+    g.add_argument("--min-p", type=float, default=0.0, help="0 disables")
+    g.add_argument("--sample-seed", type=int, default=None, help="seed of the sampling (default: the engine's)")
+    g.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
+    g.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens even past end-of-sequence")
+    add_debug_arg(p)
     p.set_defaults(func=run_generate)
+
+
+_SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_k": "--top-k",
+                   "top_p": "--top-p", "min_p": "--min-p", "seed": "--sample-seed", "stop": "--stop"}
 
 
 def run_generate(a: argparse.Namespace) -> int:
@@ -42,13 +48,12 @@ def run_generate(a: argparse.Namespace) -> int:
 
     from .engine import LLM
 
+    cfg = engine_config_from_args(a)
     try:
-        cfg = engine_config_from_args(a)
         sp = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                             min_p=a.min_p, seed=a.sample_seed, stop=a.stop, ignore_eos=a.ignore_eos)
     except ValidationError as e:
-        print(f"tp-overlap generate: {e}", file=sys.stderr)
-        return 2
+        raise CliError(describe_validation_error(e, _SAMPLING_FLAGS)) from None
     prompts = a.prompt or ["The tensor-parallel engine says:"]
     llm = LLM(cfg)
     if not llm.is_driver:      # a torchrun worker rank: it served rank 0 until shutdown
@@ -79,10 +84,9 @@ def add_generate_subcommand(subparsers) -> argparse.ArgumentParser:
 
 
 def generate_main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="tp-overlap generate", description="offline generation")
+    p = Parser(prog="tp-overlap generate", description="offline generation")
     _add_generate_args(p)
-    a = p.parse_args(argv)
-    return a.func(a)
+    return _run(p.parse_args(argv), p.prog)
 
 
 # ---- the `tp-overlap` command ------------------------------------------------------------------
@@ -144,15 +148,17 @@ def _bench_serve(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tp-overlap", description="tensor-parallel serving with overlapped kernels")
+    p = Parser(prog="tp-overlap", description="tensor-parallel serving with overlapped kernels")
+    p.add_argument("--debug", action="store_true", help="print the traceback of an error")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="symmetric heap + all-reduce across --tp local ranks")
-    d.add_argument("--tp", type=int, default=2, help="number of ranks (default 2)")
+    d.add_argument("--tp", type=int, default=2, help="number of ranks")
     d.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present")
-    d.add_argument("--numel", type=int, default=4097)
-    d.add_argument("--iters", type=int, default=3)
-    d.add_argument("--heap-size", type=int, default=64 << 20)
-    d.add_argument("--timeout", type=float, default=300.0)
+    d.add_argument("--numel", type=int, default=4097, help="elements per all-reduce")
+    d.add_argument("--iters", type=int, default=3, help="all-reduces per dtype")
+    d.add_argument("--heap-size", type=int, default=64 << 20, help="symmetric heap bytes per rank")
+    d.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are killed")
+    add_debug_arg(d)
     d.set_defaults(func=_demo)
 
     # The server's and the benchmark's options live next to their code. Those modules import fastapi,
@@ -166,12 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the built-in demo model)")
     add_engine_args(s)
     add_server_args(s)
+    add_debug_arg(s)
     s.set_defaults(func=_serve)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     bs = bsub.add_parser("serve", help="load test a running OpenAI-compatible server (like `vllm bench serve`)")
     add_bench_serve_args(bs)
+    add_debug_arg(bs)
     bs.set_defaults(func=_bench_serve)
     add_bench_offline_subcommands(bsub)
     return p
@@ -193,13 +201,36 @@ def _interpret_kernels_without_gpu(argv) -> None:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+def _run(args: argparse.Namespace, prog: str) -> int:
+    """Run a parsed subcommand. A failure is one line and a hint on stderr; the traceback only with
+    --debug."""
+    debug = getattr(args, "debug", False)
+    try:
+        if getattr(args, "tp", 1) < 1:
+            raise CliError(f"--tp must be >= 1, got {args.tp}")
+        return args.func(args)
+    except CliError as e:
+        if debug:
+            raise
+        report_error(prog, e.message, e.hint)
+        return e.status
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if debug:
+            raise
+        report_error(prog, CliError(f"{type(e).__name__}: {e}").message, DEBUG_HINT)
+        return 1
+
+
 def main(argv=None) -> int:
     _interpret_kernels_without_gpu(argv)
     args = build_parser().parse_args(argv)
-    if getattr(args, "tp", 1) < 1:
-        print(f"tp-overlap: --tp must be >= 1, got {args.tp}", file=sys.stderr)
-        return 2
-    return args.func(args)
+    prog = " ".join(["tp-overlap", args.command] + ([args.bench_command] if args.command == "bench" else []))
+    return _run(args, prog)
 
 
 if __name__ == "__main__":

@@ -305,14 +305,21 @@ class ModelRunner:
         interpreted = require_triton_interpreter(self.cfg, self.device.type, self.world_size)
         oc = self.cfg.tp_overlap
         max_tokens = max(self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs)
-        size = oc.heap_size or required_heap_bytes(self.mcfg.hidden_size, max_tokens, self.world_size, self.dtype)
-        size = -(-size // 256) * 256
+        needed = required_heap_bytes(self.mcfg.hidden_size, max_tokens, self.world_size, self.dtype)
+        size = -(-(oc.heap_size or needed) // 256) * 256
         try:
             self.heap = SymmetricHeap(self.ctrl_group, self.device, size)
         except Exception as e:
+            if oc.heap_size:
+                # The user's own size failed: telling them to set it would be no advice.
+                advice = (f"that is tp_overlap.heap_size={oc.heap_size}; lower it (this model needs about "
+                          f"{needed / 2**20:.0f} MiB per rank at max_num_batched_tokens/max_num_seqs={max_tokens}) "
+                          f"or free device memory")
+            else:
+                advice = (f"the size follows the step token budget, max(max_num_batched_tokens, max_num_seqs)="
+                          f"{max_tokens}; lower those, or free device memory")
             raise RuntimeError(f"tp_overlap: could not allocate a {size / 2**20:.0f} MiB symmetric heap per rank "
-                               f"on {self.device} ({e}); lower max_num_batched_tokens or set "
-                               f"tp_overlap.heap_size") from e
+                               f"on {self.device} ({e}); {advice}") from e
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         dispatcher = Dispatcher.load(oc.dispatch, name, self.world_size, oc.dispatch_table)
         if self.rank == 0:
