@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -106,8 +108,18 @@ class ModelConfig:
                                  f"choose a size that divides the head counts")
 
 
-def resolve_model_dir(model: str) -> Optional[Path]:
-    """A model is 'demo', a directory with config.json, or the name of a config shipped in model_configs/."""
+# An `org/name` id on the Hugging Face Hub (a path that does not exist locally and has this shape).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# What the engine reads from a Hub repository: config, tokenizer and chat-template files, and the
+# weights only when they will be loaded (not for --load-format dummy, nor for the config alone).
+_HUB_FILES = ["*.json", "tokenizer.model", "*.jinja"]
+_HUB_WEIGHTS = ["*.safetensors"]
+
+
+def resolve_model_dir(model: str, weights: bool = True) -> Optional[Path]:
+    """A model is 'demo', a directory with config.json, the name of a config shipped in model_configs/, or
+    a Hugging Face Hub id (`org/name`), fetched into the Hub cache (HF_HOME and HF_HUB_OFFLINE apply).
+    `weights=False`: the caller reads only the config and tokenizer, so a Hub model's weights are not fetched."""
     if model == DEMO_MODEL:
         return None
     p = Path(model).expanduser()
@@ -116,9 +128,47 @@ def resolve_model_dir(model: str) -> Optional[Path]:
     shipped = SHIPPED_CONFIGS / model
     if (shipped / "config.json").is_file():
         return shipped
+    if _HUB_ID.match(model) and not p.exists():
+        return hub_snapshot(model, weights)
     names = sorted(d.name for d in SHIPPED_CONFIGS.iterdir() if (d / "config.json").is_file())
     raise FileNotFoundError(f"model {model!r}: no config.json there; use 'demo', a local model directory, "
-                            f"or a shipped config name ({', '.join(names)})")
+                            f"a Hugging Face Hub id (org/name), or a shipped config name ({', '.join(names)})")
+
+
+@functools.lru_cache(maxsize=None)
+def hub_snapshot(repo_id: str, weights: bool = True) -> Path:
+    """The local snapshot directory of a Hub model, downloaded into the Hub cache when missing (once per
+    process: every engine part that resolves the model asks again)."""
+    try:
+        import huggingface_hub as hub
+        from huggingface_hub import constants, errors
+    except ImportError as e:
+        raise FileNotFoundError(f"model {repo_id!r} looks like a Hugging Face Hub id, which needs huggingface_hub "
+                                f"(pip install 'tp-overlap[serve]'): {e}") from None
+    patterns = _HUB_FILES + (_HUB_WEIGHTS if weights else [])
+    cache = constants.HF_HUB_CACHE
+    try:
+        path = Path(hub.snapshot_download(repo_id, allow_patterns=patterns))
+    except errors.GatedRepoError:
+        raise FileNotFoundError(f"model {repo_id!r} is gated on the Hugging Face Hub: accept its terms on the "
+                                f"model page, then log in (`hf auth login`) or set HF_TOKEN") from None
+    except errors.RepositoryNotFoundError:
+        raise FileNotFoundError(f"model {repo_id!r}: no such model on the Hugging Face Hub, or it is private "
+                                f"(log in with `hf auth login` or set HF_TOKEN), and no local directory of "
+                                f"that name") from None
+    except errors.LocalEntryNotFoundError as e:
+        if constants.HF_HUB_OFFLINE:
+            raise FileNotFoundError(f"model {repo_id!r} is not in the Hugging Face cache ({cache}) and "
+                                    f"HF_HUB_OFFLINE is set; download it first (`hf download {repo_id}`) or "
+                                    f"unset HF_HUB_OFFLINE") from None
+        raise FileNotFoundError(f"model {repo_id!r} could not be fetched from the Hugging Face Hub, and it is "
+                                f"not in the cache ({cache}): {' '.join(str(e).split())}") from None
+    except errors.HfHubHTTPError as e:
+        raise FileNotFoundError(f"model {repo_id!r}: the Hugging Face Hub answered "
+                                f"{' '.join(str(e).split())}") from None
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model {repo_id!r}: its Hub snapshot {path} has no config.json")
+    return path
 
 
 class TPOverlapConfig(BaseModel):
@@ -151,7 +201,8 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    model: str = Field(DEMO_MODEL, description="'demo', a local HF model directory, or a shipped config name")
+    model: str = Field(DEMO_MODEL, description="'demo', a local HF model directory, a Hugging Face Hub id "
+                                               "(org/name), or a shipped config name")
     tokenizer: Optional[str] = Field(None, description="tokenizer directory; default: the model directory")
     tensor_parallel_size: int = Field(1, ge=1)
     load_format: Literal["auto", "safetensors", "dummy"] = "auto"
@@ -195,7 +246,7 @@ class EngineConfig(BaseModel):
         return self
 
     def load_model_config(self) -> ModelConfig:
-        d = resolve_model_dir(self.model)
+        d = resolve_model_dir(self.model, weights=False)
         if d is None:
             from .demo import demo_hf_config
             return ModelConfig.from_hf(demo_hf_config())
@@ -203,7 +254,7 @@ class EngineConfig(BaseModel):
             return ModelConfig.from_hf(json.load(f))
 
     def effective_load_format(self) -> str:
-        d = resolve_model_dir(self.model)
+        d = resolve_model_dir(self.model, weights=self.load_format != "dummy")
         if d is None:
             return "demo"
         if self.load_format != "auto":

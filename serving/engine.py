@@ -138,7 +138,7 @@ class LLMEngine:
 
         self.device = self.runner.device
         self.max_model_len = self.runner.max_model_len
-        self.tokenizer = load_tokenizer(resolve_model_dir(cfg.model), cfg.tokenizer)
+        self.tokenizer = load_tokenizer(resolve_model_dir(cfg.model, weights=False), cfg.tokenizer)
         self.eos_ids = set(self.mcfg.eos_token_ids)
         if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
