@@ -698,11 +698,14 @@ class OpenAIServer:
             return ModelList(data=[ModelCard(id=server.model_name, root=server.model_root,
                                              max_model_len=server.max_model_len)])
 
-        @app.api_route("/health", methods=["GET", "HEAD"], responses={503: {"description": "the engine is dead"}})
+        @app.get("/health", responses={503: {"description": "the engine is dead"}})
         async def health():
             if engine_alive(server.engine):
                 return Response(status_code=200)
             return error_response(503, "the engine is not running; restart the server")
+
+        # Its own route, not methods=["GET", "HEAD"]: the OpenAPI schema wants one operation id per method.
+        app.head("/health", responses={503: {"description": "the engine is dead"}})(health)
 
         @app.get("/metrics", response_class=Response)
         async def metrics():
