@@ -356,7 +356,7 @@ def test_unexpected_exception_is_a_json_500_and_the_connection_stays_open(inproc
     _, url = inproc_server
 
     def broken(*args, **kw):
-        raise RuntimeError("injected bug")
+        raise RuntimeError("injected bug \udcff")    # text that cannot be encoded must not break the 500
 
     # logprobs=0 formats log-probabilities in the handler: before the response without streaming, after
     # the status line (mid-stream) with it.

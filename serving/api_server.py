@@ -73,7 +73,13 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+def _printable(text: Optional[str]) -> Optional[str]:
+    # An error may quote what the client sent; text that cannot be encoded would fail the error response.
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(status: int, message: str, param: Optional[str] = None, code: Optional[Union[str, int]] = None) -> dict:
+    message, param = _printable(message), _printable(param)
     info = ErrorInfo(message=message, type=_ERROR_TYPES.get(status, "invalid_request_error"), param=param,
                      code=code if code is not None else status)
     return ErrorResponse(error=info).model_dump()

@@ -150,7 +150,7 @@ def _bench_serve(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="tp-overlap", description="tensor-parallel serving with overlapped kernels")
     p.add_argument("--debug", action="store_true", help="print the traceback of an error")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     d = sub.add_parser("demo", help="symmetric heap + all-reduce across --tp local ranks")
     d.add_argument("--tp", type=int, default=2, help="number of ranks")
     d.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present")
@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_serve)
 
     b = sub.add_parser("bench", help="benchmarks")
-    bsub = b.add_subparsers(dest="bench_command", required=True)
+    bsub = b.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     bs = bsub.add_parser("serve", help="load test a running OpenAI-compatible server (like `vllm bench serve`)")
     add_bench_serve_args(bs)
     add_debug_arg(bs)
