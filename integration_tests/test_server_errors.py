@@ -58,6 +58,8 @@ def test_api_key_required_on_v1_routes(server):
                           ({"Authorization": KEY}, "invalid API key")):
         _assert_error(_post(server, "/v1/completions", {"prompt": "x"}, headers=headers), 401, what)
         _assert_error(httpx.get(server.url + "/v1/models", headers=headers), 401, what)
+        for path in ("/tokenize", "/detokenize"):
+            _assert_error(_post(server, path, {"prompt": "x", "tokens": [1]}, headers=headers), 401, what)
     # The key is checked before the body: an unauthenticated client learns nothing about its request.
     _assert_error(_post(server, "/v1/completions", content=b"{not json", headers={}), 401)
     for path in ("/health", "/metrics", "/version"):
