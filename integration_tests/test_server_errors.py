@@ -1,6 +1,8 @@
 """Bad requests get OpenAI-style errors with the right status (400, 401, 404; never FastAPI's 422) and the
-server keeps answering; an engine that fails turns into a 500 for the request and a 503 on /health,
-while the server stays up."""
+server keeps answering: hand-written cases (text that is not valid Unicode, empty bodies, wrong content
+types included), then fuzzing from the server's own OpenAPI schema. An engine that fails turns into a 500
+for the request and a 503 on /health, and an unexpected exception into a JSON 500 on a connection that
+stays open, while the server stays up."""
 
 import json
 import threading
