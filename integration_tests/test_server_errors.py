@@ -309,8 +309,8 @@ def test_fuzz_no_5xx_and_openai_errors(fuzz_schemas, server, mode, routes):
     if mode == "positive":
         seen = _fuzz(narrow, server, GenerationMode.POSITIVE, routes)
         # A server that rejected everything would pass the checks too. (Schema-valid cases the server does
-        # reject: integral floats such as `"n": 2.0` are JSON-schema integers, which the server refuses, as
-        # OpenAI's API does; and cross-field rules like max_tokens agreeing with max_completion_tokens.)
+        # reject: integral floats such as `"n": 2.0` are JSON-schema integers, which the server's strict
+        # types refuse (protocol.py); and cross-field rules like max_tokens agreeing with max_completion_tokens.)
         assert seen["2xx"] >= seen["calls"] // 3, seen
     else:
         # Violations of the server's own schema: every one a 400 in OpenAI's shape.
