@@ -158,11 +158,11 @@ def hub_snapshot(repo_id: str, weights: bool = True) -> Path:
                                 f"that name") from None
     except errors.LocalEntryNotFoundError as e:
         if constants.HF_HUB_OFFLINE:
-            raise FileNotFoundError(f"model {repo_id!r} is not in the Hugging Face cache ({cache}) and "
-                                    f"HF_HUB_OFFLINE is set; download it first (`hf download {repo_id}`) or "
-                                    f"unset HF_HUB_OFFLINE") from None
-        raise FileNotFoundError(f"model {repo_id!r} could not be fetched from the Hugging Face Hub, and it is "
-                                f"not in the cache ({cache}): {' '.join(str(e).split())}") from None
+            raise FileNotFoundError(f"model {repo_id!r} is no local directory and not in the Hugging Face cache "
+                                    f"({cache}), and HF_HUB_OFFLINE is set; download it first "
+                                    f"(`hf download {repo_id}`) or unset HF_HUB_OFFLINE") from None
+        raise FileNotFoundError(f"model {repo_id!r} is no local directory, could not be fetched from the Hugging "
+                                f"Face Hub, and is not in its cache ({cache}): {' '.join(str(e).split())}") from None
     except errors.HfHubHTTPError as e:
         raise FileNotFoundError(f"model {repo_id!r}: the Hugging Face Hub answered "
                                 f"{' '.join(str(e).split())}") from None
