@@ -102,3 +102,20 @@ def test_command_line_errors_are_one_line_and_a_hint(capsys):
     # --debug: the exception itself, traceback and all
     with pytest.raises(CliError, match="not valid JSON"):
         main(["serve", "--tp-overlap-config", "notjson", "--debug"])
+
+
+@pytest.mark.timeout(120)
+def test_serve_on_a_busy_port_ends_with_one_error_line():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "tp_overlap_plugin.serving.cli", "serve", "--port", str(port),
+                               "--max-model-len", "64", "--log-level", "warning"],
+                              capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    *_, error, hint = proc.stderr.strip().splitlines()
+    assert error.startswith(f"tp-overlap serve: error: the server could not listen on 127.0.0.1:{port}"), error
+    assert hint == "  hint: choose another --port, or stop what uses it"

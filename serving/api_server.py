@@ -898,7 +898,14 @@ def serve_main(a: argparse.Namespace) -> int:
         # kill this process before the engine is shut down, so those handlers only log.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda signum, frame: logger.info("signal %d handled; stopping the engine", signum))
-        uvicorn.Server(config).run()
+        try:
+            uvicorn.Server(config).run()
+        except SystemExit as e:      # uvicorn exits this way when it cannot bind, after logging why
+            if e.code:
+                raise CliError(f"the server could not listen on {a.host}:{a.port} (uvicorn exited with {e.code}; "
+                               f"its reason is logged above)", hint="choose another --port, or stop what uses it",
+                               status=1) from None
+            raise
     finally:
         engine.shutdown()
         logger.info("engine shut down")
