@@ -549,6 +549,8 @@ class LLM:
         for i, (p, sp) in enumerate(zip(prompts, plist)):
             try:
                 seqs.append(self.engine.make_sequence(None, p, sp))
+            except RequestError:   # about the sampling parameters, not this prompt
+                raise
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from e
         for s in seqs:
