@@ -129,22 +129,22 @@ def test_bitmask_allows_only_its_tokens():
 SCHEMA = {
     "type": "object",
     "properties": {
-        "ok": {"type": "boolean"},
-        "c": {"enum": ["red", "green", "blue"]},
-        "n": {"type": "integer", "minimum": -99, "maximum": 999},
+        "b": {"type": "boolean"},
+        "c": {"enum": ["red", "blue"]},
+        "n": {"type": "integer", "minimum": -9, "maximum": 99},
         "t": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
-        "p": {"type": "object", "properties": {"s": {"type": "string", "pattern": "^[a-z]{1,3}$"}},
+        "p": {"type": "object", "properties": {"s": {"type": "string", "pattern": "^[a-z]{1,2}$"}},
               "required": ["s"], "additionalProperties": False},
     },
-    "required": ["ok", "c", "n", "t", "p"],
+    "required": ["b", "c", "n", "t", "p"],
     "additionalProperties": False,
 }
-PROMPTS = ["Hello", "Give me JSON:", "x", "0123456789"]
+PROMPTS = ["Hello", "Give me JSON:", "0123456789"]
 
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(EngineConfig(model="demo", block_size=4, max_model_len=256, max_num_seqs=16, num_kv_blocks=256,
+    with LLM(EngineConfig(model="demo", max_model_len=128, max_num_seqs=16, num_kv_blocks=64,
                           show_progress=False)) as m:
         yield m
 
@@ -164,7 +164,7 @@ def test_json_schema_output_validates(llm):
     plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     solo = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, plain)]
     params = ([SamplingParams(temperature=0, max_tokens=80, structured_output=so)] * len(PROMPTS)
-              + [SamplingParams(temperature=1.0, seed=s, max_tokens=80, structured_output=so) for s in range(4)]
+              + [SamplingParams(temperature=1.0, seed=s, max_tokens=80, structured_output=so) for s in range(3)]
               + [plain] * len(PROMPTS))
     outs = llm.generate(PROMPTS * 3, params)
     docs = [_valid(o, SCHEMA) for o in outs[:2 * len(PROMPTS)]]
@@ -181,7 +181,7 @@ def test_json_object_and_truncation(llm):
     assert not any(o.outputs[0].text.startswith("{") for o in free)   # without the grammar: no JSON
     cut = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=5, structured_output={"json_schema": SCHEMA}))
     c = cut[0].outputs[0]
-    assert c.finish_reason == "length" and len(c.token_ids) == 5 and c.text == '{"ok"'
+    assert c.finish_reason == "length" and len(c.token_ids) == 5 and c.text == '{"b":'
 
 
 def test_bad_schema_and_bias_ids_are_request_errors(llm):
@@ -209,7 +209,7 @@ def test_hf_byte_level_tokenizer(tmp_path):
 
     d = make_hf_checkpoint("qwen2", tmp_path / "m", vocab_size=300, max_shard_size=None)
     bpe = ByteLevelBPETokenizer()
-    text = ['{"ok": true, "c": "green", "n": 12, "t": ["a"], "p": {"s": "ab"}} café'] * 20
+    text = ['{"b": true, "c": "blue", "n": 12, "t": ["a"], "p": {"s": "ab"}} café'] * 20
     bpe.train_from_iterator(text, vocab_size=290, min_frequency=1, special_tokens=["<|endoftext|>"])
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>")
     tok.save_pretrained(str(d))

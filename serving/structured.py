@@ -49,10 +49,13 @@ class StructuredOutputs:
 
     @property
     def compiler(self):
+        # Compiled on the server's thread, filled on the engine loop's: the filler exists before any
+        # caller can see the compiler (and so before any matcher exists).
         if self._compiler is None:
             xgr = self._xgr()
-            self._compiler = xgr.GrammarCompiler(self._tokenizer_info(xgr), max_threads=2)
+            info = self._tokenizer_info(xgr)
             self._batch = xgr.BatchGrammarMatcher(max_threads=2)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
         return self._compiler
 
     def _tokenizer_info(self, xgr):
