@@ -12,6 +12,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 from tp_overlap_plugin.serving import LLM, EngineConfig, SamplingParams
 from tp_overlap_plugin.serving.testing import ServerProcess, free_port
@@ -213,6 +214,13 @@ def test_top_logprobs_in_both_apis_streamed_and_not(client, offline):
     for got, want in zip(sum((x.top_logprobs for x in streamed), []), lp.top_logprobs, strict=True):
         assert got.keys() == want.keys() and list(got.values()) == pytest.approx(list(want.values()), abs=1e-5)
     assert sum((x.text_offset for x in streamed), []) == lp.text_offset
+    # echo: the prompt's positions too, their alternatives from the prompt logits
+    echoed = _greedy(client, PROMPTS[0], n_tokens=6, logprobs=5, echo=True).choices[0].logprobs
+    plogits = offline.generate(PROMPTS[0], SamplingParams(max_tokens=1, prompt_logits=True))[0].prompt_logits
+    best = torch.log_softmax(plogits, -1).max(-1).values
+    assert echoed.top_logprobs[0] is None and len(echoed.top_logprobs) == len(plogits) + 6
+    assert [max(a.values()) for a in echoed.top_logprobs[1:len(plogits)]] == pytest.approx(best[:-1].tolist(), abs=1e-4)
+    assert [a.keys() for a in echoed.top_logprobs[len(plogits):]] == [a.keys() for a in lp.top_logprobs]
 
     msgs = [{"role": "user", "content": "hi"}]
     kw = dict(model="demo", messages=msgs, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3,

@@ -1,9 +1,9 @@
 """Request and response schemas of the OpenAI-compatible server.
 
 The request models list exactly the fields the engine can honour and forbid everything else: a client
-that sends `logit_bias` or `tools` gets a 400 that names the field, instead of an answer that quietly
+that sends `tools` or `functions` gets a 400 that names the field, instead of an answer that quietly
 differs from what it asked for. Fields that OpenAI clients send with their neutral defaults
-(`presence_penalty: 0`, `best_of == n`, ...) are accepted at those values only.
+(`best_of == n`, `suffix: null`, ...) are accepted at those values only.
 
 Strict mode: `"max_tokens": "10"` or `"prompt": [true]` are type errors, as in the OpenAI API.
 """

@@ -7,9 +7,8 @@ token into its matcher before the sequence's next mask is built (engine.py says 
 scheduling). Once the JSON is complete the grammar allows only the end-of-sequence tokens, so the
 output ends there.
 
-json_schema is compiled without free whitespace (compact JSON, `", "` and `": "` separators): a model
-that may put whitespace anywhere can also put it there forever.
-"""
+Both kinds are compiled without free whitespace (compact JSON, `", "` and `": "` separators): a model
+that may put whitespace anywhere can also put it there forever."""
 
 from __future__ import annotations
 
