@@ -4,9 +4,9 @@ The sampler's logits processing (logit_bias, repetition / frequency / presence p
 transformers' processors and a float64 formula on random logits and histories, including the device
 update of the counts by the sampled tokens; top logprobs of the raw distribution; the bitmask. JSON
 output from the demo model (random weights: only the grammar makes it JSON) and from an HF
-byte-level tokenizer, validated against its schema. (test_engine_hf_parity.py runs the penalties
-end to end against transformers; test_engine_async.py runs them and the grammar under async
-scheduling, preemption and TP=2.)
+byte-level tokenizer, validated against its schema. Preemption rebuilds the state and keeps the
+grammar. (test_engine_hf_parity.py runs the penalties end to end against transformers;
+test_engine_async.py runs them and the grammar under async scheduling, preemption and TP=2.)
 """
 
 import importlib.util
@@ -232,3 +232,44 @@ def test_hf_byte_level_tokenizer(tmp_path):
         assert b"".join(llm.tokenizer.token_bytes(t) for t in ids) == outs[0].outputs[0].text.encode()
         cafe = tok.encode(" café", add_special_tokens=False)
         assert b"".join(llm.tokenizer.token_bytes(t) for t in cafe) == " café".encode()
+
+
+@needs_xgrammar
+def test_preemption_rebuilds_token_state_and_keeps_the_grammar():
+    """A preempted sequence gives its TokenState row back and rebuilds it from its tokens; its grammar
+    matcher carries on. Outputs equal those of an engine that never preempts."""
+    import random
+
+    from tp_overlap_plugin.serving import LLMEngine
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(3, 30))] for _ in range(8)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(10, 25), ignore_eos=True, repetition_penalty=1.4,
+                             frequency_penalty=0.6, presence_penalty=0.3, logit_bias={rng.randrange(256): 3.0})
+              for _ in prompts[:6]]
+    params += [SamplingParams(temperature=0, max_tokens=90, structured_output={"json_schema": SCHEMA},
+                              frequency_penalty=0.5)] * 2
+
+    def run(num_kv_blocks):
+        eng = LLMEngine(EngineConfig(model="demo", block_size=4, max_model_len=128, max_num_seqs=8,
+                                     max_num_batched_tokens=24, num_kv_blocks=num_kv_blocks, show_progress=False))
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                eng.add_request(f"r{i}", p, sp)
+            done = {}
+            while eng.has_unfinished():
+                done.update({o.request_id: o for o in eng.step() if o.finished})
+            assert eng.token_state.num_free == 8   # every row came back
+            outs = [done[f"r{i}"] for i in range(len(prompts))]
+            return ([o.num_preemptions for o in outs],
+                    [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
+        finally:
+            eng.shutdown()
+
+    roomy, ref = run(400)
+    tight, got = run(32)
+    assert sum(roomy) == 0
+    assert any(tight[:6]) and any(tight[6:]), tight   # penalized and constrained sequences were preempted
+    assert got == ref
+    for ids, reason in ref[6:]:
+        assert reason == "stop" and set(json.loads(bytes(ids[:-1]).decode())) == set(SCHEMA["required"])
