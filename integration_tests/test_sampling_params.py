@@ -273,3 +273,21 @@ def test_preemption_rebuilds_token_state_and_keeps_the_grammar():
     assert got == ref
     for ids, reason in ref[6:]:
         assert reason == "stop" and set(json.loads(bytes(ids[:-1]).decode())) == set(SCHEMA["required"])
+
+
+@needs_xgrammar
+def test_a_grammar_that_refuses_its_own_token_ends_only_that_request(llm, caplog):
+    eng = llm.engine
+    so = SamplingParams(temperature=0, max_tokens=40, structured_output={"json_schema": SCHEMA})
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = llm.generate("Hello", plain)[0].outputs[0].token_ids
+    eng.add_request("bad", "x", so)
+    eng.add_request("ok", "Hello", plain)
+    eng.step()
+    eng.scheduler.by_id["bad"].grammar.accept_token = lambda token: False   # as a library bug would
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o.outputs[0] for o in eng.step() if o.finished})
+    assert done["bad"].finish_reason == "abort" and "refused token" in caplog.text
+    assert done["ok"].token_ids == ref and done["ok"].finish_reason == "length"
+    assert eng.token_state.num_free == eng.token_state.num_rows

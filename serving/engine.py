@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import itertools
+import logging
 import multiprocessing as mp
 import socket
 import threading
@@ -29,10 +30,12 @@ from .runner import (ModelRunner, StepInput, destroy_group_bounded, init_distrib
                      worker_main)
 from .sampler import Sampled, TokenState, sample_on_device
 from .scheduler import NeedsPreemption, Scheduler, Sequence, Status
-from .structured import StructuredOutputs, accept
+from .structured import StructuredOutputs
 from .tokenizer import ByteTokenizer, IncrementalDetokenizer, load_tokenizer
 
 Prompt = Union[str, list[int]]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -465,9 +468,14 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, tok: int, logprob: Optional[float],
                       top: Optional[list[tuple[int, float]]] = None) -> RequestOutput:
+        if seq.grammar is not None and not seq.grammar.accept_token(tok):
+            # Its mask allowed the token, so the grammar cannot refuse it, unless the grammar library
+            # errs; then this request ends here, not the engine with every other request.
+            log.error("request %s: the grammar refused token %d that its own mask allowed; request aborted",
+                      seq.request_id, tok)
+            self.scheduler.finish(seq, "abort")
+            return self._output(seq, "", [])
         seq.tokens.append(tok)
-        if seq.grammar is not None:
-            accept(seq.grammar, tok)
         if seq.params.logprobs:
             seq.logprobs.append(logprob)
             if top is not None:

@@ -94,10 +94,3 @@ class StructuredOutputs:
         self._batch.batch_fill_next_token_bitmask(list(matchers), mask, indices=list(rows))
         return mask.to(device)
 
-
-def accept(matcher, token: int) -> None:
-    """Advance a matcher by a sampled token. A token the mask allowed is always accepted; a refusal
-    means the mask and the matcher disagree, which must not pass silently."""
-    if not matcher.accept_token(token):
-        raise RuntimeError(f"the grammar rejected token {token}, which its own mask allowed")
-
