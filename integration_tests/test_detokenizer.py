@@ -148,7 +148,8 @@ def test_engine_emits_held_back_text_when_the_output_ends(demo_engine, monkeypat
         params.update(max_tokens=len(script), stop_token_ids=[tok.special_ids["<|end|>"]])
     scripted = iter(script)
     monkeypatch.setattr(engine_mod, "sample_on_device",
-                        lambda logits, ps, gens, gen, **kw: Sampled(torch.tensor([next(scripted)], device=logits.device)))
+                        lambda logits, ps, gens, gen, **kw: Sampled(torch.tensor([next(scripted)],
+                                                                                  device=logits.device)))
     demo_engine.add_request("scripted", "Hi", SamplingParams(**params))
     outs = []
     while demo_engine.has_unfinished():

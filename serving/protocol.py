@@ -53,7 +53,8 @@ class StreamOptions(_Request):
 class JsonSchemaFormat(_Request):
     name: Optional[str] = Field(None, description="accepted for OpenAI compatibility, not used")
     description: Optional[str] = None
-    schema_: Optional[dict[str, Any]] = Field(None, alias="schema", description="the JSON schema; absent: any JSON object")
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema",
+                                              description="the JSON schema; absent: any JSON object")
     strict: Optional[bool] = Field(None, description="accepted; the output always follows the schema")
 
 
@@ -133,7 +134,8 @@ class _SamplingFields(_Request):
             if not (k.isascii() and k.isdigit()):
                 raise ValueError(f"logit_bias keys are token ids written as strings of digits, not {k!r}")
             if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:   # (also rejects NaN)
-                raise ValueError(f"the bias of token {k} is {b}; it must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+                raise ValueError(f"the bias of token {k} is {b}; it must be in "
+                                 f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         return v
 
     @model_validator(mode="after")
