@@ -53,8 +53,8 @@ class StructuredOutputs:
         if self._compiler is None:
             xgr = self._xgr()
             info = self._tokenizer_info(xgr)
-            self._batch = xgr.BatchGrammarMatcher(max_threads=2)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+            self._batch = xgr.BatchGrammarMatcher()   # threads: half the cores
+            self._compiler = xgr.GrammarCompiler(info)
         return self._compiler
 
     def _tokenizer_info(self, xgr):
