@@ -135,6 +135,7 @@ def test_engine_emits_held_back_text_when_the_output_ends(demo_engine, monkeypat
     and the last delta carries the held-back bytes, whatever ended the output."""
     from tp_overlap_plugin.serving import SamplingParams
     from tp_overlap_plugin.serving import engine as engine_mod
+    from tp_overlap_plugin.serving.sampler import Sampled
 
     tok = demo_engine.tokenizer
     script = [*b"ok", 0xE4, 0xB8]
@@ -147,7 +148,8 @@ def test_engine_emits_held_back_text_when_the_output_ends(demo_engine, monkeypat
         params.update(max_tokens=len(script), stop_token_ids=[tok.special_ids["<|end|>"]])
     scripted = iter(script)
     monkeypatch.setattr(engine_mod, "sample_on_device",
-                        lambda logits, ps, gens, gen: (torch.tensor([next(scripted)], device=logits.device), None))
+                        lambda logits, ps, gens, gen, **kw: Sampled(torch.tensor([next(scripted)],
+                                                                                  device=logits.device)))
     demo_engine.add_request("scripted", "Hi", SamplingParams(**params))
     outs = []
     while demo_engine.has_unfinished():

@@ -1,7 +1,10 @@
 """Async scheduling (EngineConfig.async_scheduling): step i+1 is launched before step i's tokens reach
 the host. Outputs equal the synchronous engine's, with stops the host cannot foresee (stop tokens, stop
-strings), seeded sampling, logprobs, prompt logits, preemption and aborts, at TP=1 and TP=2; no KV
-block leaks."""
+strings), seeded sampling, logprobs and top logprobs, penalties and logit_bias (token counts the device
+updates before the host sees the tokens), structured output (a grammar that must see each token
+before the next mask), prompt logits, preemption and aborts, at TP=1 and TP=2; no KV block leaks."""
+
+import json
 
 import pytest
 import torch
@@ -21,15 +24,22 @@ def _engine(async_scheduling: bool, tp: int, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(**base))
 
 
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                           "maximum": 99}},
+          "required": ["ok", "n"], "additionalProperties": False}
+
+
 def _params(stop_token: int, stop_str: str) -> list[SamplingParams]:
-    return [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-            SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_token], logprobs=True),
+    return [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3,
+                           frequency_penalty=0.5, presence_penalty=0.2, logit_bias={65: 3.0}),
+            SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_token], logprobs=True, top_logprobs=4),
             SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=25),
             SamplingParams(temperature=0, max_tokens=40, stop=[stop_str], ignore_eos=True),
             SamplingParams(temperature=0, max_tokens=7, prompt_logits=True, logprobs=True),
-            SamplingParams(temperature=1.0, top_k=20, seed=3, max_tokens=33),
+            SamplingParams(temperature=1.0, top_k=20, seed=3, max_tokens=33, presence_penalty=1.5,
+                           logit_bias={97: -100.0, 98: 2.0}),
             SamplingParams(temperature=0, max_tokens=1),
-            SamplingParams(temperature=0, max_tokens=50)]
+            SamplingParams(temperature=0, max_tokens=50, structured_output={"json_schema": SCHEMA})]
 
 
 def _run(eng: LLMEngine, params, abort_after: dict | None = None) -> dict:
@@ -47,7 +57,9 @@ def _run(eng: LLMEngine, params, abort_after: dict | None = None) -> dict:
                 pl = out.prompt_logits
                 done[out.request_id] = (c.token_ids, c.finish_reason, c.text,
                                         None if c.logprobs is None else [round(x, 4) for x in c.logprobs],
-                                        None if pl is None else pl.shape)
+                                        None if pl is None else pl.shape,
+                                        None if c.top_logprobs is None else
+                                        [[(t, round(x, 4)) for t, x in top] for top in c.top_logprobs])
         steps += 1
     assert eng.block_manager.num_free == eng.block_manager.num_blocks
     assert all(r == 0 for r in eng.block_manager.refcount)
@@ -78,6 +90,8 @@ def test_async_scheduling_equals_sync(tp):
         got = _run(eng, params)
         assert got == ref
         assert ref["r1"][1] == "stop" and ref["r3"][1] == "stop" and ref["r0"][1] == "length"
+        assert ref["r7"][1] == "stop" and json.loads(ref["r7"][2]).keys() == {"ok", "n"}
+        assert len(ref["r1"][5]) == len(ref["r1"][0]) and all(len(top) == 4 for top in ref["r1"][5])
         assert eng.scheduler.num_preemptions > 0   # the small pool made the run preempt
     finally:
         eng.shutdown()

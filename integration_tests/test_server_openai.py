@@ -2,6 +2,7 @@
 not, n > 1, stop strings, usage, echo/logprobs; TP=2 serves the same greedy text as TP=1; SIGTERM stops
 the server and its workers. A real `tp-overlap serve` process on 127.0.0.1 with the demo model."""
 
+import json
 import os
 import signal
 import sys
@@ -11,6 +12,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 from tp_overlap_plugin.serving import LLM, EngineConfig, SamplingParams
 from tp_overlap_plugin.serving.testing import ServerProcess, free_port
@@ -226,6 +228,72 @@ def test_echo_and_logprobs(client, offline):
                                           temperature=0, logprobs=True, extra_body={"ignore_eos": True})
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(t.logprob <= 0 for t in content)
+
+
+def test_top_logprobs_in_both_apis_streamed_and_not(client, offline):
+    ref = offline.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=True,
+                                                      top_logprobs=5))[0].outputs[0]
+    lp = _greedy(client, PROMPTS[0], n_tokens=6, logprobs=5).choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+    for alts, top, sampled in zip(lp.top_logprobs, ref.top_logprobs, ref.logprobs):
+        # the 5 best plus the sampled token, keyed by text (tokens that decode alike share a key)
+        assert 1 <= len(alts) <= 6
+        assert set(round(v, 4) for v in alts.values()) <= {round(v, 4) for _, v in top} | {round(sampled, 4)}
+        assert max(alts.values()) == pytest.approx(top[0][1], abs=1e-4)
+    streamed = [ch.choices[0].logprobs for ch in _greedy(client, PROMPTS[0], n_tokens=6, logprobs=5, stream=True)
+                if ch.choices and ch.choices[0].logprobs]
+    # (the repeated prompt comes from the prefix cache: equal up to float rounding)
+    for got, want in zip(sum((x.top_logprobs for x in streamed), []), lp.top_logprobs, strict=True):
+        assert got.keys() == want.keys() and list(got.values()) == pytest.approx(list(want.values()), abs=1e-5)
+    assert sum((x.text_offset for x in streamed), []) == lp.text_offset
+    # echo: the prompt's positions too, their alternatives from the prompt logits
+    echoed = _greedy(client, PROMPTS[0], n_tokens=6, logprobs=5, echo=True).choices[0].logprobs
+    plogits = offline.generate(PROMPTS[0], SamplingParams(max_tokens=1, prompt_logits=True))[0].prompt_logits
+    best = torch.log_softmax(plogits, -1).max(-1).values
+    assert echoed.top_logprobs[0] is None and len(echoed.top_logprobs) == len(plogits) + 6
+    assert [max(a.values()) for a in echoed.top_logprobs[1:len(plogits)]] == pytest.approx(best[:-1].tolist(), abs=1e-4)
+    assert [a.keys() for a in echoed.top_logprobs[len(plogits):]] == [a.keys() for a in lp.top_logprobs]
+
+    msgs = [{"role": "user", "content": "hi"}]
+    kw = dict(model="demo", messages=msgs, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3,
+              extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(**kw).choices[0]
+    content = chat.logprobs.content
+    assert len(content) == 5 and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.top_logprobs[0].logprob >= t.logprob for t in content)
+    # `bytes` are the tokens' own bytes: together they decode to the text, split characters included
+    assert bytes(b for t in content for b in t.bytes).decode("utf-8", "replace") == chat.message.content
+    chunks = [ch.choices[0].logprobs.content for ch in client.chat.completions.create(**kw, stream=True)
+              if ch.choices and ch.choices[0].logprobs]
+    streamed = [t for part in chunks for t in part]
+    assert [(t.token, t.bytes, [a.token for a in t.top_logprobs]) for t in streamed] == \
+        [(t.token, t.bytes, [a.token for a in t.top_logprobs]) for t in content]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-5)
+
+
+def test_penalties_bias_and_json_schema(client, offline):
+    kw = dict(frequency_penalty=1.0, presence_penalty=0.5, logit_bias={"65": 4.0, "110": -100})
+    out = _greedy(client, PROMPTS[1], n_tokens=12, extra={"repetition_penalty": 1.2}, **kw)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=1.0, presence_penalty=0.5,
+                        repetition_penalty=1.2, logit_bias={65: 4.0, 110: -100})
+    assert out.choices[0].text == offline.generate(PROMPTS[1], sp)[0].outputs[0].text
+    assert out.choices[0].text != _greedy(client, PROMPTS[1], n_tokens=12).choices[0].text
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 1,
+                                                                                 "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    msgs = [{"role": "user", "content": "Answer in JSON."}]
+    chat = client.chat.completions.create(model="demo", messages=msgs, max_tokens=40, temperature=0,
+                                          response_format=fmt)
+    doc = json.loads(chat.choices[0].message.content)
+    assert chat.choices[0].finish_reason == "stop" and set(doc) == {"ok", "n"} and 1 <= doc["n"] <= 9
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        model="demo", messages=msgs, max_tokens=40, temperature=0, response_format=fmt, stream=True) if ch.choices)
+    assert streamed == chat.choices[0].message.content
+    obj = client.completions.create(model="demo", prompt=PROMPTS[2], max_tokens=40, temperature=0,
+                                    extra_body={"response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(obj.choices[0].text), dict)
 
 
 # ---- tensor parallelism and shutdown --------------------------------------------------------------

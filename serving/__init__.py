@@ -13,6 +13,7 @@ import importlib
 # anything imports Triton, and the engine imports Triton through the kernels. An eager import here
 # would run before the command's first line.
 _EXPORTS = {"EngineConfig": ".config", "ModelConfig": ".config", "SamplingParams": ".config",
+            "StructuredOutput": ".config",
             "LLM": ".engine", "AsyncLLM": ".engine", "LLMEngine": ".engine", "RequestOutput": ".engine",
             "CompletionOutput": ".engine"}
 

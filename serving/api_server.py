@@ -30,10 +30,10 @@ from typing import Any, AsyncIterator, Optional, Union
 from pydantic import BaseModel, ValidationError
 
 from .args import DEBUG_HINT, CliError, engine_config_from_args
-from .config import SamplingParams
+from .config import RequestError, SamplingParams
 from .protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
                        ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatResponseMessage,
-                       ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
+                       ChatTokenLogprob, ChatTopLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
                        CompletionResponse, CompletionStreamChoice, CompletionStreamResponse, DeltaMessage,
                        DetokenizeRequest, DetokenizeResponse, ErrorInfo, ErrorResponse, ModelCard, ModelList,
                        TokenizeRequest, TokenizeResponse, UsageInfo, VersionResponse, new_id)
@@ -65,6 +65,10 @@ _ERROR_RESPONSES: dict[Union[int, str], dict[str, Any]] = {
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
                 503: "service_unavailable_error"}
+
+
+# The API's name of a SamplingParams field, where the two differ.
+_API_PARAM = {"structured_output": "response_format"}
 
 
 class ApiError(Exception):
@@ -229,6 +233,7 @@ class _Choice:
     last_token: Optional[float] = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     text: str = ""
     finish_reason: Optional[str] = None
     prompt_logits: Any = None
@@ -333,6 +338,8 @@ class OpenAIServer:
             # that a bad request is a 400 and not an error halfway through an SSE stream.
             try:
                 core.make_sequence(c.request_id, c.prompt_ids, c.params)
+            except RequestError as e:   # a sampling parameter, the same for every choice
+                raise ApiError(400, str(e), param=_API_PARAM.get(e.param, e.param)) from None
             except (ValueError, TypeError) as e:
                 where = f"prompt {c.prompt_index}: " if len(prompts) > 1 else ""
                 raise ApiError(400, f"{where}{e}", param="prompt") from None
@@ -371,6 +378,7 @@ class OpenAIServer:
                 comp = out.outputs[0]
                 c.token_ids = list(comp.token_ids)
                 c.logprobs = list(comp.logprobs or [])
+                c.top_logprobs = list(comp.top_logprobs or [])
                 c.text = comp.text
                 if out.finished:
                     c.finish_reason = comp.finish_reason
@@ -431,27 +439,58 @@ class OpenAIServer:
     def _token_str(self, t: int) -> str:
         return self.tokenizer.decode([t]) if self.tokenizer is not None else f"token_id:{t}"
 
-    def _completion_logprobs(self, ids: list[int], lps: list[Optional[float]], offset: int) -> CompletionLogprobs:
+    def _token_bytes(self, t: int) -> Optional[list[int]]:
+        return list(self.tokenizer.token_bytes(t)) if self.tokenizer is not None else None
+
+    def _completion_logprobs(self, ids: list[int], lps: list[Optional[float]],
+                             tops: list[Optional[list[tuple[int, float]]]], offset: int) -> CompletionLogprobs:
+        """OpenAI's legacy shape: per token its text, log-probability, {text: logprob} of the `logprobs`
+        most likely tokens plus the sampled one, and its offset in the text."""
         out = CompletionLogprobs()
-        for t, lp in zip(ids, lps):
+        tops = list(tops) + [None] * (len(ids) - len(tops))   # (none asked for: an empty list)
+        for t, lp, top in zip(ids, lps, tops):
             s = self._token_str(t)
             out.tokens.append(s)
             out.token_logprobs.append(lp)
-            # logprobs=0 in OpenAI's API: no alternatives, yet the sampled token is always listed.
-            out.top_logprobs.append(None if lp is None else {s: lp})
+            if lp is None:
+                out.top_logprobs.append(None)
+            else:
+                # Tokens that decode alike share a key; the likelier one keeps it.
+                alts: dict[str, float] = {}
+                for alt, alt_lp in top or []:
+                    alts.setdefault(self._token_str(alt), alt_lp)
+                alts.setdefault(s, lp)
+                out.top_logprobs.append(alts)
             out.text_offset.append(offset)
             offset += len(s)
         return out
 
-    def _prompt_logprobs(self, c: _Choice) -> list[Optional[float]]:
+    def _chat_logprobs(self, ids: list[int], lps: list[float],
+                       tops: list[list[tuple[int, float]]]) -> ChatChoiceLogprobs:
+        content = []
+        for i, (t, lp) in enumerate(zip(ids, lps)):
+            alts = [ChatTopLogprob(token=self._token_str(a), logprob=alp, bytes=self._token_bytes(a))
+                    for a, alp in (tops[i] if i < len(tops) else [])]
+            content.append(ChatTokenLogprob(token=self._token_str(t), logprob=lp, bytes=self._token_bytes(t),
+                                            top_logprobs=alts))
+        return ChatChoiceLogprobs(content=content)
+
+    def _prompt_logprobs(self, c: _Choice, k: int) -> tuple[list[Optional[float]], list]:
+        """The prompt tokens' log-probabilities (the first has none) and their top k alternatives."""
         import torch
 
         ids = c.prompt_ids
         if c.prompt_logits is None or len(ids) < 2:
-            return [None] * len(ids)
+            return [None] * len(ids), [None] * len(ids)
         lp = torch.log_softmax(c.prompt_logits[:len(ids) - 1].float(), dim=-1)
         nxt = torch.tensor(ids[1:])[:, None]
-        return [None] + lp.gather(1, nxt)[:, 0].tolist()
+        tops: list = [None]
+        if k:
+            vals, idx = lp.topk(k, dim=-1)
+            tops += [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+        else:
+            tops += [[] for _ in ids[1:]]
+        return [None] + lp.gather(1, nxt)[:, 0].tolist(), tops
 
     def _stream(self, chunks, stream_options, usage_chunk) -> "_SSEResponse":
         """The SSE envelope both streaming endpoints share: chunks, the optional usage chunk, `[DONE]`;
@@ -495,7 +534,7 @@ class OpenAIServer:
             self._check_context(len(ids), req.max_tokens, "max_tokens")
         want_lp = req.logprobs is not None
         kw = dict(req.sampling_kwargs(), max_tokens=req.max_tokens, logprobs=want_lp,
-                  prompt_logits=req.echo and want_lp)
+                  top_logprobs=req.logprobs or 0, prompt_logits=req.echo and want_lp)
         base = new_id("cmpl")
         choices = self._make_choices(base, prompts, req.n, kw, req.seed)
 
@@ -522,7 +561,8 @@ class OpenAIServer:
                             continue
                         lp = None
                         if want_lp:
-                            lp = self._completion_logprobs(new_ids, c.logprobs[sent[c.index]:], offsets[c.index])
+                            lp = self._completion_logprobs(new_ids, c.logprobs[sent[c.index]:],
+                                                           c.top_logprobs[sent[c.index]:], offsets[c.index])
                         sent[c.index] = len(c.token_ids)
                         offsets[c.index] += len(out.delta_text)
                         yield CompletionStreamResponse(id=base, model=self.model_name, choices=[
@@ -540,10 +580,11 @@ class OpenAIServer:
                 text = echo_text(c) + c.text
             if want_lp:
                 if req.echo:
-                    ids = c.prompt_ids + c.token_ids
-                    lp = self._completion_logprobs(ids, self._prompt_logprobs(c) + c.logprobs, 0)
+                    p_lps, p_tops = self._prompt_logprobs(c, req.logprobs)
+                    lp = self._completion_logprobs(c.prompt_ids + c.token_ids, p_lps + c.logprobs,
+                                                   p_tops + c.top_logprobs, 0)
                 else:
-                    lp = self._completion_logprobs(c.token_ids, c.logprobs, 0)
+                    lp = self._completion_logprobs(c.token_ids, c.logprobs, c.top_logprobs, 0)
             out_choices.append(CompletionChoice(index=c.index, text=text, logprobs=lp,
                                                 finish_reason=c.finish_reason))
         return CompletionResponse(id=base, model=self.model_name, choices=out_choices, usage=self._usage(choices))
@@ -570,16 +611,10 @@ class OpenAIServer:
         else:
             self._check_context(len(ids), requested, param)
             max_tokens = requested
-        kw = dict(req.sampling_kwargs(), max_tokens=max_tokens, logprobs=req.logprobs)
+        kw = dict(req.sampling_kwargs(), max_tokens=max_tokens, logprobs=req.logprobs,
+                  top_logprobs=req.top_logprobs or 0)
         base = new_id("chatcmpl")
         choices = self._make_choices(base, [(None, ids)], req.n, kw, req.seed)
-
-        def token_logprobs(ids_: list[int], lps: list[float]) -> ChatChoiceLogprobs:
-            content = []
-            for t, lp in zip(ids_, lps):
-                s = self._token_str(t)
-                content.append(ChatTokenLogprob(token=s, logprob=lp, bytes=list(s.encode("utf-8"))))
-            return ChatChoiceLogprobs(content=content)
 
         if req.stream:
             async def chunks():
@@ -595,7 +630,8 @@ class OpenAIServer:
                         finish = c.finish_reason if out.finished else None
                         if not (out.delta_text or finish or (req.logprobs and new_ids)):
                             continue
-                        lp = token_logprobs(new_ids, c.logprobs[sent[c.index]:]) if req.logprobs else None
+                        k = sent[c.index]
+                        lp = self._chat_logprobs(new_ids, c.logprobs[k:], c.top_logprobs[k:]) if req.logprobs else None
                         sent[c.index] = len(c.token_ids)
                         delta = DeltaMessage(content=out.delta_text) if out.delta_text else DeltaMessage()
                         chunk = ChatCompletionStreamResponse(id=base, model=self.model_name, choices=[
@@ -610,7 +646,8 @@ class OpenAIServer:
 
         await self._complete(choices, "chat", request)
         out_choices = [ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                                            logprobs=token_logprobs(c.token_ids, c.logprobs) if req.logprobs else None,
+                                            logprobs=(self._chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs)
+                                                      if req.logprobs else None),
                                             finish_reason=c.finish_reason) for c in choices]
         return ChatCompletionResponse(id=base, model=self.model_name, choices=out_choices, usage=self._usage(choices))
 

@@ -264,8 +264,43 @@ class EngineConfig(BaseModel):
         raise FileNotFoundError(f"no *.safetensors in {d}; pass load_format='dummy' for random weights")
 
 
+# vLLM's default cap (--max-logprobs) and OpenAI's chat limit: a top-k this wide is one small topk per step.
+MAX_TOP_LOGPROBS = 20
+# OpenAI's range for a logit bias.
+MAX_LOGIT_BIAS = 100.0
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; `param` names the SamplingParams field at fault (the server's
+    400 names it too)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+class StructuredOutput(BaseModel):
+    """A grammar the output must follow: any JSON object, or JSON that validates against a schema
+    (serving/structured.py compiles it). Exactly one of the two."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_object: bool = False
+    json_schema: Optional[dict[str, Any]] = None
+
+    @model_validator(mode="after")
+    def _one(self) -> "StructuredOutput":
+        if self.json_object == (self.json_schema is not None):
+            raise ValueError("a structured output is either json_object=True or a json_schema, exactly one")
+        return self
+
+
 class SamplingParams(BaseModel):
-    """Per-request sampling. temperature 0 means greedy."""
+    """Per-request sampling. temperature 0 means greedy.
+
+    The logits are processed in this order before sampling (vLLM's): the structured-output mask,
+    logit_bias, repetition_penalty, then frequency and presence penalties; then temperature, top-k,
+    top-p, min-p. Reported log-probabilities are of the raw model distribution, before any of it."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -279,6 +314,17 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = Field(False, description="return the log-probability of each chosen token")
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS,
+                              description="also the most likely tokens at each position (needs logprobs)")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted from the logit of every "
+                                    "token generated so far (OpenAI)")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted once per time a token "
+                                     "was generated so far (OpenAI)")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="divides positive and multiplies "
+                                      "negative logits of tokens in the prompt or the output (HF/vLLM); 1 disables")
+    logit_bias: Optional[dict[int, float]] = Field(None, description="token id -> bias added to its logit, "
+                                                   f"in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+    structured_output: Optional[StructuredOutput] = None
     prompt_logits: bool = Field(False, description="return the raw logits at every prompt position")
     include_stop_str_in_output: bool = False
 
@@ -297,7 +343,28 @@ class SamplingParams(BaseModel):
             raise ValueError("stop_token_ids must be non-negative")
         if not math.isfinite(self.temperature):
             raise ValueError("temperature must be finite")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=True")
+        for t, b in (self.logit_bias or {}).items():
+            if t < 0:
+                raise ValueError(f"logit_bias token id {t} is negative")
+            if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:   # (also rejects NaN)
+                raise ValueError(f"logit_bias of token {t} is {b}; it must be in "
+                                 f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        if self.structured_output is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with a structured output: the grammar ends the "
+                             "output with the end-of-sequence token once the JSON is complete")
         return self
+
+    @property
+    def penalized(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def needs_token_state(self) -> bool:
+        """Whether sampling reads per-sequence state kept on the device (sampler.TokenState)."""
+        return self.penalized or bool(self.logit_bias)
 
     @property
     def greedy(self) -> bool:

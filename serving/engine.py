@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import itertools
+import logging
 import multiprocessing as mp
 import socket
 import threading
@@ -23,14 +24,18 @@ import torch
 import torch.distributed as dist
 
 from .block_manager import BlockManager
-from .config import EngineConfig, SamplingParams, default_device, env_rank_world, resolve_model_dir
+from .config import (EngineConfig, RequestError, SamplingParams, default_device, env_rank_world,
+                     resolve_model_dir)
 from .runner import (ModelRunner, StepInput, destroy_group_bounded, init_distributed, require_triton_interpreter,
                      worker_main)
-from .sampler import sample_on_device
+from .sampler import Sampled, TokenState, sample_on_device
 from .scheduler import NeedsPreemption, Scheduler, Sequence, Status
+from .structured import StructuredOutputs
 from .tokenizer import ByteTokenizer, IncrementalDetokenizer, load_tokenizer
 
 Prompt = Union[str, list[int]]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,6 +45,8 @@ class CompletionOutput:
     token_ids: list[int]
     logprobs: Optional[list[float]]
     finish_reason: Optional[str]   # "stop" | "length" | "abort" | None while running
+    # per token, its top_logprobs most likely (id, logprob), best first, when asked for
+    top_logprobs: Optional[list[list[tuple[int, float]]]] = None
 
 
 @dataclass
@@ -59,33 +66,27 @@ class RequestOutput:
 class _Launched:
     """A step whose device work is queued; `_finalize` turns it into outputs once `ready` has fired."""
     scheduled: list            # (seq, tokens computed)
-    sampled: list              # the sequences that sampled, in the order of `tokens`
+    sampled: list              # the sequences that sampled, in the order of the sampled tokens
     prompt_logits: list        # (seq, device tensor [n, vocab])
-    tokens_ready: tuple        # (host tensor, event) of the sampled ids
-    logprobs_ready: tuple
+    draw: Optional[Sampled]    # on the host once `ready` has fired (None: nothing sampled)
+    ready: Optional[torch.cuda.Event]
     error_slot: int = -1       # the runner's ErrorWatch slot of this step (tp_overlap)
 
-    @property
-    def ready(self):
-        return self.tokens_ready[1]
 
-    @property
-    def tokens(self):
-        return self.tokens_ready[0]
+def _to_host(s: Optional[Sampled]) -> tuple:
+    """Start the device-to-host copies of a draw without waiting for them: (host copy, event or None).
+    One event after all the copies: once it fires, every field is there."""
+    if s is None or s.tokens.device.type != "cuda":
+        return s, None
 
-    @property
-    def logprobs(self):
-        return self.logprobs_ready[0]
+    def copy(t):
+        if t is None:
+            return None
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
 
-
-def _to_host(t: Optional[torch.Tensor]) -> tuple:
-    """Start a device-to-host copy without waiting for it: (host tensor, event or None)."""
-    if t is None:
-        return None, None
-    if t.device.type != "cuda":
-        return t, None
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
+    host = Sampled(copy(s.tokens), copy(s.logprobs), copy(s.top_ids), copy(s.top_logprobs))
     ev = torch.cuda.Event()
     ev.record()
     return host, ev
@@ -148,7 +149,11 @@ class LLMEngine:
             # as with a real model. Its end-of-sequence id is not the model's and is not used.
             self.tokenizer = ByteTokenizer()
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   on_leave=self._release_state)
+        # Rows for the penalties and logit_bias: only running sequences sample, at most max_num_seqs.
+        self.token_state = TokenState(cfg.max_num_seqs, self.mcfg.vocab_size, self.device)
+        self.structured = StructuredOutputs(self.tokenizer, self.mcfg.vocab_size, self.eos_ids)
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self._pending: Optional[_Launched] = None   # async scheduling: the step launched but not finalised
         self._ids = itertools.count()
@@ -263,8 +268,19 @@ class LLMEngine:
                              f"it must be at most {self.max_model_len - 1} to leave room for one output token")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        bad = [t for t in (params.logit_bias or {}) if t >= self.mcfg.vocab_size]
+        if bad:
+            raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.mcfg.vocab_size})",
+                               "logit_bias")
+        grammar = None
+        if params.structured_output is not None:
+            try:
+                grammar = self.structured.matcher(self.structured.compile(params.structured_output))
+            except ValueError as e:
+                raise RequestError(str(e), "structured_output") from None
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         seq = Sequence(rid, text, ids, params)
+        seq.grammar = grammar
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if self.tokenizer is not None:
@@ -273,6 +289,13 @@ class LLMEngine:
 
     def add_sequence(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
+
+    def _release_state(self, seq: Sequence) -> None:
+        """The scheduler's hook for a sequence that finishes or is preempted: its TokenState row is free
+        (a preempted one is rebuilt from its tokens when it samples again)."""
+        if seq.state_row >= 0:
+            self.token_state.release(seq.state_row)
+            seq.state_row = -1
 
     def add_request(self, request_id: Optional[str], prompt: Prompt,
                     params: Optional[Union[SamplingParams, dict]] = None) -> str:
@@ -304,17 +327,23 @@ class LLMEngine:
             # Preemption recomputes a sequence from its tokens, so they must all be on the host first.
             outputs = self._finalize(pending)
             batch = self.scheduler.schedule()
-            return outputs + (self._finalize(self._launch(batch)) if batch is not None else [])
+            return outputs + (self._finalize(self._launch(batch)[0]) if batch is not None else [])
         if batch is None:
             return self._finalize(pending) if pending is not None else []
-        launched = self._launch(batch)
-        outputs = self._finalize(pending) if pending is not None else []
+        launched, outputs = self._launch(batch, pending)
+        if outputs is None:
+            outputs = self._finalize(pending) if pending is not None else []
         if self.cfg.async_scheduling and not launched.prompt_logits:
             self._pending = launched
             return outputs
         return outputs + self._finalize(launched)
 
-    def _launch(self, batch) -> "_Launched":
+    def _launch(self, batch, pending: Optional["_Launched"] = None) -> tuple["_Launched", Optional[list]]:
+        """Queue a step's forward and sampling. Returns it, and `pending`'s outputs if it had to finalise
+        `pending` itself (else None): a sequence with a structured output needs the token that the step
+        in flight sampled for it accepted by its grammar before its next mask is built. That wait comes
+        after this step's forward is queued, so the device still computes while the host waits and
+        fills the masks; only the sampling launch is delayed, and only while such sequences run."""
         bs = self.cfg.block_size
         ids, pos, slots, rows = [], [], [], []
         sample_at: list[tuple[Sequence, int]] = []
@@ -342,24 +371,27 @@ class LLMEngine:
                          [s.num_computed + n for s, n in zip(batch.seqs, batch.num_new)],
                          [list(s.block_table) for s in batch.seqs], batch.num_decodes, rows,
                          share_sampled=self.cfg.async_scheduling)
+        seqs = [s for s, _ in sample_at]
+        early = None
         try:
             logits = self.runner.execute(step)
             prompt_logits = [(seq, logits[r0:r0 + cnt].float()) for seq, r0, cnt in prompt_rows]
-            tokens = lps = None
-            seqs = [s for s, _ in sample_at]
+        except Exception as e:
+            self._fail(e)
+        if pending is not None and any(s.grammar is not None and s.inflight for s in seqs):
+            early = self._finalize(pending)
+        try:
+            draw = None
             if seqs:
                 at = [r for _, r in sample_at]
                 # A decode batch samples every row: no index tensor to build and copy over.
                 sel = logits if at == list(range(logits.shape[0])) else logits[torch.tensor(at, device=logits.device)]
-                tokens, lps = sample_on_device(sel, [s.params for s in seqs], [s.generator for s in seqs],
-                                               self.generator)
+                draw = sample_on_device(sel, [s.params for s in seqs], [s.generator for s in seqs], self.generator,
+                                        **self._sampling_state(seqs))
             if step.share_sampled:
-                self.runner.share_sampled(tokens if tokens is not None else _no_tokens(self.device))
+                self.runner.share_sampled(draw.tokens if draw is not None else _no_tokens(self.device))
         except Exception as e:
-            # Ranks may now disagree about what was computed; nothing after this can be trusted.
-            workers = self._worker_errors() if self._procs else ""
-            self._broken = e
-            raise RuntimeError(f"model step failed: {e}" + (f"; workers: {workers}" if workers else "")) from e
+            self._fail(e)
         for seq, n in zip(batch.seqs, batch.num_new):
             seq.num_computed += n
         for k, seq in enumerate(seqs):
@@ -369,8 +401,34 @@ class LLMEngine:
             # Known now: this token ends the sequence whatever it is, so the next step leaves it out.
             seq.last_inflight = (seq.num_output + seq.inflight >= p.max_tokens
                                  or seq.num_tokens >= self.max_model_len)
-        return _Launched(list(zip(batch.seqs, batch.num_new)), seqs, prompt_logits, _to_host(tokens), _to_host(lps),
-                         self.runner.last_error_slot)
+        return _Launched(list(zip(batch.seqs, batch.num_new)), seqs, prompt_logits, *_to_host(draw),
+                         self.runner.last_error_slot), early
+
+    def _fail(self, e: Exception):
+        # Ranks may now disagree about what was computed; nothing after this can be trusted.
+        workers = self._worker_errors() if self._procs else ""
+        self._broken = e
+        raise RuntimeError(f"model step failed: {e}" + (f"; workers: {workers}" if workers else "")) from e
+
+    def _sampling_state(self, seqs: list[Sequence]) -> dict:
+        """The sampler's per-sequence inputs for this step: TokenState rows (acquired on a sequence's
+        first sample) and the structured-output bitmask. A sequence that finished meanwhile (its extra
+        step) samples unconstrained; its token is dropped."""
+        live = [s.status is not Status.FINISHED for s in seqs]
+        for s, ok in zip(seqs, live):
+            if ok and s.state_row < 0 and s.params.needs_token_state:
+                # Its first sample since it was admitted: every token it has is on the host.
+                assert s.inflight == 0
+                s.state_row = self.token_state.acquire(s.prompt_ids, s.output_ids, s.params)
+        kw: dict = {}
+        if any(s.state_row >= 0 for s in seqs):
+            kw.update(state=self.token_state, state_rows=[s.state_row if ok else -1 for s, ok in zip(seqs, live)])
+        masked = [i for i, (s, ok) in enumerate(zip(seqs, live)) if ok and s.grammar is not None]
+        if masked:
+            assert all(seqs[i].inflight == 0 for i in masked)   # see _launch
+            kw.update(token_bitmask=self.structured.fill([seqs[i].grammar for i in masked], masked, len(seqs),
+                                                         self.device), masked=masked)
+        return kw
 
     def _finalize(self, step: "_Launched") -> list[RequestOutput]:
         bm = self.block_manager
@@ -394,19 +452,34 @@ class LLMEngine:
             except Exception as e:
                 self._broken = e
                 raise RuntimeError(f"model step failed: {e}") from e
-            toks = step.tokens.tolist()
-            lps = step.logprobs.tolist() if step.logprobs is not None else [None] * len(toks)
-            for seq, tok, lp in zip(step.sampled, toks, lps):
+            d = step.draw
+            toks = d.tokens.tolist()
+            lps = d.logprobs.tolist() if d.logprobs is not None else [None] * len(toks)
+            top_ids = d.top_ids.tolist() if d.top_ids is not None else None
+            top_lps = d.top_logprobs.tolist() if d.top_logprobs is not None else None
+            for i, (seq, tok, lp) in enumerate(zip(step.sampled, toks, lps)):
                 seq.inflight -= 1
                 if seq.status is Status.FINISHED:
                     continue   # the extra step after a stop, or an abort: computed, never emitted
-                outputs.append(self._append_token(seq, tok, lp))
+                k = seq.params.top_logprobs
+                top = list(zip(top_ids[i][:k], top_lps[i][:k])) if k else None
+                outputs.append(self._append_token(seq, tok, lp, top))
         return outputs
 
-    def _append_token(self, seq: Sequence, tok: int, logprob: float) -> RequestOutput:
+    def _append_token(self, seq: Sequence, tok: int, logprob: Optional[float],
+                      top: Optional[list[tuple[int, float]]] = None) -> RequestOutput:
+        if seq.grammar is not None and not seq.grammar.accept_token(tok):
+            # Its mask allowed the token, so the grammar cannot refuse it, unless the grammar library
+            # errs; then this request ends here, not the engine with every other request.
+            log.error("request %s: the grammar refused token %d that its own mask allowed; request aborted",
+                      seq.request_id, tok)
+            self.scheduler.finish(seq, "abort")
+            return self._output(seq, "", [])
         seq.tokens.append(tok)
         if seq.params.logprobs:
             seq.logprobs.append(logprob)
+            if top is not None:
+                seq.top_logprobs.append(top)
         p = seq.params
         delta = ""
         reason = None
@@ -448,7 +521,8 @@ class LLMEngine:
         if done and seq.params.prompt_logits and seq.prompt_logits:
             pl = torch.cat(seq.prompt_logits)
         comp = CompletionOutput(0, seq.text, seq.output_ids,   # (a fresh list)
-                                list(seq.logprobs) if seq.params.logprobs else None, seq.finish_reason)
+                                list(seq.logprobs) if seq.params.logprobs else None, seq.finish_reason,
+                                list(seq.top_logprobs) if seq.params.top_logprobs else None)
         return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_ids), [comp], done, delta,
                              delta_ids, pl, seq.num_preemptions)
 
@@ -483,6 +557,8 @@ class LLM:
         for i, (p, sp) in enumerate(zip(prompts, plist)):
             try:
                 seqs.append(self.engine.make_sequence(None, p, sp))
+            except RequestError:   # about the sampling parameters, not this prompt
+                raise
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from e
         for s in seqs:

@@ -1,9 +1,9 @@
 """Request and response schemas of the OpenAI-compatible server.
 
 The request models list exactly the fields the engine can honour and forbid everything else: a client
-that sends `logit_bias` or `tools` gets a 400 that names the field, instead of an answer that quietly
+that sends `tools` or `functions` gets a 400 that names the field, instead of an answer that quietly
 differs from what it asked for. Fields that OpenAI clients send with their neutral defaults
-(`presence_penalty: 0`, `best_of == n`, ...) are accepted at those values only.
+(`best_of == n`, `suffix: null`, ...) are accepted at those values only.
 
 Strict mode: `"max_tokens": "10"` or `"prompt": [true]` are type errors, as in the OpenAI API.
 """
@@ -17,11 +17,12 @@ from typing import Any, Literal, Optional, Union
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
+from .config import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
+
 # Stop strings are matched against the tail of the text after every token; a bound keeps that cheap.
 MAX_STOP_STRINGS = 16
-# OpenAI's own limits for these knobs.
-MAX_COMPLETION_LOGPROBS = 5
-MAX_CHAT_TOP_LOGPROBS = 20
+# OpenAI allows 300 logit_bias entries per request.
+MAX_LOGIT_BIAS_ENTRIES = 300
 
 
 class _Request(BaseModel):
@@ -49,6 +50,35 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: Optional[str] = Field(None, description="accepted for OpenAI compatibility, not used")
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema",
+                                              description="the JSON schema; absent: any JSON object")
+    strict: Optional[bool] = Field(None, description="accepted; the output always follows the schema")
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type 'json_schema' needs a 'json_schema' object")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"'json_schema' is only allowed with type 'json_schema', not {self.type!r}")
+        return self
+
+    def structured_output(self) -> Optional[dict[str, Any]]:
+        """The engine's StructuredOutput fields, or None for plain text."""
+        if self.type == "json_object" or (self.type == "json_schema" and self.json_schema.schema_ is None):
+            return {"json_object": True}
+        if self.type == "json_schema":
+            return {"json_schema": self.json_schema.schema_}
+        return None
+
+
 class _SamplingFields(_Request):
     """The sampling knobs common to both endpoints (OpenAI's plus vLLM's extensions)."""
 
@@ -66,8 +96,15 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = Field(None, description="an end-user id; recorded in nothing, accepted for compatibility")
-    presence_penalty: Optional[float] = Field(None, description="only 0 is supported")
-    frequency_penalty: Optional[float] = Field(None, description="only 0 is supported")
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0, description="subtracted from the logit of "
+                                              "each token generated so far")
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0, description="subtracted from a token's "
+                                               "logit once per time it was generated so far")
+    repetition_penalty: Optional[float] = Field(None, gt=0.0, le=10.0, description="vLLM's: divides positive and "
+                                                "multiplies negative logits of prompt and output tokens; 1 disables")
+    logit_bias: Optional[dict[str, float]] = Field(None, description="token id (as a string) -> bias added to its "
+                                                   f"logit, in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+    response_format: Optional[ResponseFormat] = None
 
     @field_validator("stop")
     @classmethod
@@ -86,11 +123,19 @@ class _SamplingFields(_Request):
             raise ValueError("stop_token_ids must be non-negative")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias")
     @classmethod
-    def _no_penalties(cls, v, info: ValidationInfo):
-        if v not in (None, 0.0):
-            raise ValueError(f"{info.field_name} is not supported by this server; only 0 (the default) is accepted")
+    def _check_logit_bias(cls, v):
+        if not v:
+            return v
+        if len(v) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} logit_bias entries are supported, got {len(v)}")
+        for k, b in v.items():
+            if not (k.isascii() and k.isdigit()):
+                raise ValueError(f"logit_bias keys are token ids written as strings of digits, not {k!r}")
+            if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:   # (also rejects NaN)
+                raise ValueError(f"the bias of token {k} is {b}; it must be in "
+                                 f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         return v
 
     @model_validator(mode="after")
@@ -115,6 +160,13 @@ class _SamplingFields(_Request):
             kw["top_k"] = max(self.top_k, 0)
         if self.min_p is not None:
             kw["min_p"] = self.min_p
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if getattr(self, name) is not None:
+                kw[name] = getattr(self, name)
+        if self.logit_bias:
+            kw["logit_bias"] = {int(k): b for k, b in self.logit_bias.items()}
+        if self.response_format is not None and self.response_format.structured_output() is not None:
+            kw["structured_output"] = self.response_format.structured_output()
         return kw
 
 
@@ -125,8 +177,9 @@ Prompt = Union[str, list[str], list[int], list[list[int]]]
 class CompletionRequest(_SamplingFields):
     prompt: Prompt = Field(..., description="a string, a list of strings, token ids, or a list of token-id lists")
     max_tokens: int = Field(16, ge=1, description="tokens to generate per choice")
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS,
-                                    description="0: the sampled token's log-probability; >0 is not supported")
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                    description="the sampled token's log-probability and this many most likely "
+                                                "tokens' at each position (raw model distribution)")
     echo: bool = False
     best_of: Optional[int] = Field(None, ge=1, description="only equal to n is supported")
     suffix: Optional[str] = Field(None, description="not supported; only null is accepted")
@@ -146,14 +199,6 @@ class CompletionRequest(_SamplingFields):
     def _prompt_nonempty(cls, v):
         if isinstance(v, list) and not v:
             raise ValueError("prompt is an empty list; at least one prompt or token id is required")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs_supported(cls, v):
-        if v is not None and v > 0:
-            raise ValueError(f"logprobs={v} asks for the top {v} alternatives per position, which this server "
-                             f"does not compute; logprobs=0 returns the sampled token's log-probability")
         return v
 
     @field_validator("suffix")
@@ -263,15 +308,15 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Optional[int] = Field(None, ge=1, description="default: what is left of the context")
     max_completion_tokens: Optional[int] = Field(None, ge=1, description="the newer name of max_tokens")
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS, description="only 0 is supported")
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                        description="this many most likely tokens at each position (needs logprobs)")
     add_generation_prompt: bool = True
 
     @field_validator("top_logprobs")
     @classmethod
-    def _top_logprobs_supported(cls, v):
-        if v:
-            raise ValueError(f"top_logprobs={v} asks for alternatives per position, which this server does not "
-                             f"compute; use logprobs=true alone for the sampled token's log-probability")
+    def _top_needs_logprobs(cls, v, info: ValidationInfo):
+        if v and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs=true")
         return v
 
     @model_validator(mode="after")
@@ -290,11 +335,17 @@ class ChatResponseMessage(_Response):
     content: str
 
 
+class ChatTopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
 class ChatTokenLogprob(_Response):
     token: str
     logprob: float
     bytes: Optional[list[int]] = None
-    top_logprobs: list[dict[str, Any]] = Field(default_factory=list)
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
 
 
 class ChatChoiceLogprobs(_Response):

@@ -14,7 +14,7 @@ import enum
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .block_manager import BlockManager
 from .config import SamplingParams
@@ -42,6 +42,7 @@ class Sequence:
     finish_reason: Optional[str] = None
     arrival: int = field(default_factory=lambda: next(_arrival))
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logits: list[Any] = field(default_factory=list)  # tensors [n, vocab], in prompt order
     num_prompt_logits: int = 0
     generator: Any = None
@@ -58,6 +59,8 @@ class Sequence:
     inflight: int = 0
     inflight_ref: int = 0
     last_inflight: bool = False
+    state_row: int = -1         # its row of the sampler's TokenState (penalties, logit_bias), -1: none
+    grammar: Any = None         # structured output: the grammar matcher, advanced token by token
 
     def __post_init__(self):
         if not self.tokens:
@@ -97,8 +100,11 @@ class NeedsPreemption(Exception):
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 on_leave: Optional[Callable[[Sequence], None]] = None):
         self.bm = block_manager
+        # called when a sequence stops running (finished, aborted or preempted)
+        self.on_leave = on_leave
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -119,6 +125,8 @@ class Scheduler:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         self.bm.free(seq.block_table)
+        if self.on_leave is not None:
+            self.on_leave(seq)
         if seq in self.running:
             self.running.remove(seq)
         else:
@@ -144,6 +152,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         # Its full blocks stay in the prefix cache, so the recompute is often mostly a cache hit.
         self._reset(seq)
+        if self.on_leave is not None:
+            self.on_leave(seq)
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -58,8 +58,11 @@ def make_hf_checkpoint(arch: str, path: Path, seed: int = 0, max_shard_size: Opt
     return path
 
 
-def hf_reference(model_dir: Path, prompts: list[list[int]], max_new: int):
-    """Per prompt: (logits over the prompt [L, V], greedy continuation, log-probs of those tokens)."""
+def hf_reference(model_dir: Path, prompts: list[list[int]], max_new: int, process=None):
+    """Per prompt: (logits over the prompt [L, V], greedy continuation, log-probs of those tokens, the
+    raw log-softmax at each generated position [max_new, V]). `process(input_ids [1, n], logits [1, V],
+    prompt length)`, e.g. transformers' logits processors, picks the greedy token from processed logits;
+    the log-probabilities stay those of the raw model distribution."""
     import transformers as tf
 
     model = tf.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
@@ -68,15 +71,18 @@ def hf_reference(model_dir: Path, prompts: list[list[int]], max_new: int):
         for p in prompts:
             ids = torch.tensor([p])
             prompt_logits = model(ids).logits[0]
-            toks, lps = [], []
+            toks, lps, steps = [], [], []
             logits = prompt_logits[-1]
             for _ in range(max_new):
-                t = int(logits.argmax())
+                chosen = logits if process is None else process(ids, logits[None].clone(), len(p))[0]
+                t = int(chosen.argmax())
+                logp = torch.log_softmax(logits.float(), -1)
                 toks.append(t)
-                lps.append(float(torch.log_softmax(logits.float(), -1)[t]))
+                lps.append(float(logp[t]))
+                steps.append(logp)
                 ids = torch.cat([ids, torch.tensor([[t]])], dim=1)
                 logits = model(ids).logits[0, -1]
-            out.append((prompt_logits, toks, lps))
+            out.append((prompt_logits, toks, lps, torch.stack(steps)))
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -55,6 +56,16 @@ class ByteTokenizer:
             out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes this one token stands for (a piece of a UTF-8 character stays a piece)."""
+        if token_id < 256:
+            return bytes([token_id])
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    def encoded_vocab(self) -> list:
+        """Each id's bytes, "" for the specials (their text is not what they stand for)."""
+        return [bytes([i]) for i in range(256)] + [""] * len(self.SPECIALS)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         parts = []
         for m in messages:
@@ -80,6 +91,7 @@ class HFTokenizer:
             self._tok = Tokenizer.from_file(str(path / "tokenizer.json"))
             self._hf = False
         self.eos_token_id = getattr(self._tok, "eos_token_id", None) if self._hf else None
+        self._byte_decoder: Optional[dict[str, int]] = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._hf:
@@ -89,10 +101,45 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def hf_tokenizer(self):
+        """The transformers tokenizer, or None when only the `tokenizers` library was available."""
+        return self._tok if self._hf else None
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes this one token stands for: exact for byte-level BPE (GPT-2, Llama 3, Qwen) and for
+        sentencepiece byte fallback (<0x..>); otherwise the UTF-8 of its decoded text."""
+        if self._byte_decoder is None:
+            self._byte_decoder = _byte_level_decoder(self._tok) or {}
+        piece = (self._tok.convert_ids_to_tokens(token_id) if self._hf else self._tok.id_to_token(token_id)) or ""
+        if self._byte_decoder and all(ch in self._byte_decoder for ch in piece):
+            return bytes(self._byte_decoder[ch] for ch in piece)
+        m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self._hf or not getattr(self._tok, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
         return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _byte_level_decoder(tok) -> Optional[dict[str, int]]:
+    """Byte-level BPE writes each byte as one printable character (printable Latin-1 bytes as
+    themselves, the rest shifted past 255); the inverse of that table, if `tok` decodes that way."""
+    backend = getattr(tok, "backend_tokenizer", tok)
+    if type(getattr(backend, "decoder", None)).__name__ != "ByteLevel":
+        return None
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    table, shifted = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table
 
 
 def load_tokenizer(model_dir: Optional[Path], tokenizer_dir: Optional[str] = None):
