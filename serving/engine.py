@@ -28,6 +28,7 @@ from .runner import (ModelRunner, StepInput, destroy_group_bounded, init_distrib
                      worker_main)
 from .sampler import sample_on_device
 from .scheduler import NeedsPreemption, Scheduler, Sequence, Status
+from .step_trace import StepTrace
 from .tokenizer import ByteTokenizer, IncrementalDetokenizer, load_tokenizer
 
 Prompt = Union[str, list[int]]
@@ -151,6 +152,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self._pending: Optional[_Launched] = None   # async scheduling: the step launched but not finalised
+        self._trace = StepTrace.from_env(self.device)   # None unless TP_OVERLAP_STEP_TRACE names a file
         self._ids = itertools.count()
         # A weak reference, so that registering for exit does not keep every engine (and its KV cache) alive.
         ref = weakref.ref(self)
@@ -216,6 +218,8 @@ class LLMEngine:
         except Exception:
             pass   # a dead worker cannot be told to stop; it is killed below
         finally:
+            if getattr(self, "_trace", None) is not None:
+                self._trace.close()
             # Graphs hold NCCL work: drop them before the communicator, then leave the group while
             # the workers leave theirs (see destroy_group_bounded), and only then reap them.
             if hasattr(self, "runner"):
@@ -296,6 +300,8 @@ class LLMEngine:
         foresee (end of sequence, stop string) was already scheduled once more; that extra token is
         computed and dropped, never emitted."""
         self._require_driver()
+        if self._trace is not None:
+            self._trace.enter()
         pending = self._pending
         self._pending = None
         try:
@@ -315,6 +321,7 @@ class LLMEngine:
         return outputs + self._finalize(launched)
 
     def _launch(self, batch) -> "_Launched":
+        t_scheduled = time.perf_counter()
         bs = self.cfg.block_size
         ids, pos, slots, rows = [], [], [], []
         sample_at: list[tuple[Sequence, int]] = []
@@ -342,6 +349,7 @@ class LLMEngine:
                          [s.num_computed + n for s, n in zip(batch.seqs, batch.num_new)],
                          [list(s.block_table) for s in batch.seqs], batch.num_decodes, rows,
                          share_sampled=self.cfg.async_scheduling)
+        rec = self._trace.start(batch, t_scheduled) if self._trace is not None else None
         try:
             logits = self.runner.execute(step)
             prompt_logits = [(seq, logits[r0:r0 + cnt].float()) for seq, r0, cnt in prompt_rows]
@@ -355,6 +363,9 @@ class LLMEngine:
                                                self.generator)
             if step.share_sampled:
                 self.runner.share_sampled(tokens if tokens is not None else _no_tokens(self.device))
+            tokens_ready, lps_ready = _to_host(tokens), _to_host(lps)
+            if rec is not None:
+                self._trace.end(rec, self.runner.last_graph)
         except Exception as e:
             # Ranks may now disagree about what was computed; nothing after this can be trusted.
             workers = self._worker_errors() if self._procs else ""
@@ -369,7 +380,7 @@ class LLMEngine:
             # Known now: this token ends the sequence whatever it is, so the next step leaves it out.
             seq.last_inflight = (seq.num_output + seq.inflight >= p.max_tokens
                                  or seq.num_tokens >= self.max_model_len)
-        return _Launched(list(zip(batch.seqs, batch.num_new)), seqs, prompt_logits, _to_host(tokens), _to_host(lps),
+        return _Launched(list(zip(batch.seqs, batch.num_new)), seqs, prompt_logits, tokens_ready, lps_ready,
                          self.runner.last_error_slot)
 
     def _finalize(self, step: "_Launched") -> list[RequestOutput]:

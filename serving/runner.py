@@ -266,6 +266,7 @@ class ModelRunner:
             self.heap.check()
         self.errors = ErrorWatch(self.heap) if self.heap is not None else None
         self.last_error_slot = -1     # the ErrorWatch slot of the latest step (see `execute`)
+        self.last_graph = False       # whether the latest step replayed a CUDA graph
         self.graphs: dict[int, tuple] = {}
         self.max_graph_bs = 0
         self.messages = StepMessage(ctrl_group, rank) if world_size > 1 else None
@@ -446,8 +447,9 @@ class ModelRunner:
         if self.rank == 0 and self.messages is not None:
             self.messages.send(step)
         n = len(step.input_ids)
-        if (self.graphs and step.num_decodes == n and n <= self.max_graph_bs
-                and step.logit_rows == list(range(n))):
+        self.last_graph = bool(self.graphs and step.num_decodes == n and n <= self.max_graph_bs
+                               and step.logit_rows == list(range(n)))
+        if self.last_graph:
             logits = self._replay(step)
         else:
             logits = self._forward(step, self.kv_caches, self.use_triton)
