@@ -79,6 +79,19 @@ def main(argv=None):
             q1, k1, v1 = (x.transpose(0, 1)[None] for x in (q, k, v))
             impls["flex_attention (packed varlen)"] = (
                 lambda: flex(q1, k1, v1, block_mask=bm, scale=scale, enable_gqa=True), lambda o: o[0].transpose(0, 1))
+        try:   # torch's varlen flash attention: on the step's own keys, and paged from the cache
+            from torch.nn.attention.varlen import varlen_attn
+            cu_k = cu.clone()
+            impls["torch varlen_attn (packed)"] = (
+                lambda: varlen_attn(q, k, v, cu, cu_k, L, L, scale=scale, window_size=(-1, 0), enable_gqa=True),
+                lambda o: o)
+            used = torch.full((b,), L, device=dev, dtype=torch.int32)
+            impls["torch varlen_attn (paged cache)"] = (
+                lambda: varlen_attn(q, kc, vc, cu, None, L, L, scale=scale, window_size=(-1, 0), enable_gqa=True,
+                                    seqused_k=used, block_table=bt),
+                lambda o: o)
+        except ImportError as e:
+            log("attn", f"no varlen_attn: {e}")
         ref = sdpa().transpose(1, 2).reshape(T, h, d).float()
         for name, (fn, as_thd) in impls.items():
             try:

@@ -13,6 +13,7 @@ import atexit
 import itertools
 import multiprocessing as mp
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -322,8 +323,9 @@ class LLMEngine:
 
     def _launch(self, batch) -> "_Launched":
         t_scheduled = time.perf_counter()
-        bs = self.cfg.block_size
-        ids, pos, slots, rows = [], [], [], []
+        # Per sequence, never per token: positions and cache slots are derived from the sequences'
+        # lengths and block tables in whole-array ops by the runner (serving/step_layout.py).
+        ids, rows = [], []
         sample_at: list[tuple[Sequence, int]] = []
         prompt_rows: list[tuple[Sequence, int, int]] = []   # seq, first row, count
         t = 0
@@ -333,9 +335,6 @@ class LLMEngine:
             ids += known
             if len(known) < n:   # the token sampled by the step in flight: still on the device
                 ids.append(-1 - seq.inflight_ref)
-            for p in range(c, c + n):
-                pos.append(p)
-                slots.append(seq.block_table[p // bs] * bs + p % bs)
             if seq.params.prompt_logits:
                 lo, hi = max(c, seq.num_prompt_logits), min(c + n, len(seq.prompt_ids))
                 if hi > lo:
@@ -345,7 +344,7 @@ class LLMEngine:
                 sample_at.append((seq, len(rows)))
                 rows.append(t + n - 1)
             t += n
-        step = StepInput(ids, pos, slots, list(batch.num_new),
+        step = StepInput(ids, list(batch.num_new),
                          [s.num_computed + n for s, n in zip(batch.seqs, batch.num_new)],
                          [list(s.block_table) for s in batch.seqs], batch.num_decodes, rows,
                          share_sampled=self.cfg.async_scheduling)
@@ -539,10 +538,17 @@ class AsyncLLM:
         engine.abort("req-1")
     """
 
+    # The engine loop shares the GIL with the server's event loop. Every wait for a step's tokens
+    # releases it, and taking it back can cost a whole switch interval (5 ms by default) while the
+    # event loop streams responses: at rate inf (bench/serve_timeline.py) a CUDA-graph decode step
+    # spent ~10 ms in the host's launch for ~1.4 ms of its own work. A shorter interval bounds that.
+    SWITCH_INTERVAL_S = 0.0005
+
     def __init__(self, config: Optional[EngineConfig] = None, **kwargs):
         self.engine = LLMEngine(config, **kwargs)
         if not self.engine.is_driver:
             return
+        sys.setswitchinterval(min(sys.getswitchinterval(), self.SWITCH_INTERVAL_S))
         self._cmds: "list[tuple[str, object]]" = []
         self._cmd_lock = threading.Lock()
         self._wake = threading.Event()
