@@ -21,11 +21,13 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--dtype", default="auto", help="float32: no bf16-only kernel choices (torch's flash prefill)")
     args = p.parse_args(argv)
     from tp_overlap_plugin.serving import LLM, SamplingParams
     rng = random.Random(0)
     with LLM(model=args.model, load_format="dummy" if args.model != "demo" else "auto", max_model_len=1024,
-             max_num_seqs=16, max_num_batched_tokens=args.max_num_batched_tokens, show_progress=False) as llm:
+             max_num_seqs=16, max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
+             show_progress=False) as llm:
         vocab = llm.engine.mcfg.vocab_size
         prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(5, 600))] for _ in range(args.prompts)]
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True))
