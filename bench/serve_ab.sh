@@ -44,3 +44,6 @@ this timeout 90 python3 -m pytest -q -c $here/pyproject.toml --rootdir $here -m 
   $here/integration_tests/test_engine_flash_prefill.py 2>&1 | tail -n 4
 this timeout 45 python3 $here/bench/prefill_profile.py --tp 1 --out $OUT 2>&1 | grep -E "prefill|Error" | tail -n 3
 this timeout 45 python3 $here/bench/prefill_attention.py --out $OUT 2>&1 | grep -E "^\|" | tail -n 16
+# the device call returns at most 8 files: the tables and timelines in one archive, the picture beside it
+rm -f "$OUT"/*budget2048*.png
+(cd "$OUT" && tar czf serve-ab-results.tgz *.json *.md && rm -f *.json *.md)
