@@ -21,7 +21,7 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--dtype", default="auto", help="float32: no bf16-only kernel choices (torch's flash prefill)")
+    p.add_argument("--dtype", default="auto", help="the model's (auto), float32, bfloat16")
     args = p.parse_args(argv)
     from tp_overlap_plugin.serving import LLM, SamplingParams
     rng = random.Random(0)

@@ -1,6 +1,7 @@
 """Prefill attention against the bf16 peak measured in the same run (issue 29, item 4): our Triton
 kernel (paged, reads keys from the cache) beside torch's SDPA on the step's own keys and values (a
-fresh prompt's context is the chunk itself) and flex_attention with a packed-causal block mask.
+fresh prompt's context is the chunk itself; its own backend choice, then cuDNN and FA2 forced), FA2's
+varlen call over the packed prompts, and flex_attention with a packed-causal block mask.
 
     python bench/prefill_attention.py --model llama-3-8b --tp 1 [--prompts 4 --prompt-len 2048]
 
@@ -16,6 +17,7 @@ import os
 import sys
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import environment, log, md_table, publish, time_per_call_ms  # noqa: E402
@@ -69,7 +71,18 @@ def main(argv=None):
         def sdpa():
             return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale,
                                                                     enable_gqa=True)
-        impls["torch SDPA (dense per prompt)"] = (sdpa, lambda o: o.transpose(1, 2).reshape(T, h, d))
+        as_thd = lambda o: o.transpose(1, 2).reshape(T, h, d)   # noqa: E731
+        impls["torch SDPA (dense per prompt, its own choice)"] = (sdpa, as_thd)
+        # which backend makes SDPA fast: the engine's flash-attention varlen call below is FA2
+        for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
+            def forced(backend=backend):
+                with sdpa_kernel(getattr(SDPBackend, backend)):
+                    return sdpa()
+            impls[f"torch SDPA ({backend.lower()})"] = (forced, as_thd)
+        # packed sequences over their own keys, as the engine would call it: FA2 varlen, GQA native
+        impls["aten._flash_attention_forward (varlen)"] = (
+            lambda: torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, L, L, 0.0, True, False, scale=scale)[0],
+            lambda o: o)
         if flex is not None:
             doc = torch.arange(T, device=dev) // L
 
@@ -79,23 +92,10 @@ def main(argv=None):
             q1, k1, v1 = (x.transpose(0, 1)[None] for x in (q, k, v))
             impls["flex_attention (packed varlen)"] = (
                 lambda: flex(q1, k1, v1, block_mask=bm, scale=scale, enable_gqa=True), lambda o: o[0].transpose(0, 1))
-        try:   # torch's varlen flash attention: on the step's own keys, and paged from the cache
-            from torch.nn.attention.varlen import varlen_attn
-            cu_k = cu.clone()
-            impls["torch varlen_attn (packed)"] = (
-                lambda: varlen_attn(q, k, v, cu, cu_k, L, L, scale=scale, window_size=(-1, 0), enable_gqa=True),
-                lambda o: o)
-            used = torch.full((b,), L, device=dev, dtype=torch.int32)
-            impls["torch varlen_attn (paged cache)"] = (
-                lambda: varlen_attn(q, kc, vc, cu, None, L, L, scale=scale, window_size=(-1, 0), enable_gqa=True,
-                                    seqused_k=used, block_table=bt),
-                lambda o: o)
-        except ImportError as e:
-            log("attn", f"no varlen_attn: {e}")
         ref = sdpa().transpose(1, 2).reshape(T, h, d).float()
-        for name, (fn, as_thd) in impls.items():
+        for name, (fn, as_out) in impls.items():
             try:
-                err = (as_thd(fn()).float() - ref).abs().max().item()
+                err = (as_out(fn()).float() - ref).abs().max().item()
                 ms = time_per_call_ms(fn, calls=10, samples=7)
                 res = {"shape": shape, "impl": name, "ms": ms, "tflops": flops / ms / 1e9,
                        "of_peak": flops / (ms / 1e3) / peak, "max_abs_err_vs_sdpa": err, "peak_tflops": peak / 1e12}

@@ -34,7 +34,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import _pyplot, bench_parser, environment, log, md_table, write_results  # noqa: E402
+from benchlib import (_pyplot, bench_parser, device_slug, environment, load_payload, log, md_table,  # noqa: E402
+                      write_results)
 from serve_load import STATS, _key, bench_args, level_requests, server_args  # noqa: E402
 
 SCHEMA = "serve-timeline/1"
@@ -93,15 +94,14 @@ def summarize_steps(steps: list[dict]) -> dict:
     if not steps:
         return {"steps": 0}
     out: dict = {"steps": len(steps)}
-    # wall time of a step: from its entry to the next step's entry, within a busy stretch
-    for a, b in zip(steps, steps[1:]):
-        a["wall_ms"] = (b["t"] - a["t"]) * 1e3
+    # wall time of a step: from its entry to the next step's entry (the last step of a level has none)
+    wall = {s["step"]: (b["t"] - s["t"]) * 1e3 for s, b in zip(steps, steps[1:])}
     for kind in KINDS:
         ks = [s for s in steps if s["kind"] == kind]
         out[kind] = {"steps": len(ks), "tokens_mean": _mean([s["tokens"] for s in ks]),
                      "seqs_mean": _mean([s["seqs"] for s in ks]),
                      "gpu_ms_p50": _pct([s.get("gpu_ms") for s in ks], 0.5),
-                     "wall_ms_p50": _pct([s.get("wall_ms") for s in ks], 0.5),
+                     "wall_ms_p50": _pct([wall.get(s["step"]) for s in ks], 0.5),
                      "launch_ms_p50": _pct([s["launch_ms"] for s in ks], 0.5),
                      "build_ms_p50": _pct([s["build_ms"] for s in ks], 0.5),
                      "exposed_ms_sum": sum(s.get("exposed_ms") or 0.0 for s in ks),
@@ -113,8 +113,16 @@ def summarize_steps(steps: list[dict]) -> dict:
     out["tokens_per_step"] = _mean([s["tokens"] for s in steps])
     # decode-only step time at the level's typical running batch: what TPOT would be without prefills
     dec = [s for s in steps if s["kind"] == "decode"]
-    batch = _pct([s["seqs"] for s in steps], 0.5)
-    near = [s.get("wall_ms") for s in dec if s.get("wall_ms") is not None and abs(s["seqs"] - batch) <= max(4, batch / 8)]
+    # the batch a decoded token ran in (the median over decode tokens, not over steps: the tail of a
+    # level is many steps of one or two sequences)
+    by_batch = sorted((s["seqs"], s["decodes"]) for s in steps if s["decodes"])
+    half, acc, batch = sum(w for _, w in by_batch) / 2, 0, float("nan")
+    for b, w in by_batch:
+        acc += w
+        if acc >= half:
+            batch = b
+            break
+    near = [wall.get(s["step"]) for s in dec if abs(s["seqs"] - batch) <= max(4, batch / 8)]
     out["running_batch_p50"] = batch
     out["decode_step_ms_at_batch"] = _pct(near, 0.5)
     paths: dict = {}
@@ -149,6 +157,8 @@ def markdown(payload: dict) -> str:
     c = payload["config"]
     lines = [f"# Step timeline under HTTP load: {c['model']}, TP={c['tp']}\n",
              f"Command: `{payload['command']}`\n", payload["method"] + "\n"]
+    if payload.get("note"):   # what the numbers are of, added after the run
+        lines.append(f"**Note:** {payload['note']}\n")
     rows, tl_rows, kind_rows = [], [], []
     for lv, per in payload["summary"].items():
         for e in c["engines"]:
@@ -173,7 +183,7 @@ def markdown(payload: dict) -> str:
     head = ["rate", "engine"] + [t for _, t in STATS] + (["tok/s this/base"] if "base" in c["engines"] else [])
     lines.append("HTTP (median over runs; ms):\n\n" + md_table(head, rows))
     lines.append("\nTimeline per level (median over runs):\n\n" + md_table(
-        ["rate", "engine", "steps", "tokens/step", "running batch p50", "GPU span ms", "host-exposed ms",
+        ["rate", "engine", "steps", "tokens/step", "running batch (p50 over decoded tokens)", "GPU span ms", "host-exposed ms",
          "host-exposed share", "decode-only step ms at that batch", "TPOT p50 ms"], tl_rows))
     lines.append("\nSteps by kind (p50 per step unless a sum):\n\n" + md_table(
         ["rate", "engine", "kind", "steps", "tokens", "seqs", "wall ms", "GPU span ms", "build ms", "launch ms",
@@ -222,8 +232,18 @@ def main(argv=None):
     p.add_argument("--pairs", type=int, default=1)
     p.add_argument("--base", default=None, help="a folder holding another checkout's install: A/B against it")
     p.add_argument("--tag", default="")
+    p.add_argument("--replot", metavar="JSON", help="only recompute the summary, markdown and plot of this results file")
     add_workload_args(p)
     args = p.parse_args(argv)
+    if args.replot:
+        payload, folder = load_payload(args.replot)
+        payload["summary"] = summarize(payload)
+        env = payload["environment"]
+        payload.setdefault("name", os.path.basename(args.replot)[:-len(f"-{device_slug(env)}-{env['date']}.json")])
+        paths = write_results(folder, payload["name"], payload, markdown(payload), compact=True)
+        level = args.plot_rate or payload["config"]["rates"][-1]
+        print("wrote", *paths, plot(paths[0].replace(".json", f"-rate{level}.png"), payload, level))
+        return 0
     args.dispatch = "table"
     apply_quick(args)
     args.rate_list = [float(r) for r in args.rates.split(",")]
@@ -236,18 +256,17 @@ def main(argv=None):
                           "output_len": args.output_len, "max_len": args.max_len, "max_num_seqs": args.max_num_seqs,
                           "max_num_batched_tokens": args.max_num_batched_tokens, "level_seconds": args.level_seconds,
                           "inf_requests": args.inf_requests, "server_args": server_args(args, "stock")},
-               "runs": []}
+               "runs": [], "name": f"serve-timeline-{args.model}-tp{args.tp}" + (f"-{args.tag}" if args.tag else "")}
     payload["method"] = (f"Lognormal mix (median {args.input_len} in / {args.output_len} out, <= {args.max_len}), "
                          f"Poisson arrivals for {args.level_seconds:g} s per finite rate (at least {args.min_requests} "
                          f"requests), {args.inf_requests} at once at rate inf; --max-num-seqs {args.max_num_seqs}, "
                          f"--max-num-batched-tokens {args.max_num_batched_tokens}; runs in order "
                          f"{' '.join(e for _ in range(args.pairs) for e in engines)}.")
-    name = f"serve-timeline-{args.model}-tp{args.tp}" + (f"-{args.tag}" if args.tag else "")
     for pair in range(args.pairs):
         for e in engines:
             payload["runs"].append(one_run(args, e, pair))
             payload["summary"] = summarize(payload)
-            paths = write_results(args.out, name, payload, markdown(payload))
+            paths = write_results(args.out, payload["name"], payload, markdown(payload), compact=True)
     level = args.plot_rate or payload["config"]["rates"][-1]
     png = plot(paths[0].replace(".json", f"-rate{level}.png"), payload, level)
     print(markdown(payload))

@@ -7,23 +7,15 @@ attention always reads keys/values from the cache, and a chunk of a long prompt 
 chunks exactly like a decode token sees its history.
 
 On CUDA the Triton kernels in `tp_overlap_plugin.kernels.attention` are used; on CPU the torch
-reference below (which the kernel tests compare against). A step whose prompt chunks all start at
-position 0 (a fresh prompt's keys are the chunk's own) runs them through torch's flash attention over
-the packed sequences instead, where this torch build has it for the device (CUDA or ROCm) and it
-passes a check on first use: on an H100 it reached 0.72-0.83 of the bf16 matmul peak at 2048-8192
-tokens a prompt, our Triton prefill kernel 0.29-0.34 (bench/results/prefill-attention-*).
+reference below (which the kernel tests compare against).
 """
 
 from __future__ import annotations
 
-import functools
-import logging
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -97,65 +89,18 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
-def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_q: int,
-                  scale: float) -> torch.Tensor:
-    """Causal attention of packed sequences over their own keys: q [T, H, D], k/v [T, Hkv, D]."""
-    return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_q, max_q, 0.0, True, False, scale=scale)[0]
-
-
-@functools.lru_cache(maxsize=None)
-def flash_prefill_ok(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether torch's flash attention runs here for this shape and agrees with the reference: checked
-    once per (device, dtype, heads), on strided views like the model's (q, k, v sliced from one row)."""
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-        return False
-    try:
-        g = torch.Generator(device=device).manual_seed(0)
-        lens = [5, 37, 64]
-        t = sum(lens)
-        qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, device=device, dtype=dtype, generator=g)
-        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-        q, k, v = (x.view(t, -1, head_dim) for x in (q, k, v))
-        cu = torch.tensor([0, 5, 42, 106], dtype=torch.int32, device=device)
-        got = _flash_varlen(q, k, v, cu, max(lens), head_dim ** -0.5).float()
-        at = 0
-        for n in lens:
-            mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None]
-            ref = _attend(q[None, at:at + n], k[None, at:at + n], v[None, at:at + n], mask, head_dim ** -0.5)[0]
-            if not torch.allclose(got[at:at + n], ref.float(), atol=2e-2, rtol=2e-2):
-                raise RuntimeError(f"max error {(got[at:at + n] - ref.float()).abs().max().item():.3g}")
-            at += n
-        return True
-    except Exception as e:  # noqa: BLE001 - any failure means: not here; the Triton kernel serves instead
-        log.warning("torch flash attention is not used for prefills (%s: %s); the Triton kernel serves them",
-                    type(e).__name__, e)
-        return False
-
-
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttnMeta, scale: float, k: Optional[torch.Tensor] = None,
-                    v: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """q [T, H, D] -> [T, H, D]. k, v: this step's keys and values [T, Hkv, D] (already in the cache),
-    for prompt chunks that see no earlier keys."""
+                    meta: AttnMeta, scale: float) -> torch.Tensor:
     if not meta.use_triton:
         return paged_attention_ref(q, k_cache, v_cache, meta, scale)
     from tp_overlap_plugin.kernels.attention import paged_decode_attention, paged_prefill_attention
-    nd = meta.num_decodes
-    prefills = meta.cu_seqlens_q.numel() - 1 > nd
-    fresh = (prefills and k is not None and meta.q_lens_list is not None
-             and meta.q_lens_list[nd:] == meta.context_lens_list[nd:]
-             and flash_prefill_ok(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2]))
-    if fresh and nd == 0:
-        return _flash_varlen(q, k, v, meta.cu_seqlens_q, meta.max_q_len, scale)
     out = torch.empty_like(q)
+    nd = meta.num_decodes
     if nd:
         paged_decode_attention(q[:nd], k_cache, v_cache, meta.context_lens[:nd], meta.block_tables[:nd],
                                scale, out=out[:nd])
-    if prefills:
+    if meta.cu_seqlens_q.numel() - 1 > nd:
         cu = meta.cu_seqlens_q[nd:] - nd
-        if fresh:
-            out[nd:] = _flash_varlen(q[nd:], k[nd:], v[nd:], cu, meta.max_q_len, scale)
-        else:
-            paged_prefill_attention(q[nd:], k_cache, v_cache, cu, meta.context_lens[nd:], meta.block_tables[nd:],
-                                    meta.max_q_len, scale, out=out[nd:])
+        paged_prefill_attention(q[nd:], k_cache, v_cache, cu, meta.context_lens[nd:], meta.block_tables[nd:],
+                                meta.max_q_len, scale, out=out[nd:])
     return out

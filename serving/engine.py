@@ -13,7 +13,6 @@ import atexit
 import itertools
 import multiprocessing as mp
 import socket
-import sys
 import threading
 import time
 import weakref
@@ -538,17 +537,10 @@ class AsyncLLM:
         engine.abort("req-1")
     """
 
-    # The engine loop shares the GIL with the server's event loop. Every wait for a step's tokens
-    # releases it, and taking it back can cost a whole switch interval (5 ms by default) while the
-    # event loop streams responses: at rate inf (bench/serve_timeline.py) a CUDA-graph decode step
-    # spent ~10 ms in the host's launch for ~1.4 ms of its own work. A shorter interval bounds that.
-    SWITCH_INTERVAL_S = 0.0005
-
     def __init__(self, config: Optional[EngineConfig] = None, **kwargs):
         self.engine = LLMEngine(config, **kwargs)
         if not self.engine.is_driver:
             return
-        sys.setswitchinterval(min(sys.getswitchinterval(), self.SWITCH_INTERVAL_S))
         self._cmds: "list[tuple[str, object]]" = []
         self._cmd_lock = threading.Lock()
         self._wake = threading.Event()

@@ -123,11 +123,10 @@ class Attention(nn.Module):
             layer_ops.rope_and_cache(qkv, self.heads, self.kv_heads, self.head_dim, positions, self.rotary.cos,
                                      self.rotary.sin, k_cache, v_cache, meta.slot_mapping)
             q = qkv[:, :q_size].reshape(t, self.heads, self.head_dim)
-            k = qkv[:, q_size:q_size + kv_size].reshape(t, self.kv_heads, self.head_dim)   # rotated in place
         else:
             q, k = self.rotary(positions, q), self.rotary(positions, k)
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v)
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, q_size))
 
 

@@ -104,6 +104,9 @@ class StepTrace:
                 rec["exposed_ms"] = enter.elapsed_time(start) if enter is not None else None
                 rec["gpu_ms"] = start.elapsed_time(end)
             del rec["_ev"]
+            for k, v in rec.items():   # microseconds are plenty, and halve the file
+                if isinstance(v, float):
+                    rec[k] = round(v, 6 if k == "t" else 3)
             self.done.append(self.open.popleft())
         now = time.monotonic()
         if self.done and (wait or len(self.done) >= self.FLUSH_EVERY or now - self.flushed > self.FLUSH_S):
