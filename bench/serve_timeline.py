@@ -171,7 +171,8 @@ def markdown(payload: dict) -> str:
                 continue
             tl_rows.append([lv, e, _med([t["steps"] for t in tls]), _med([t["tokens_per_step"] for t in tls]),
                             _med([t["running_batch_p50"] for t in tls]), _med([t["gpu_ms_sum"] for t in tls]),
-                            _med([t["exposed_ms_sum"] for t in tls]), f"{100 * _med([t['exposed_share'] for t in tls]):.2f}%",
+                            _med([t["exposed_ms_sum"] for t in tls]),
+                            f"{100 * _med([t['exposed_share'] for t in tls]):.2f}%",
                             _med([t["decode_step_ms_at_batch"] for t in tls]), _med(s["median_tpot_ms"])])
             for kind in KINDS:
                 ks = [t[kind] for t in tls]
@@ -183,8 +184,8 @@ def markdown(payload: dict) -> str:
     head = ["rate", "engine"] + [t for _, t in STATS] + (["tok/s this/base"] if "base" in c["engines"] else [])
     lines.append("HTTP (median over runs; ms):\n\n" + md_table(head, rows))
     lines.append("\nTimeline per level (median over runs):\n\n" + md_table(
-        ["rate", "engine", "steps", "tokens/step", "running batch (p50 over decoded tokens)", "GPU span ms", "host-exposed ms",
-         "host-exposed share", "decode-only step ms at that batch", "TPOT p50 ms"], tl_rows))
+        ["rate", "engine", "steps", "tokens/step", "running batch (p50 over decoded tokens)", "GPU span ms",
+         "host-exposed ms", "host-exposed share", "decode-only step ms at that batch", "TPOT p50 ms"], tl_rows))
     lines.append("\nSteps by kind (p50 per step unless a sum):\n\n" + md_table(
         ["rate", "engine", "kind", "steps", "tokens", "seqs", "wall ms", "GPU span ms", "build ms", "launch ms",
          "exposed ms (sum)", "graph share"], kind_rows))
@@ -232,7 +233,7 @@ def main(argv=None):
     p.add_argument("--pairs", type=int, default=1)
     p.add_argument("--base", default=None, help="a folder holding another checkout's install: A/B against it")
     p.add_argument("--tag", default="")
-    p.add_argument("--replot", metavar="JSON", help="only recompute the summary, markdown and plot of this results file")
+    p.add_argument("--replot", metavar="JSON", help="only recompute the summary, markdown and plot of a results file")
     add_workload_args(p)
     args = p.parse_args(argv)
     if args.replot:
@@ -250,7 +251,8 @@ def main(argv=None):
     engines = ["base", "this"] if args.base else ["this"]
     import torch
     payload = {"schema": SCHEMA, "environment": environment(args.tp, torch.cuda.is_available(), model=args.model),
-               "command": " ".join(["python", "bench/serve_timeline.py"] + list(argv if argv is not None else sys.argv[1:])),
+               "command": " ".join(["python", "bench/serve_timeline.py"]
+                                   + list(argv if argv is not None else sys.argv[1:])),
                "config": {"model": args.model, "tp": args.tp, "rates": [_key(r) for r in args.rate_list],
                           "engines": engines, "pairs": args.pairs, "input_len": args.input_len,
                           "output_len": args.output_len, "max_len": args.max_len, "max_num_seqs": args.max_num_seqs,

@@ -55,8 +55,8 @@ class StepMessage:
     """A step (or the stop command) as one flat int64 tensor, so that no Python object is pickled per
     step. Layout: a header [command, tokens, sequences, decodes, logit rows, flags, body length], then the
     body: input ids (one per token), q lens, context lens, table lengths (one per sequence), logit rows,
-    and the block tables back to back. Tables are sent ragged: at batch 256 a
-    padded matrix would be mostly padding.
+    and the block tables back to back. Tables are sent ragged: at batch 256 a padded matrix would be
+    mostly padding.
 
     The message travels in a fixed buffer of CAPACITY entries, which holds a decode step of up to ~100
     sequences at a few-thousand-token context; a longer one sends its tail in a second broadcast of a
@@ -79,8 +79,8 @@ class StepMessage:
     def encode(cls, step: Optional[StepInput]) -> list[int]:
         if step is None:
             return [cls.STOP, 0, 0, 0, 0, 0, 0]
-        body = list(itertools.chain(step.input_ids, step.q_lens, step.context_lens, map(len, step.block_tables), step.logit_rows,
-                                    itertools.chain.from_iterable(step.block_tables)))
+        body = list(itertools.chain(step.input_ids, step.q_lens, step.context_lens, map(len, step.block_tables),
+                                    step.logit_rows, itertools.chain.from_iterable(step.block_tables)))
         flags = cls.SHARE_SAMPLED if step.share_sampled else 0
         return [cls.STEP, len(step.input_ids), len(step.q_lens), step.num_decodes, len(step.logit_rows), flags,
                 len(body)] + body
@@ -376,7 +376,8 @@ class ModelRunner:
         scratch_kv = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                        torch.zeros(shape, dtype=self.dtype, device=self.device))
                       for _ in range(self.mcfg.num_layers)]
-        step = StepInput(input_ids=[0] * n, q_lens=[n], context_lens=[n], block_tables=[list(range(nb))], num_decodes=0, logit_rows=[n - 1])
+        step = StepInput(input_ids=[0] * n, q_lens=[n], context_lens=[n], block_tables=[list(range(nb))],
+                         num_decodes=0, logit_rows=[n - 1])
         self._forward(step, scratch_kv)
         del scratch_kv
 
@@ -396,8 +397,9 @@ class ModelRunner:
 
     # ---- step --------------------------------------------------------------------------------
     def _step_tensors(self, step: StepInput):
-        """(ids, positions, rows, meta) on the device: the per-token layout in whole-array numpy, then
-        two asynchronous copies from pinned memory (step_layout.Staging)."""
+        """(ids, positions, logit rows, meta) on the device, and whether any id stands for a token
+        still on the device: the per-token layout in whole-array numpy, then two asynchronous copies
+        from pinned memory (step_layout.Staging)."""
         lay = layout(step.q_lens, step.context_lens, step.block_tables, self.block_size, self.scratch_block)
         ids = np.asarray(step.input_ids, dtype=np.int64)
         rows = np.asarray(step.logit_rows, dtype=np.int64)
