@@ -216,12 +216,13 @@ def device_slug(env: dict) -> str:
     return f"{name}x{env['device_count']}" if env["device_count"] > 1 else name
 
 
-def write_results(out_dir: str, name: str, payload: dict, markdown: str) -> tuple[str, str]:
+def write_results(out_dir: str, name: str, payload: dict, markdown: str, compact: bool = False) -> tuple[str, str]:
+    """compact: JSON on one line (a payload of thousands of records, e.g. a step timeline)."""
     os.makedirs(out_dir, exist_ok=True)
     env = payload["environment"]
     stem = os.path.join(out_dir, f"{name}-{device_slug(env)}-{env['date']}")
     with open(stem + ".json", "w") as f:
-        json.dump(payload, f, indent=2)
+        json.dump(payload, f, **({"separators": (",", ":")} if compact else {"indent": 2}))
     header = (f"_{env['device']} x{env['device_count']}, torch {env['torch']}, Triton {env['triton']}, "
               f"{env['date']}. Medians; ratios from the same run._\n\n")
     with open(stem + ".md", "w") as f:

@@ -188,10 +188,8 @@ def write_outputs(payload: dict, out_dir: str) -> tuple[str, str]:
     return paths
 
 
-def main(argv=None):
-    p = bench_parser(__doc__)
-    add_comparison_args(p)
-    p.add_argument("--rates", default="4,16,inf", help="request rates per second, Poisson arrivals; inf: all at once")
+def add_workload_args(p) -> None:
+    """The workload and server options (serve_timeline.py takes them too)."""
     p.add_argument("--level-seconds", type=float, default=15.0, help="arrivals span this long at each finite rate")
     p.add_argument("--min-requests", type=int, default=32)
     p.add_argument("--inf-requests", type=int, default=256, help="requests at rate inf")
@@ -206,16 +204,28 @@ def main(argv=None):
     p.add_argument("--max-concurrency", type=int, default=None, help="client-side cap on requests in flight")
     p.add_argument("--server-arg", action="append", default=[], help="one more argument for both servers")
     p.add_argument("--startup-timeout", type=float, default=400)
-    args = p.parse_args(argv)
-    if args.replot:
-        print("wrote", *write_outputs(*load_payload(args.replot)))
-        return 0
-    exit_on_sigterm()
+
+
+def apply_quick(args) -> None:
+    """--quick: a tiny workload (a logic check); then the defaults that follow from the options."""
     if args.quick:
         args.rates, args.level_seconds, args.min_requests, args.inf_requests = "4,inf", 1.0, 4, 6
         args.input_len, args.output_len, args.max_len, args.max_num_seqs = 12, 6, 48, 4
         args.max_num_batched_tokens = 64
     args.warmup_requests = args.warmup_requests or args.max_num_seqs
+
+
+def main(argv=None):
+    p = bench_parser(__doc__)
+    add_comparison_args(p)
+    p.add_argument("--rates", default="4,16,inf", help="request rates per second, Poisson arrivals; inf: all at once")
+    add_workload_args(p)
+    args = p.parse_args(argv)
+    if args.replot:
+        print("wrote", *write_outputs(*load_payload(args.replot)))
+        return 0
+    exit_on_sigterm()
+    apply_quick(args)
     args.rate_list = [float(r) for r in args.rates.split(",")]
     if any(r <= 0 for r in args.rate_list):
         raise SystemExit("every rate must be positive")

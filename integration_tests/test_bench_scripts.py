@@ -137,6 +137,23 @@ def test_serve_load_sweeps_poisson_rates_with_both_servers(tmp_path):
         assert js.with_suffix(".png").stat().st_size > 0
 
 
+def test_serve_timeline_records_every_step_of_each_level(tmp_path):
+    _run("serve_timeline.py", "--model", "demo", "--tp", "1", "--quick", "--out", str(tmp_path))
+    (js,) = tmp_path.glob("serve-timeline-demo-tp1-*.json")
+    res = json.loads(js.read_text())
+    (run,) = res["runs"]
+    for rate, lv in run["levels"].items():
+        assert lv["failed"] == 0 and lv["completed"] == (6 if rate == "inf" else 4)
+        steps = run["steps"][rate]
+        # every prompt token and every output token but the last is computed in some step of the level
+        assert sum(s["tokens"] for s in steps) == lv["total_input_tokens"] + lv["total_output_tokens"] - lv["completed"]
+        tl = res["summary"][rate]["this"]["timeline"][0]
+        assert tl["steps"] == len(steps) == sum(tl[k]["steps"] for k in ("prefill", "mixed", "decode"))
+    assert "host-exposed share" in js.with_suffix(".md").read_text()
+    if _has_matplotlib():
+        assert (tmp_path / js.name.replace(".json", "-rateinf.png")).stat().st_size > 0
+
+
 def test_readme_headline_table_is_generated_from_the_newest_results():
     sys.path.insert(0, str(ROOT / "bench"))
     import readme_table

@@ -9,14 +9,13 @@ from tp_overlap_plugin.serving.runner import StepInput, StepMessage
 
 def _step(n_seqs: int, ctx: int, bs: int = 16) -> StepInput:
     tables = [[(7 * i + j) % 997 for j in range(-(-(ctx + i) // bs))] for i in range(n_seqs)]
-    return StepInput(input_ids=[i * 3 + 1 for i in range(n_seqs)], positions=[ctx + i - 1 for i in range(n_seqs)],
-                     slot_mapping=[t[-1] * bs + 5 for t in tables], q_lens=[1] * n_seqs,
+    return StepInput(input_ids=[i * 3 + 1 for i in range(n_seqs)], q_lens=[1] * n_seqs,
                      context_lens=[ctx + i for i in range(n_seqs)], block_tables=tables, num_decodes=n_seqs,
                      logit_rows=list(range(n_seqs)))
 
 
 STEPS = [_step(1, 10), _step(3, 40),
-         StepInput([5, 6, 7, 8], [0, 1, 2, 0], [32, 33, 34, 48], [3, 1], [3, 1], [[2], [3, 9]], 0, [2, 3]),
+         StepInput([5, 6, 7, 8], [3, 1], [3, 1], [[2], [3, 9]], 0, [2, 3]),
          _step(256, 640)]   # ~10k block ids: longer than one buffer
 
 

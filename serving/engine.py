@@ -31,6 +31,7 @@ from .runner import (ModelRunner, StepInput, destroy_group_bounded, init_distrib
 from .sampler import Sampled, TokenState, sample_on_device
 from .scheduler import NeedsPreemption, Scheduler, Sequence, Status
 from .structured import StructuredOutputs
+from .step_trace import StepTrace
 from .tokenizer import ByteTokenizer, IncrementalDetokenizer, load_tokenizer
 
 Prompt = Union[str, list[int]]
@@ -156,6 +157,7 @@ class LLMEngine:
         self.structured = StructuredOutputs(self.tokenizer, self.mcfg.vocab_size, self.eos_ids)
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self._pending: Optional[_Launched] = None   # async scheduling: the step launched but not finalised
+        self._trace = StepTrace.from_env(self.device)   # None unless TP_OVERLAP_STEP_TRACE names a file
         self._ids = itertools.count()
         # A weak reference, so that registering for exit does not keep every engine (and its KV cache) alive.
         ref = weakref.ref(self)
@@ -221,6 +223,8 @@ class LLMEngine:
         except Exception:
             pass   # a dead worker cannot be told to stop; it is killed below
         finally:
+            if getattr(self, "_trace", None) is not None:
+                self._trace.close()
             # Graphs hold NCCL work: drop them before the communicator, then leave the group while
             # the workers leave theirs (see destroy_group_bounded), and only then reap them.
             if hasattr(self, "runner"):
@@ -319,6 +323,8 @@ class LLMEngine:
         foresee (end of sequence, stop string) was already scheduled once more; that extra token is
         computed and dropped, never emitted."""
         self._require_driver()
+        if self._trace is not None:
+            self._trace.enter()
         pending = self._pending
         self._pending = None
         try:
@@ -344,8 +350,10 @@ class LLMEngine:
         in flight sampled for it accepted by its grammar before its next mask is built. That wait comes
         after this step's forward is queued, so the device still computes while the host waits and
         fills the masks; only the sampling launch is delayed, and only while such sequences run."""
-        bs = self.cfg.block_size
-        ids, pos, slots, rows = [], [], [], []
+        t_scheduled = time.perf_counter()
+        # Per sequence, never per token: positions and cache slots are derived from the sequences'
+        # lengths and block tables in whole-array ops by the runner (serving/step_layout.py).
+        ids, rows = [], []
         sample_at: list[tuple[Sequence, int]] = []
         prompt_rows: list[tuple[Sequence, int, int]] = []   # seq, first row, count
         t = 0
@@ -355,9 +363,6 @@ class LLMEngine:
             ids += known
             if len(known) < n:   # the token sampled by the step in flight: still on the device
                 ids.append(-1 - seq.inflight_ref)
-            for p in range(c, c + n):
-                pos.append(p)
-                slots.append(seq.block_table[p // bs] * bs + p % bs)
             if seq.params.prompt_logits:
                 lo, hi = max(c, seq.num_prompt_logits), min(c + n, len(seq.prompt_ids))
                 if hi > lo:
@@ -367,12 +372,13 @@ class LLMEngine:
                 sample_at.append((seq, len(rows)))
                 rows.append(t + n - 1)
             t += n
-        step = StepInput(ids, pos, slots, list(batch.num_new),
+        step = StepInput(ids, list(batch.num_new),
                          [s.num_computed + n for s, n in zip(batch.seqs, batch.num_new)],
                          [list(s.block_table) for s in batch.seqs], batch.num_decodes, rows,
                          share_sampled=self.cfg.async_scheduling)
         seqs = [s for s, _ in sample_at]
         early = None
+        rec = self._trace.start(batch, t_scheduled) if self._trace is not None else None
         try:
             logits = self.runner.execute(step)
             prompt_logits = [(seq, logits[r0:r0 + cnt].float()) for seq, r0, cnt in prompt_rows]
@@ -390,6 +396,8 @@ class LLMEngine:
                                         **self._sampling_state(seqs))
             if step.share_sampled:
                 self.runner.share_sampled(draw.tokens if draw is not None else _no_tokens(self.device))
+            if rec is not None:
+                self._trace.end(rec, self.runner.last_graph)
         except Exception as e:
             self._fail(e)
         for seq, n in zip(batch.seqs, batch.num_new):

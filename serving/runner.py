@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import triton
@@ -24,6 +25,7 @@ from tp_overlap_plugin import runtime
 from tp_overlap_plugin.layers import TPGroup, TPLayers
 
 from .attention import AttnMeta
+from .step_layout import Staging, layout
 from .config import EngineConfig, ModelConfig, default_device, resolve_model_dir
 from .model import CausalLM
 from . import weights as W
@@ -35,9 +37,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass
 class StepInput:
+    """A step, per sequence: every token's position and cache slot follow from q_lens, context_lens
+    and block_tables (serving/step_layout.py), so they are neither built nor sent token by token."""
     input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
     q_lens: list[int]
     context_lens: list[int]
     block_tables: list[list[int]]
@@ -52,9 +54,9 @@ class StepInput:
 class StepMessage:
     """A step (or the stop command) as one flat int64 tensor, so that no Python object is pickled per
     step. Layout: a header [command, tokens, sequences, decodes, logit rows, flags, body length], then the
-    body: input ids, positions, slots (one per token), q lens, context lens, table lengths (one per
-    sequence), logit rows, and the block tables back to back. Tables are sent ragged: at batch 256 a
-    padded matrix would be mostly padding.
+    body: input ids (one per token), q lens, context lens, table lengths (one per sequence), logit rows,
+    and the block tables back to back. Tables are sent ragged: at batch 256 a padded matrix would be
+    mostly padding.
 
     The message travels in a fixed buffer of CAPACITY entries, which holds a decode step of up to ~100
     sequences at a few-thousand-token context; a longer one sends its tail in a second broadcast of a
@@ -77,9 +79,8 @@ class StepMessage:
     def encode(cls, step: Optional[StepInput]) -> list[int]:
         if step is None:
             return [cls.STOP, 0, 0, 0, 0, 0, 0]
-        body = list(itertools.chain(step.input_ids, step.positions, step.slot_mapping, step.q_lens,
-                                    step.context_lens, map(len, step.block_tables), step.logit_rows,
-                                    itertools.chain.from_iterable(step.block_tables)))
+        body = list(itertools.chain(step.input_ids, step.q_lens, step.context_lens, map(len, step.block_tables),
+                                    step.logit_rows, itertools.chain.from_iterable(step.block_tables)))
         flags = cls.SHARE_SAMPLED if step.share_sampled else 0
         return [cls.STEP, len(step.input_ids), len(step.q_lens), step.num_decodes, len(step.logit_rows), flags,
                 len(body)] + body
@@ -93,8 +94,8 @@ class StepMessage:
             raise RuntimeError(f"step message with unknown command {cmd}: the ranks are out of step")
         it = iter(msg[cls.HEADER:])
         take = lambda k: list(itertools.islice(it, k))   # noqa: E731
-        ids, pos, slots, q_lens, ctx, widths, rows = take(n), take(n), take(n), take(s), take(s), take(s), take(r)
-        return StepInput(ids, pos, slots, q_lens, ctx, [take(w) for w in widths], nd, rows,
+        ids, q_lens, ctx, widths, rows = take(n), take(s), take(s), take(s), take(r)
+        return StepInput(ids, q_lens, ctx, [take(w) for w in widths], nd, rows,
                          bool(flags & cls.SHARE_SAMPLED))
 
     def send(self, step: Optional[StepInput]) -> None:
@@ -259,6 +260,8 @@ class ModelRunner:
             self.model = CausalLM(self.mcfg, tp, self.max_model_len).eval()
         self._load_weights()
         self.scratch_block = 0          # until the cache exists; the profile run fills its tables fully
+        self.use_triton = device.type == "cuda"
+        self.staging = Staging(device) if device.type == "cuda" else None
         if self.heap is not None and (device.type != "cuda" or cfg.num_kv_blocks is not None):
             # One small step through the overlap layers on every rank (on GPUs the profile run
             # does this), so that kernels which cannot run here fail the start, not a request.
@@ -266,6 +269,7 @@ class ModelRunner:
             self.heap.check()
         self.errors = ErrorWatch(self.heap) if self.heap is not None else None
         self.last_error_slot = -1     # the ErrorWatch slot of the latest step (see `execute`)
+        self.last_graph = False       # whether the latest step replayed a CUDA graph
         self.graphs: dict[int, tuple] = {}
         self.max_graph_bs = 0
         self.messages = StepMessage(ctrl_group, rank) if world_size > 1 else None
@@ -279,7 +283,6 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=device),
                            torch.zeros(shape, dtype=self.dtype, device=device))
                           for _ in range(self.mcfg.num_layers)]
-        self.use_triton = device.type == "cuda"
         if device.type == "cuda" and not cfg.enforce_eager:
             self._capture_graphs()
 
@@ -380,9 +383,9 @@ class ModelRunner:
         scratch_kv = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                        torch.zeros(shape, dtype=self.dtype, device=self.device))
                       for _ in range(self.mcfg.num_layers)]
-        step = StepInput(input_ids=[0] * n, positions=list(range(n)), slot_mapping=list(range(n)), q_lens=[n],
-                         context_lens=[n], block_tables=[list(range(nb))], num_decodes=0, logit_rows=[n - 1])
-        self._forward(step, scratch_kv, use_triton=self.device.type == "cuda")
+        step = StepInput(input_ids=[0] * n, q_lens=[n], context_lens=[n], block_tables=[list(range(nb))],
+                         num_decodes=0, logit_rows=[n - 1])
+        self._forward(step, scratch_kv)
         del scratch_kv
 
     def _agree(self, n_blocks: int) -> int:
@@ -400,27 +403,23 @@ class ModelRunner:
         return n_blocks
 
     # ---- step --------------------------------------------------------------------------------
-    def _meta(self, step: StepInput, use_triton: bool) -> AttnMeta:
-        dev = self.device
-        bt = self._pad_tables(step.block_tables)
-        cu = [0]
-        for q in step.q_lens:
-            cu.append(cu[-1] + q)
-        return AttnMeta(
-            slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.int64, device=dev),
-            num_decodes=step.num_decodes,
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(step.context_lens, dtype=torch.int32, device=dev),
-            block_tables=bt.to(dev),
-            max_q_len=max(step.q_lens),
-            q_lens_list=step.q_lens,
-            context_lens_list=step.context_lens,
-            use_triton=use_triton,
-        )
-
-    def _pad_tables(self, tables: list[list[int]]) -> torch.Tensor:
-        width = max(len(b) for b in tables)
-        return torch.tensor([b + [self.scratch_block] * (width - len(b)) for b in tables], dtype=torch.int32)
+    def _step_tensors(self, step: StepInput):
+        """(ids, positions, logit rows, meta) on the device, and whether any id stands for a token
+        still on the device: the per-token layout in whole-array numpy, then two asynchronous copies
+        from pinned memory (step_layout.Staging)."""
+        lay = layout(step.q_lens, step.context_lens, step.block_tables, self.block_size, self.scratch_block)
+        ids = np.asarray(step.input_ids, dtype=np.int64)
+        rows = np.asarray(step.logit_rows, dtype=np.int64)
+        ctx = np.asarray(step.context_lens, dtype=np.int32)
+        parts64, parts32 = [ids, lay.positions, lay.slots, rows], [lay.cu_seqlens, ctx, lay.block_tables]
+        if self.staging is not None:
+            (d_ids, d_pos, d_slots, d_rows), (d_cu, d_ctx, d_bt) = self.staging.to_device(parts64, parts32)
+        else:
+            d_ids, d_pos, d_slots, d_rows, d_cu, d_ctx, d_bt = map(torch.from_numpy, parts64 + parts32)
+        meta = AttnMeta(slot_mapping=d_slots, num_decodes=step.num_decodes, cu_seqlens_q=d_cu, context_lens=d_ctx,
+                        block_tables=d_bt, max_q_len=max(step.q_lens), q_lens_list=step.q_lens,
+                        context_lens_list=step.context_lens, use_triton=self.use_triton)
+        return d_ids, d_pos, d_rows, meta, bool(ids.size and ids.min() < 0)
 
     def _resolve_refs(self, ids: torch.Tensor) -> None:
         """Replace in place the ids that stand for tokens sampled by the previous step (see StepInput)."""
@@ -439,13 +438,11 @@ class ModelRunner:
             dist.broadcast(self.sampled, src=0, group=self.group)
 
     @torch.inference_mode()
-    def _forward(self, step: StepInput, kv_caches, use_triton: bool) -> torch.Tensor:
-        ids = torch.tensor(step.input_ids, dtype=torch.int64, device=self.device)
-        if step.input_ids and min(step.input_ids) < 0:
+    def _forward(self, step: StepInput, kv_caches) -> torch.Tensor:
+        ids, pos, rows, meta, has_refs = self._step_tensors(step)
+        if has_refs:
             self._resolve_refs(ids)
-        pos = torch.tensor(step.positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, pos, self._meta(step, use_triton), kv_caches)
-        rows = torch.tensor(step.logit_rows, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, pos, meta, kv_caches)
         return self.model.compute_logits(hidden, rows)
 
     def execute(self, step: StepInput) -> torch.Tensor:
@@ -453,11 +450,12 @@ class ModelRunner:
         if self.rank == 0 and self.messages is not None:
             self.messages.send(step)
         n = len(step.input_ids)
-        if (self.graphs and step.num_decodes == n and n <= self.max_graph_bs
-                and step.logit_rows == list(range(n))):
+        self.last_graph = bool(self.graphs and step.num_decodes == n and n <= self.max_graph_bs
+                               and step.logit_rows == list(range(n)))
+        if self.last_graph:
             logits = self._replay(step)
         else:
-            logits = self._forward(step, self.kv_caches, self.use_triton)
+            logits = self._forward(step, self.kv_caches)
         if self.errors is not None:
             # No device sync here: the error word is copied behind the step, and read once the host
             # waits for the step's tokens (`check_step`) or, at the latest, ErrorWatch.DEPTH steps on.
@@ -532,12 +530,12 @@ class ModelRunner:
         mb, width = self.max_graph_bs, self.max_blocks_per_seq
         self.inputs_copied.synchronize()  # the previous replay's transfer has read the host buffers
         h64, ctx, bt = self.h64.numpy(), self.h32[:mb].numpy(), self.h32[mb:].view(mb, width).numpy()
-        h64[0, :n], h64[1, :n], h64[2, :n] = step.input_ids, step.positions, step.slot_mapping
+        bt[n:bs] = self.scratch_block
+        lay = layout(step.q_lens, step.context_lens, step.block_tables, self.block_size, self.scratch_block,
+                     width, bt[:n])
+        h64[0, :n], h64[1, :n], h64[2, :n] = step.input_ids, lay.positions, lay.slots
         h64[0, n:bs], h64[1, n:bs], h64[2, n:bs] = 0, 0, self.scratch_block * self.block_size
         ctx[:n], ctx[n:bs] = step.context_lens, 1
-        bt[:bs] = self.scratch_block
-        for i, blocks in enumerate(step.block_tables):
-            bt[i, :len(blocks)] = blocks
         self.g64.copy_(self.h64, non_blocking=True)  # all of it: 24 bytes a row, one contiguous transfer
         self.g_ctx[:bs].copy_(self.h32[:bs], non_blocking=True)
         self.g_bt[:bs].copy_(self.h32[mb:mb + bs * width].view(bs, width), non_blocking=True)
