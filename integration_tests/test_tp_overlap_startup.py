@@ -62,8 +62,11 @@ def test_engine_refuses_before_spawning_when_the_kernels_cannot_run(monkeypatch)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         LLMEngine(cfg)
     assert not multiprocessing.active_children()
-    # at TP=1 the flag builds no overlap layers, so there is nothing to refuse
-    LLMEngine(EngineConfig(tensor_parallel_size=1, dtype="bfloat16", tp_overlap={"dispatch": "overlap"},
+    # at TP=1 the flag's layers run the decode matmul (no heap, no communication): the same check
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        LLMEngine(EngineConfig(tensor_parallel_size=1, dtype="bfloat16", tp_overlap={"dispatch": "overlap"}, **SMALL))
+    # stock at TP=1, or a flag whose table picks no kernel, has nothing to refuse
+    LLMEngine(EngineConfig(tensor_parallel_size=1, dtype="bfloat16", tp_overlap={"dispatch": "stock"},
                            **SMALL)).shutdown()
 
 
