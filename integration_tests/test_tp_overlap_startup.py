@@ -100,6 +100,23 @@ def test_cli_runs_the_kernels_under_the_interpreter_by_itself(dtype):
     assert proc.stderr.count(fallback) <= 1
 
 
+@pytest.mark.timeout(120)
+def test_cli_flag_at_tp1_runs_without_a_heap():
+    """`--tp 1` with the flag (the decode matmul forced: no heap, no peers) generates what stock
+    generates, greedily, in bf16 on the CPU (the matmuls interpreted)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the CLI turns the interpreter on by itself only on a machine without a GPU")
+    tp1 = ["--tp", "1", *ENGINE_ARGS[2:], "--dtype", "bfloat16", "--prompt", "Hi", "--max-tokens", "3"]
+    outs = []
+    for flag in ([], OVERLAP):
+        proc = _cli(["generate", *tp1, *flag])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs.append(proc.stdout.split("--- prompt:", 1)[1])
+    assert "[3 tokens, finish: length]" in outs[0] and outs[0] == outs[1], outs
+
+
 @pytest.mark.timeout(60)
 def test_server_without_the_interpreter_refuses_to_start():
     proc = _cli(["serve", *ENGINE_ARGS, "--dtype", "bfloat16", *OVERLAP, "--port", "1"],
