@@ -8,6 +8,10 @@ and a markdown copy in bench/results/ that shows the evidence for every choice:
 Without --gemm-ar the table has no GEMM + all-reduce rows, and the dispatcher never picks it; without
 --gemv no GEMV rows, and every decode-sized local matmul stays F.linear.
 
+At TP=1 nothing is communicated: the table is the decode matmul's rows alone,
+
+    python bench/make_dispatch_table.py --gemv bench/results/gemv-tp1-h200-<date>.json
+
 A fused op wins only if it beats sequential by MARGIN (the run-to-run noise seen here is ~2%), so
 "never slower than stock" holds with that margin.
 """
@@ -84,6 +88,18 @@ def _same_machine(flag: str, run: dict, env: dict) -> None:
                          f"at TP={env['tp']}: one table is for one device and world size")
 
 
+def build_local(gemv: dict) -> dict:
+    """The TP=1 table: a rank's local matmuls are its only ops (no heap, no peers)."""
+    env = gemv["environment"]
+    if env["tp"] != 1:
+        raise ValueError(f"--gemv alone makes a TP=1 table; this run is TP={env['tp']}: add --overlap and "
+                         f"--foundation of that TP size")
+    return {"device": env["device"], "world": 1, "date": env["date"], "torch": env["torch"], "triton": env["triton"],
+            "margin": MARGIN, "one_shot_max_bytes": DEFAULT_ONE_SHOT_BYTES, "gemm": [], "all_reduce": [],
+            "gemv": gemv_rows(gemv),
+            "command": "python bench/gemv.py --tp 1 && python bench/make_dispatch_table.py --gemv ..."}
+
+
 def build(overlap: dict, foundation: dict, gemm_ar: dict | None = None, gemv: dict | None = None) -> dict:
     env = overlap["environment"]
     gemm = []
@@ -125,6 +141,8 @@ def markdown(t: dict) -> str:
           f"Triton {t['triton']}). A fused op or our all-reduce is chosen only at ≥{t['margin']:.2f}x over the stock "
           f"path; our all-reduce is timed as \"auto\" runs it: one-shot up to {t['one_shot_max_bytes'] >> 10} KB, "
           f"two-shot above._\n\n")
+    if t["world"] == 1:
+        return md + _gemv_markdown(t)
     md += "## GEMMs (ms)\n\n" + md_table(
         ["op", "M", "K", "N", "sequential", "ours", "seq/ours", "chosen"],
         [[r["op"], r["M"], r["K"], r["N"], r["sequential_ms"], r["ours_ms"], r["speedup"], r["winner"]]
@@ -148,27 +166,29 @@ def markdown(t: dict) -> str:
                        [[r["shape"], r["M"], r["K"], r["N"], r["graph_us"], r["graph_best_stock_us"], r["graph_winner"],
                          r["norm_graph_us"], r["norm_graph_best_stock_us"], r["norm_graph_winner"], r["eager_us"],
                          r["eager_winner"], r["norm_eager_us"], r["norm_eager_winner"]] for r in t["gemm_all_reduce"]])
-    if "gemv" in t:
-        md += ("\n## Decode-sized local matmuls: our GEMV against F.linear (µs, CUDA graphs, one GPU)\n\n")
-        md += md_table(["layer", "M", "K", "N", "F.linear", "gemv", "F.linear/gemv", "chosen"],
-                       [[r["shape"], r["M"], r["K"], r["N"], r["cublas_us"], r["gemv_us"], r["cublas_us"] / r["gemv_us"],
-                         r["winner"]] for r in t["gemv"]])
-    return md
+    return md + _gemv_markdown(t)
+
+
+def _gemv_markdown(t: dict) -> str:
+    if "gemv" not in t:
+        return ""
+    return ("\n## Decode-sized local matmuls: our GEMV against F.linear (µs, CUDA graphs, one GPU)\n\n" +
+            md_table(["layer", "M", "K", "N", "F.linear", "gemv", "F.linear/gemv", "chosen"],
+                     [[r["shape"], r["M"], r["K"], r["N"], r["cublas_us"], r["gemv_us"], r["cublas_us"] / r["gemv_us"],
+                       r["winner"]] for r in t["gemv"]]))
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--overlap", required=True)
-    p.add_argument("--foundation", required=True)
+    p.add_argument("--overlap", help="a bench/overlap.py run (required at TP > 1)")
+    p.add_argument("--foundation", help="a bench/foundation.py run (required at TP > 1)")
     p.add_argument("--gemm-ar", help="a bench/gemm_ar.py run of the same device and TP size")
     p.add_argument("--gemv", help="a bench/gemv.py run of the same device and TP size")
     p.add_argument("--table-out", help="default: the package's table for the run's device and TP size")
     p.add_argument("--md-out", help="default: bench/results/dispatch-<device>-tp<W>-<date>.md")
     args = p.parse_args(argv)
-    with open(args.overlap) as f:
-        overlap = json.load(f)
-    with open(args.foundation) as f:
-        foundation = json.load(f)
+    if not (args.overlap and args.foundation) and not (args.gemv and not args.overlap and not args.foundation):
+        p.error("give --overlap and --foundation (TP > 1), or --gemv alone (a TP=1 table)")
     gemm_ar = None
     if args.gemm_ar:
         with open(args.gemm_ar) as f:
@@ -177,7 +197,14 @@ def main(argv=None):
     if args.gemv:
         with open(args.gemv) as f:
             gemv = json.load(f)
-    table = build(overlap, foundation, gemm_ar, gemv)
+    if args.overlap:
+        with open(args.overlap) as f:
+            overlap = json.load(f)
+        with open(args.foundation) as f:
+            foundation = json.load(f)
+        table = build(overlap, foundation, gemm_ar, gemv)
+    else:
+        table = build_local(gemv)
     out = Path(args.table_out) if args.table_out else table_path(table["device"], table["world"])
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as f:

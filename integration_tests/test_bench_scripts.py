@@ -24,8 +24,10 @@ def test_shipped_dispatch_table_is_reproducible(tmp_path):
     # GEMM + all-reduce rows, once measured, come from the newest bench/gemm_ar.py run on the device
     gemm_ar = sorted(RESULTS.glob("gemm-ar-tp2-h200x2-*.json")) if "gemm_all_reduce" in json.loads(
         shipped.read_text()) else []
-    # and the GEMV rows from the newest bench/gemv.py run
-    gemv = sorted(RESULTS.glob("gemv-tp2-h200*.json")) if "gemv" in json.loads(shipped.read_text()) else []
+    # and the GEMV rows from the newest bench/gemv.py run (by its date: file names of one-GPU and
+    # two-GPU runs do not sort by date)
+    gemv = sorted(RESULTS.glob("gemv-tp2-h200*.json"), key=lambda p: json.loads(p.read_text())["environment"]["date"]) \
+        if "gemv" in json.loads(shipped.read_text()) else []
     subprocess.run([sys.executable, str(ROOT / "bench" / "make_dispatch_table.py"),
                     "--overlap", str(SHIPPED_OVERLAP), "--foundation", str(SHIPPED_FOUNDATION),
                     *(["--gemm-ar", str(gemm_ar[-1])] if gemm_ar else []),

@@ -1,15 +1,25 @@
-"""Our GEMV (kernels/gemv.py, host op overlap.gemv) against a float64 reference: 1 to 8 rows, N and
-K that are not multiples of the tile (16 x 256), K shorter than one tile, bias, fp16 and bf16,
-poisoned outputs, and strided x and out; inputs it does not take are refused with the limit named.
-The dispatcher's gemv question on a made-up table."""
+"""The decode matmul (host op overlap.gemv: kernels/gemv.py's FMA stream, or the GEMM core's tiles with
+the operands swapped) against a float64 reference: both paths, every M from 1 to 64, N and K that
+are not multiples of the tiles, K shorter than one tile, bias, fp16 and bf16, poisoned outputs, and
+strided x and out; the same bits from two calls; replays from CUDA graphs; inputs it does not take
+are refused with the limit named. The dispatcher's gemv question on a made-up table."""
 
 import os
 
 import pytest
 import torch
 
+from tp_overlap_plugin.decode_config import DecodeConfig
 from tp_overlap_plugin.dispatch import Dispatcher
 from tp_overlap_plugin.overlap import GEMV_MAX_ROWS, gemv, gemv_applies
+
+# both paths at explicit configs, whatever the device's table says; the interpreter's tiles are small
+# so that a tiny shape has several tiles, K blocks, K slices (split-K) and a K tail
+CPU_CONFIGS = [DecodeConfig("fma", 16, 32, 4, 1), DecodeConfig("mma", 16, 32, 4, 1),
+               DecodeConfig("mma", 16, 16, 4, 1, split_k=2, persistent=True)]
+GPU_CONFIGS = [DecodeConfig("fma", 16, 256, 4, 4), DecodeConfig("mma", 64, 256, 4, 3, tma=True),
+               DecodeConfig("mma", 64, 128, 4, 4, tma=True, split_k=0), DecodeConfig("mma", 32, 256, 4, 4),
+               DecodeConfig("mma", 16, 256, 4, 4, tma=True, split_k=2, persistent=True)]
 
 # (N, K): odd N, K off the 256 tile, K shorter than one tile, a whole tile, several tiles
 SHAPES = [(17, 300), (40, 136), (33, 256), (24, 520), (1, 8)]
@@ -31,10 +41,34 @@ def _check(device, shapes, dtype, rows=(1, 2, 3, 5, 8)):
                 gemv(x, w, bias, out=out)
                 # each output is one rounding of an fp32 sum: within 2^-8 (bf16) of |ref| plus
                 # fp32 accumulation error; the interpreter truncates instead of rounding (2^-7)
-                tol = 2.0 ** (-7 if dtype == torch.bfloat16 else -10) * (ref.abs() + 1e-2) + 1e-4
+                # (the tensor-core path adds a bias after rounding: a second rounding, of |x W^T|)
+                xw = (x.double().cpu() @ w.double().cpu().t()).abs() if bias is not None else 0
+                tol = 2.0 ** (-7 if dtype == torch.bfloat16 else -10) * (ref.abs() + xw + 1e-2) + 1e-4
                 err = (out.double().cpu() - ref).abs()
                 if not (err <= tol).all():
                     bad.append((n, k, m, bias is not None, err.max().item()))
+    return bad
+
+
+def _every_m(device, configs, n, k, rows=range(1, GEMV_MAX_ROWS + 1)):
+    """Every M with every config that takes it, against float64, each call made twice: same bits."""
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16).to(device)
+    xs = torch.randn(GEMV_MAX_ROWS, k, generator=gen).to(torch.bfloat16).to(device)
+    bad = []
+    for cfg in configs:
+        for m in rows:
+            if not cfg.takes(m):
+                continue
+            x = xs[:m]
+            ref = x.double().cpu() @ w.double().cpu().t()
+            first = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
+            again = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
+            gemv(x, w, out=first, config=cfg)
+            gemv(x, w, out=again, config=cfg)
+            err = (first.double().cpu() - ref).abs()
+            if not (err <= 2.0 ** -7 * (ref.abs() + 1e-2) + 1e-4).all() or not torch.equal(first, again):
+                bad.append((cfg.label(), m, err.max().item(), torch.equal(first, again)))
     return bad
 
 
@@ -42,7 +76,41 @@ def main():
     for dtype in (torch.bfloat16, torch.float16):
         bad = _check(torch.device("cpu"), SHAPES, dtype)
         assert not bad, (dtype, bad)
+    # odd N and K; K = 37 leaves a tail in every config's K blocks
+    bad = _every_m(torch.device("cpu"), CPU_CONFIGS[:2], 19, 37)
+    bad += _every_m(torch.device("cpu"), CPU_CONFIGS[2:], 19, 37, rows=(1, 16, 17, 33, 64))
+    assert not bad, bad
+    _tp1_layers_take_the_decode_matmul()
     print("gemv ok")
+
+
+def _tp1_layers_take_the_decode_matmul():
+    """The flag's layers at TP=1 (no heap): column, row and LM head match the stock layers on the same
+    weights, through the decode matmul at decode sizes and F.linear above 64 rows."""
+    from tp_overlap_plugin import stats
+    from tp_overlap_plugin.layers import TPGroup, TPLayers
+    from tp_overlap_plugin.overlap_layers import OverlapTPLayers
+
+    torch.manual_seed(0)
+    dt, tp = torch.bfloat16, TPGroup(0, 1, None)
+    ours = OverlapTPLayers(tp, dt, "cpu", None, max_tokens=80, dispatcher=Dispatcher(mode="overlap"))
+    stock = TPLayers(tp, dt, "cpu")
+    mods = []
+    for make in (lambda f: f.column(40, [24, 8], bias=True), lambda f: f.row(40, 24, bias=True),
+                 lambda f: f.lm_head(50, 40)):
+        a, b = make(ours), make(stock)
+        for p in a.parameters():
+            p.data.copy_(torch.randn(p.shape) / 8)
+        b.load_state_dict(a.state_dict())
+        mods.append((a, b))
+    before = stats.snapshot()
+    for m in (1, 17, 80):
+        ours.begin_step(m)
+        x = torch.randn(m, 40).to(dt)
+        for a, b in mods:
+            got, ref = (a(x), b(x)) if not hasattr(a, "local_logits") else (a(x, None), b(x, None))
+            assert ((got.double() - ref.double()).norm() / ref.double().norm()).item() < 1e-2, (a, m)
+    assert stats.since(before).get("gemv.kernel", 0) == 2 * 3, stats.since(before)
 
 
 @pytest.mark.timeout(300)
@@ -63,19 +131,31 @@ def test_gemv_matches_float64_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="runs real kernels")
-def test_gemv_replays_in_a_cuda_graph():
-    x = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
+def test_gemv_every_m_on_gpu():
+    """Every M, every GPU config that takes it, an odd shape (K tail, ragged N): float64 and same bits."""
+    bad = _every_m(torch.device("cuda"), GPU_CONFIGS, 1031, 4104)
+    assert not bad, bad
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="runs real kernels")
+@pytest.mark.parametrize("cfg", GPU_CONFIGS, ids=lambda c: c.label())
+@pytest.mark.parametrize("m", [2, 16, 64])
+def test_gemv_replays_in_a_cuda_graph(cfg, m):
+    if not cfg.takes(m):
+        pytest.skip(f"{cfg.label()} does not take {m} rows")
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(3072, 4096, device="cuda", dtype=torch.bfloat16) / 64
-    ref = x.double() @ w.double().t()
-    out = torch.empty(2, 3072, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(m, 3072, device="cuda", dtype=torch.bfloat16)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        gemv(x, w, out=out)
+        gemv(x, w, out=out, config=cfg)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=s):
-        gemv(x, w, out=out)
+        gemv(x, w, out=out, config=cfg)
     for _ in range(3):
         out.fill_(float("nan"))
         x.normal_()
@@ -83,11 +163,13 @@ def test_gemv_replays_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+        eager = gemv(x, w, config=cfg)
+        assert torch.equal(eager, out), "a replay and an eager call differ"
 
 
 def test_gemv_refuses_what_it_does_not_take():
     w = torch.zeros(4, 16, dtype=torch.bfloat16)
-    for x, what in ((torch.zeros(GEMV_MAX_ROWS + 1, 16, dtype=torch.bfloat16), "1 <= M <= 8"),
+    for x, what in ((torch.zeros(GEMV_MAX_ROWS + 1, 16, dtype=torch.bfloat16), "1 <= M <= 64"),
                     (torch.zeros(1, 16, dtype=torch.float32), "16-bit dtype"),
                     (torch.zeros(2, 32, dtype=torch.bfloat16)[:, ::2], "unit stride")):
         assert not gemv_applies(x, w)
@@ -95,6 +177,8 @@ def test_gemv_refuses_what_it_does_not_take():
             gemv(x, w)
     with pytest.raises(ValueError, match="bias must be"):
         gemv(torch.zeros(1, 16, dtype=torch.bfloat16), w, torch.zeros(5, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="does not take 17 rows"):
+        gemv(torch.zeros(17, 16, dtype=torch.bfloat16), w, config=DecodeConfig("fma", 16, 32))
 
 
 def test_gemv_rule():

@@ -41,6 +41,11 @@ _GEMM_SPLIT = {**_TILES, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "FLATTEN
 _GEMM_SPLIT_PTR = {**_GEMM_SPLIT, **_PTR, "SPLIT": True}
 
 
+_GEMV_MMA_TMA = {**_TILES, "BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 256, "GROUP_M": 1, "EVEN_K": False,
+                 "FLATTEN": False, **_TMA, "SPLIT": True}
+_GEMV_MMA_PTR = {**_GEMV_MMA_TMA, **_PTR, "BLOCK_M": 32, "SPLIT": True}
+
+
 def _sig(params: str, extra: dict | None = None, constexprs=_TILES) -> dict:
     sig = {}
     for p in params.split():
@@ -95,6 +100,15 @@ KERNELS = {
                                ["M", "M_PAD", "BLOCK_N", "BLOCK_K", "NUM_STAGES", "EVEN_K", "HAS_BIAS"]),
              {"M": 1, "M_PAD": 1, "BLOCK_N": 16, "BLOCK_K": 256, "NUM_STAGES": 4, "EVEN_K": False, "HAS_BIAS": True},
              {"num_warps": 4, "num_stages": 4}),
+    # the decode matmul's tensor-core path: the core with the operands swapped (A = the weight, 64 rows a
+    # tile; B = x^T, 16 columns, x's row count N == 1 made a constant by the JIT; C = y^T, unit row
+    # stride), split-K, through descriptors and through pointers
+    "gemv_mma_tma": (gemm_kernel, {**_tma_sig(_GEMV_MMA_TMA), "N": "constexpr", "stride_cm": "constexpr"},
+                     {**_GEMV_MMA_TMA, "N": 1, "stride_cm": 1}, {"num_warps": 4, "num_stages": 4}),
+    "gemv_mma_ptr": (gemm_kernel, {**_sig(_GEMM_ARGS, None, _GEMV_MMA_PTR), "N": "constexpr", "stride_cm": "constexpr",
+                                   "stride_ak": "constexpr", "stride_bk": "constexpr"},
+                     {**_GEMV_MMA_PTR, "N": 1, "stride_cm": 1, "stride_ak": 1, "stride_bk": 1},
+                     {"num_warps": 4, "num_stages": 4}),
     "rmsnorm": (rmsnorm_kernel, _sig("x_ptr:*bf16 res_ptr:*bf16 out_ptr:*bf16 res_out_ptr:*bf16 w_ptr:*bf16 "
                                      "stride_x:i32 stride_res:i32 stride_out:i32 stride_res_out:i32 n:i32 eps:fp32",
                                      None, ["HAS_RES", "BLOCK"]), {"HAS_RES": True, "BLOCK": 4096}),

@@ -62,8 +62,11 @@ def test_engine_refuses_before_spawning_when_the_kernels_cannot_run(monkeypatch)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         LLMEngine(cfg)
     assert not multiprocessing.active_children()
-    # at TP=1 the flag builds no overlap layers, so there is nothing to refuse
-    LLMEngine(EngineConfig(tensor_parallel_size=1, dtype="bfloat16", tp_overlap={"dispatch": "overlap"},
+    # at TP=1 the flag's layers run the decode matmul (no heap, no communication): the same check
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        LLMEngine(EngineConfig(tensor_parallel_size=1, dtype="bfloat16", tp_overlap={"dispatch": "overlap"}, **SMALL))
+    # stock at TP=1, or a flag whose table picks no kernel, has nothing to refuse
+    LLMEngine(EngineConfig(tensor_parallel_size=1, dtype="bfloat16", tp_overlap={"dispatch": "stock"},
                            **SMALL)).shutdown()
 
 
@@ -108,6 +111,23 @@ def test_cli_runs_the_kernels_under_the_interpreter_by_itself(dtype):
     fallback = "AG-GEMM and GEMM-RS kernels take bfloat16 and float16 only"
     assert (fallback in proc.stderr) == (dtype == "float32"), proc.stderr[-3000:]
     assert proc.stderr.count(fallback) <= 1
+
+
+@pytest.mark.timeout(120)
+def test_cli_flag_at_tp1_runs_without_a_heap():
+    """`--tp 1` with the flag (the decode matmul forced: no heap, no peers) generates what stock
+    generates, greedily, in bf16 on the CPU (the matmuls interpreted)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the CLI turns the interpreter on by itself only on a machine without a GPU")
+    tp1 = ["--tp", "1", *ENGINE_ARGS[2:], "--dtype", "bfloat16", "--prompt", "Hi", "--max-tokens", "3"]
+    outs = []
+    for flag in ([], OVERLAP):
+        proc = _cli(["generate", *tp1, *flag])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs.append(proc.stdout.split("--- prompt:", 1)[1])
+    assert "[3 tokens, finish: length]" in outs[0] and outs[0] == outs[1], outs
 
 
 @pytest.mark.timeout(60)

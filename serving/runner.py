@@ -215,7 +215,7 @@ def require_triton_interpreter(cfg: EngineConfig, device_type: str, world_size: 
     Checked at start-up (before workers are spawned, and on each rank before its heap is built),
     so that a process which cannot run them refuses to start instead of failing its first request.
     Returns whether the kernels will be interpreted."""
-    if not (cfg.overlap_enabled and world_size > 1 and device_type == "cpu"):
+    if not (cfg.overlap_enabled and device_type == "cpu"):
         return False
     from tp_overlap_plugin.dispatch import Dispatcher
 
@@ -298,9 +298,6 @@ class ModelRunner:
         """The `tp_overlap` flag's one switch: stock layers, or the overlap factory over a heap."""
         if not self.cfg.overlap_enabled:
             return TPLayers(tp, self.dtype, self.device)
-        if self.world_size == 1:
-            log.warning("tp_overlap is on but tensor_parallel_size is 1: nothing to overlap, stock layers")
-            return TPLayers(tp, self.dtype, self.device)
         from tp_overlap_plugin.dispatch import Dispatcher
         from tp_overlap_plugin.heap import SymmetricHeap
         from tp_overlap_plugin.overlap import KERNEL_DTYPES
@@ -308,6 +305,15 @@ class ModelRunner:
         interpreted = require_triton_interpreter(self.cfg, self.device.type, self.world_size)
         oc = self.cfg.tp_overlap
         max_tokens = max(self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs)
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        dispatcher = Dispatcher.load(oc.dispatch, name, self.world_size, oc.dispatch_table)
+        if self.world_size == 1:
+            # nothing to communicate, so no heap: the flag's layers run the local matmuls alone (the
+            # decode matmul where the table's gemv rows pick it, F.linear elsewhere)
+            no_table = dispatcher.missing_table_warning(name, 1)
+            log.log(logging.WARNING if no_table else logging.INFO, no_table or
+                    f"tp_overlap at TP=1: no heap, dispatch {oc.dispatch} ({dispatcher.source})")
+            return OverlapTPLayers(tp, self.dtype, self.device, None, max_tokens, dispatcher)
         needed = required_heap_bytes(self.mcfg.hidden_size, max_tokens, self.world_size, self.dtype)
         size = -(-(oc.heap_size or needed) // 256) * 256
         try:
@@ -323,8 +329,6 @@ class ModelRunner:
                           f"{max_tokens}; lower those, or free device memory")
             raise RuntimeError(f"tp_overlap: could not allocate a {size / 2**20:.0f} MiB symmetric heap per rank "
                                f"on {self.device} ({e}); {advice}") from e
-        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        dispatcher = Dispatcher.load(oc.dispatch, name, self.world_size, oc.dispatch_table)
         if self.rank == 0:
             log.info("tp_overlap: heap %d MiB/rank (fused-op and all-reduce buffers for %d tokens per step), "
                      "dispatch %s (%s)", size >> 20, max_tokens, oc.dispatch, dispatcher.source)

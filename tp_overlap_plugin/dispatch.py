@@ -87,11 +87,12 @@ class Dispatcher:
         """The start-up warning for a flag that, for want of a table, changes nothing here."""
         if self.mode != "table" or self.missing is None:
             return None
+        runs = ("bench/gemv.py --tp 1 (a rank's local matmuls: the only ops at TP=1)" if world == 1 else
+                f"bench/overlap.py and bench/foundation.py with --tp {world}")
         return (f"tp_overlap: no dispatch table for {device_name} at TP={world} ({self.missing} does not "
                 f"exist), so the flag runs the stock path for every op on this device. To measure one, run "
-                f"bench/overlap.py and bench/foundation.py with --tp {world} on this machine, then "
-                f"bench/make_dispatch_table.py on their results; or set the tp_overlap option "
-                f"\"dispatch\": \"overlap\" to force our kernels.")
+                f"{runs} on this machine, then bench/make_dispatch_table.py on their results; or set the "
+                f"tp_overlap option \"dispatch\": \"overlap\" to force our kernels.")
 
     @_remembered
     def fused_gemm(self, op: str, m: int, k: int, n: int) -> bool:

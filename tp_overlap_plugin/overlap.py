@@ -1,6 +1,7 @@
 """Host ops for the overlapped tensor-parallel matmuls: `gemm`, `AllGatherGemm`, `GemmReduceScatter`,
 and `GemmAllReduce` (decode-sized row-parallel layers in the replicated layout); and `gemv`, the
-weight stream for decode-sized inputs (kernels/gemv.py), which the layers use where it beats F.linear.
+decode matmul for 1..64 rows (kernels/gemv.py's FMA stream, or the core's tiles with the operands
+swapped; decode_config.py), which the layers use where it beats F.linear.
 
 All of them run the one GEMM core's tiles (kernels/gemm.py), each in one persistent launch whatever
 the world size; the fused ops synchronise ranks per row block or tile through flags in the heap,
@@ -22,6 +23,7 @@ import triton
 
 from tp_overlap_plugin import runtime, stats
 from tp_overlap_plugin.collectives import alloc_row_slots, cache_modifiers, resident_programs, row_slots_bytes
+from tp_overlap_plugin.decode_config import FMA_MAX_ROWS, MAX_ROWS, DecodeConfig, pick_decode_config
 from tp_overlap_plugin.gemm_config import (TileConfig, gemm_all_reduce_config, pick_config,  # noqa: F401
                                            prefers_cublas)
 from tp_overlap_plugin.heap import SymmetricHeap
@@ -220,23 +222,22 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
     return out
 
 
-GEMV_MAX_ROWS = 8
-# 16 weight rows x 256 K per program, 4 warps, a 4-deep load ring: of the probe's sweep on H200 (M = 1,
-# 2, 4 on the Llama-3-8B TP=2 shards and head), the one tile within 4% of each shape's best at M <= 2
-# (bench/notes/gemm.md, "GEMV for decode").
-GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS, GEMV_STAGES = 16, 256, 4, 4
+GEMV_MAX_ROWS = MAX_ROWS
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The kernel's cases: 1..GEMV_MAX_ROWS rows, 16-bit floats alike, unit stride along K."""
+    """The decode matmul's cases: 1..GEMV_MAX_ROWS rows, 16-bit floats alike, unit stride along K."""
     return (x.dim() == 2 and weight.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS and x.shape[1] == weight.shape[1]
             and x.shape[1] > 0 and x.dtype in KERNEL_DTYPES and weight.dtype == x.dtype and x.stride(1) == 1
             and weight.stride(1) == 1 and x.device == weight.device)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         out: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for decode-sized x ([M, K], M <= GEMV_MAX_ROWS; weight [N, K])."""
+         out: torch.Tensor | None = None, config: DecodeConfig | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for decode-sized x ([M, K], M <= GEMV_MAX_ROWS; weight [N, K]): the
+    decode matmul. `config` (default: the device's measured table, decode_config.pick_decode_config)
+    picks the path: the FMA weight stream (kernels/gemv.py) or the GEMM core's tensor-core tiles with
+    the operands swapped (y^T = W @ x^T). fp32 accumulation; the same bits on every call and rank."""
     if not gemv_applies(x, weight):
         raise ValueError(f"gemv: takes x [M, K] with 1 <= M <= {GEMV_MAX_ROWS} (GEMV_MAX_ROWS) and a weight [N, K] "
                          f"of x's 16-bit dtype ({', '.join(map(str, KERNEL_DTYPES))}), both with unit stride "
@@ -253,11 +254,21 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                          f"{tuple(out.shape)} {out.dtype}")
     if n == 0:
         return out
+    cfg = config or pick_decode_config(m, n, k, x.device)
+    if not cfg.takes(m):
+        raise ValueError(f"gemv: config {cfg.label()} does not take {m} rows (the FMA path takes at most "
+                         f"{FMA_MAX_ROWS})")
     stats.record("gemv.kernel")
-    gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
+    if cfg.path == "mma":
+        # the core's C is y^T: tile rows are weight rows (y's columns), tile columns are x's rows
+        _launch(weight, x.t(), out.t(), cfg.tile_config(m))
+        if bias is not None:
+            out += bias
+        return out
+    gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else x, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        M_PAD=triton.next_power_of_2(m), BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K, NUM_STAGES=GEMV_STAGES,
-        EVEN_K=k % GEMV_BLOCK_K == 0, HAS_BIAS=bias is not None, num_warps=GEMV_WARPS, num_stages=GEMV_STAGES,
+        M_PAD=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
+        EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         # the FMA chain needs contraction; Triton 3.10 turns it off by default (the interpreter takes no options)
         **({} if x.device.type == "cpu" else {"enable_fp_fusion": True}))
     return out

@@ -14,8 +14,9 @@ Which, and whether each op takes the fused kernel or the sequential NCCL + GEMM 
 dispatcher's call (dispatch.py: measured tables, stock where unmeasured); the fused all-reduce +
 norm runs where the dispatcher picks our all-reduce, GEMM + all-reduce where the dispatcher's
 gemm_all_reduce rows say it beats both. In the replicated layout every local matmul (column, row,
-LM head) goes through `OverlapTPLayers.linear`: our GEMV at the decode sizes where the table's gemv
-rows say it streams the weight faster than cuBLAS, F.linear elsewhere.
+LM head) goes through `OverlapTPLayers.linear`: our decode matmul (overlap.gemv, 1-64 rows) where the
+table's gemv rows say it streams the weight faster than cuBLAS, F.linear elsewhere. At TP=1 there is
+no heap and no communication: the flag's layers are those local matmuls alone.
 """
 
 from __future__ import annotations
@@ -66,10 +67,14 @@ def required_heap_bytes(hidden: int, max_tokens: int, world: int, dtype: torch.d
 class OverlapTPLayers(TPLayers):
     name = "overlap"
 
-    def __init__(self, tp: TPGroup, dtype: torch.dtype, device, heap: SymmetricHeap, max_tokens: int,
+    def __init__(self, tp: TPGroup, dtype: torch.dtype, device, heap: Optional[SymmetricHeap], max_tokens: int,
                  dispatcher: Optional[Dispatcher] = None):
+        """`heap` is None only at TP=1: nothing is communicated, and the layers are the local matmuls
+        (the decode matmul where the table picks it)."""
         super().__init__(tp, dtype, device)
-        if heap.world_size != tp.world_size:
+        if heap is None and tp.world_size > 1:
+            raise ValueError(f"the overlap layers at TP={tp.world_size} need a symmetric heap")
+        if heap is not None and heap.world_size != tp.world_size:
             raise ValueError(f"heap spans {heap.world_size} ranks, the TP group {tp.world_size}")
         self.heap = heap
         self.max_tokens = max_tokens
@@ -78,7 +83,7 @@ class OverlapTPLayers(TPLayers):
         self._ag: dict[int, AllGatherGemm] = {}
         self._rs: dict[int, GemmReduceScatter] = {}
         self._ops: set[tuple[str, int, int]] = set()  # (op, K, N) of every linear layer built
-        self.all_reduce = HeapAllReduce(heap, ALL_REDUCE_BYTES, device_group=tp.group)
+        self.all_reduce = HeapAllReduce(heap, ALL_REDUCE_BYTES, device_group=tp.group) if heap is not None else None
         self._norms: dict[int, HeapAllReduceNorm] = {}  # the fused all-reduce + norm, per hidden size
         self._gemm_ar: dict[int, GemmAllReduce] = {}  # GEMM + all-reduce, per output size
         self.tokens = 0              # T of the current step
@@ -87,16 +92,20 @@ class OverlapTPLayers(TPLayers):
 
     # Heap-backed ops are collective to build: every rank builds the same model in the same order,
     # so creating them as modules are constructed keeps the heap symmetric.
-    def column_op(self, k: int, n: int) -> AllGatherGemm:
-        """The AG-GEMM for a column layer of input size k and n local output columns."""
+    def column_op(self, k: int, n: int) -> Optional[AllGatherGemm]:
+        """The AG-GEMM for a column layer of input size k and n local output columns (None at TP=1)."""
         self._ops.add(("ag", k, n))
+        if self.heap is None:
+            return None
         if k not in self._ag:
             self._ag[k] = AllGatherGemm(self.heap, self.max_rows, k, self.dtype, device_group=self.tp.group)
         return self._ag[k]
 
-    def rs_op(self, k: int, n: int) -> GemmReduceScatter:
-        """The GEMM-RS for a row layer of k local input rows and n output columns."""
+    def rs_op(self, k: int, n: int) -> Optional[GemmReduceScatter]:
+        """The GEMM-RS for a row layer of k local input rows and n output columns (None at TP=1)."""
         self._ops.add(("rs", k, n))
+        if self.heap is None:
+            return None
         if n not in self._rs:
             self._rs[n] = GemmReduceScatter(self.heap, self.max_rows, n, self.dtype, device_group=self.tp.group)
         return self._rs[n]
@@ -126,8 +135,8 @@ class OverlapTPLayers(TPLayers):
         stats.record("layers.sequence_parallel_steps" if self.sequence_parallel else "layers.replicated_steps")
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """F.linear on this rank's weight, or our GEMV where the table says it streams the weight faster
-        (decode-sized x: kernels/gemv.py)."""
+        """F.linear on this rank's weight, or our decode matmul where the table says it streams the
+        weight faster (decode-sized x: overlap.gemv)."""
         if gemv_applies(x, weight) and self.dispatcher.gemv(x.shape[0], weight.shape[1], weight.shape[0]):
             return gemv(x, weight, bias)
         return nn.functional.linear(x, weight, bias)
