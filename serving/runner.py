@@ -308,7 +308,7 @@ class ModelRunner:
         size = oc.heap_size or required_heap_bytes(self.mcfg.hidden_size, max_tokens, self.world_size, self.dtype)
         size = -(-size // 256) * 256
         try:
-            self.heap = SymmetricHeap(self.ctrl_group, self.device, size)
+            self.heap = SymmetricHeap(self.ctrl_group, self.device, size, timeout_s=oc.heap_timeout_s)
         except Exception as e:
             raise RuntimeError(f"tp_overlap: could not allocate a {size / 2**20:.0f} MiB symmetric heap per rank "
                                f"on {self.device} ({e}); lower max_num_batched_tokens or set "
