@@ -188,3 +188,61 @@ def test_custom_op_raises_for_a_dead_peer(world, device):
         # failed kernel has landed: by the first step boundary after the next copy
         bound = 1 if device == "cpu" else SymmetricHeap.POLL_EVERY + 2 * CALLS_PER_STEP + 1
         assert call <= bound, (me, call, bound)
+
+
+DIE_AT = 4  # the replay before which the dead rank exits
+
+
+def _graph_replay_after_a_death(ctx):
+    """vLLM's decode: the op only runs inside a captured CUDA graph (two all-reduces in a chain, as
+    two layers), replayed once a step, the host waiting for each step's "token" (its own sync).
+    Returns (the tokens the host took, the replay that raised, its message)."""
+    from tp_overlap_plugin import custom_ops
+    from tp_overlap_plugin.collectives import HeapAllReduce
+
+    h, dev, W = ctx.heap, ctx.device, ctx.world_size
+    small = h.timeout_s
+    h.timeout_s = 60
+    key = "test_dead_peer_graph"
+    custom_ops.register_all_reduce(key, HeapAllReduce(h, max_bytes=64 << 10), _never)
+    x = torch.full((1024,), float(ctx.rank + 1), device=dev)
+    torch.ops.tp_overlap.all_reduce(x, key)  # eager first: compiled, and the op's stream recorded
+    torch.cuda.synchronize(dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = torch.ops.tp_overlap.all_reduce(torch.ops.tp_overlap.all_reduce(x, key) / W, key)
+        token = y.sum()
+    graph.replay()
+    torch.cuda.synchronize(dev)
+    dist.barrier(group=ctx.group)
+    h.timeout_s = small  # a device word: the captured kernels read the new bound
+    tokens = []
+    for step in range(1, 4 * DIE_AT):
+        if step == DIE_AT and ctx.rank == DEAD:
+            os._exit(EXIT_CODE)
+        try:
+            graph.replay()
+        except RankTimeoutError as e:
+            return tokens, step, str(e)
+        tokens.append(token.item())
+    return tokens, None, None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2])
+def test_graph_replay_surfaces_a_dead_peer_within_one_step(world):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    results = run_ranks(_graph_replay_after_a_death, world, device="cuda", heap_size=2 << 20,
+                        env={"TP_OVERLAP_HEAP_TIMEOUT_S": str(TIMEOUT_S["cuda"])}, may_exit=(DEAD,), timeout=300)
+    want = 1024.0 * sum(range(1, world + 1))
+    for me, result in enumerate(results):
+        if me == DEAD:
+            assert result == RankExited(EXIT_CODE)
+            continue
+        tokens, raised_at, msg = result
+        assert raised_at == DIE_AT + 1, (me, raised_at, tokens)  # the replay after the failed step
+        assert f"waiting for rank {DEAD} to set flag" in msg, msg
+        assert tokens[:DIE_AT - 1] == [want] * (DIE_AT - 1), tokens
+        # the failed step's output is NaN, not the previous replay's values
+        assert len(tokens) == DIE_AT and tokens[-1] != tokens[-1], tokens

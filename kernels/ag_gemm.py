@@ -4,8 +4,8 @@ The copy engine moves the shards (the host enqueues it on a side stream): into e
 memcpy of my rows, a stream write-value (whose default flags fence the earlier writes system-wide
 first, so a peer that sees what follows also sees the rows), then an 8-byte memcpy of the call
 number into my flag there (a write-value's value is fixed when a graph is captured; the call
-number lives in device memory). No SM is involved, so the GEMM keeps every SM, and nothing the GEMM's resident programs wait
-for needs an SM to become free. (The GEMM's own programs pushing was measured as the other
+number lives in device memory). No SM is involved, so the GEMM keeps every SM, and nothing the
+GEMM's resident programs wait for needs an SM to become free. (The GEMM's own programs pushing was measured as the other
 producer: no faster, and it costs SMs and a dynamic schedule; bench/notes/ag_gemm.md.)
 A memcpy's destination is fixed when a graph is captured, so the peers' buffers are single, and
 `copy_engine_begin_kernel` first has all ranks meet: after it every peer has read the last call's

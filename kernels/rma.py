@@ -138,9 +138,10 @@ def signal_wait(flag_ptr, expected, rank, peer, heap_bases, error_ptr):
 
     Threads poll on their own, with volatile loads (the cheapest round trip measured), each with its
     own reading of the clock and no barrier in the loop, so they may leave it at different polls,
-    e.g. when the flag lands as the bound is hit. Flags only grow, so one acquiring atomic read after the loop, whose result every thread
-    receives, sees at least what any thread saw: that is the decision, and its acquire orders the
-    data reads after it. Both branches after it contain barriers.
+    e.g. when the flag lands as the bound is hit. Flags only grow, so one acquiring atomic read
+    after the loop, whose result every thread receives, sees at least what any thread saw: that is
+    the decision, and its acquire orders the data reads after it. Both branches after it contain
+    barriers.
     `expected` must be the same in every thread too: a kernel argument, or a value every thread
     loaded before any thread could change it.
 

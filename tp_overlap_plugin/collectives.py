@@ -10,7 +10,8 @@ import triton
 
 from tp_overlap_plugin import runtime, stats
 from tp_overlap_plugin.heap import SymmetricHeap
-from tp_overlap_plugin.kernels.allreduce import CHUNK_BYTES, one_shot_all_reduce_kernel, sub_block, two_shot_all_reduce_kernel
+from tp_overlap_plugin.kernels.allreduce import (CHUNK_BYTES, one_shot_all_reduce_kernel, sub_block,
+                                                 two_shot_all_reduce_kernel)
 from tp_overlap_plugin.kernels.lamport import peers_pow2
 from tp_overlap_plugin.kernels.allreduce_norm import all_reduce_rmsnorm_kernel, row_blocks
 
@@ -131,7 +132,7 @@ class HeapAllReduce:
             t.zero_()
         self.num_programs = resident_programs(heap.device)
         self.cache_modifiers = cache_modifiers(heap.device)
-        self.one_stream = runtime.OneStream("HeapAllReduce")
+        self.stream_order = runtime.StreamOrder()
         # per element size: the slots as words of that size, and the tile shapes (the host's
         # per-call work stays a lookup: eager calls are host-bound)
         self._launch = {}
@@ -199,7 +200,7 @@ class HeapAllReduce:
                              f"{self.one_shot_bytes} (its receive slots take 2 * world * one_shot_max_bytes of "
                              f"heap); use algorithm='two_shot' or build HeapAllReduce with a larger "
                              f"one_shot_max_bytes")
-        self.one_stream.check(x.device)
+        self.stream_order.before_call(x.device)
         stats.record(f"all_reduce.{algorithm}")
         h, W = self.heap, self.world
         launch = self._launch[x.element_size()]
@@ -253,7 +254,7 @@ class HeapAllReduceNorm:
         self.cache_modifiers = cache_modifiers(heap.device)
         on_gpu = heap.device.type == "cuda"
         self.num_warps = norm_num_warps(torch.cuda.get_device_properties(heap.device).warp_size if on_gpu else 32)
-        self.one_stream = runtime.OneStream("HeapAllReduceNorm")
+        self.stream_order = runtime.StreamOrder()
         heap.publish()
 
     @staticmethod
@@ -297,7 +298,7 @@ class HeapAllReduceNorm:
                         else torch.empty_like(x, memory_format=torch.contiguous_format))
         if rows == 0:
             return normed, new_residual
-        self.one_stream.check(x.device)
+        self.stream_order.before_call(x.device)
         stats.record("all_reduce_norm.kernel")
         h, W = self.heap, self.heap.world_size
         all_reduce_rmsnorm_kernel[(min(rows * self.pieces, self.num_programs),)](

@@ -129,8 +129,8 @@ class SymmetricHeap:
         self.error = self.alloc((ERR_WORDS,), torch.int64, name="error_slot")
         self.error.zero_()
         self.timeout_s = timeout_s if timeout_s is not None else default_timeout_s()
-        from tp_overlap_plugin.runtime import OneStream
-        self._barrier_stream = OneStream("SymmetricHeap.barrier")
+        from tp_overlap_plugin.runtime import StreamOrder
+        self._barrier_order = StreamOrder()
         self._barrier_flags = self.alloc((self.world_size,), torch.int64, name="host_barrier.flags")
         self._barrier_flags.zero_()
         self._barrier_epoch = self.alloc((1,), torch.int64, name="host_barrier.epoch")
@@ -205,7 +205,8 @@ class SymmetricHeap:
     @timeout_s.setter
     def timeout_s(self, seconds: float) -> None:
         if not 0 < seconds < 1e9:
-            raise ValueError(f"heap timeout must be a positive number of seconds, got {seconds}; set {HEAP_TIMEOUT_SETTING}")
+            raise ValueError(f"heap timeout must be a positive number of seconds, got {seconds}; "
+                             f"set {HEAP_TIMEOUT_SETTING}")
         self._timeout_s = float(seconds)
         # a device word the kernels read (rma.timeout_ns), written in stream order before later launches
         self.error[ERR_TIMEOUT_NS] = int(seconds * 1e9)
@@ -276,7 +277,7 @@ class SymmetricHeap:
     def barrier(self) -> None:
         """Device-side barrier across the heap's ranks (the same kernel graphs capture)."""
         from tp_overlap_plugin.kernels.barrier import launch_barrier
-        self._barrier_stream.check(self.device)
+        self._barrier_order.before_call(self.device)
         launch_barrier(self, self._barrier_flags, self._barrier_epoch)
         self.check_if_free()
 

@@ -195,7 +195,8 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig
         gemm_kernel[grid](a_ptr=a_arg, b_ptr=b_arg, c_ptr=out, M=m, N=n, K=k, stride_am=a.stride(0),
                           stride_ak=a.stride(1), stride_bk=b.stride(0), stride_bn=b.stride(1), stride_cm=out.stride(0),
                           stride_cn=out.stride(1), c_desc=c_desc, split_ws_ptr=ws, split_count_ptr=counts,
-                          split_k=slices, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                          split_k=slices, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                          GROUP_M=cfg.group_m,
                           EVEN_K=k % cfg.block_k == 0, INTERPRET=interpret,
                           FLATTEN=cfg.flatten and plain and not warp_spec,
                           TMA=descs is not None, B_KMAJOR=b_kmajor, C_TMA=c_tma, SUBTILE=cfg.subtile,
@@ -296,7 +297,7 @@ class AllGatherGemm:
         self.stream = torch.cuda.Stream(heap.device) if heap.device.type == "cuda" else None
         # written by a stream write-value after each peer's rows, for its fence (see _push)
         self.fence = torch.zeros(1, dtype=torch.int32, device=heap.device)
-        self.one_stream = runtime.OneStream("AllGatherGemm")
+        self.stream_order = runtime.StreamOrder()
         # my slot and my flags in each peer's heap, in push order (rank + 1 first)
         self._at_peer = []
         for q in [(heap.rank + i) % W for i in range(1, W)]:
@@ -314,7 +315,7 @@ class AllGatherGemm:
         if rows == 0 or n == 0 or W == 1 or not fits or not _kernel_applies(a_shard):
             stats.record("ag_gemm.fallback")
             return runtime.all_gather(a_shard, self.device_group) @ b
-        self.one_stream.check(h.device)
+        self.stream_order.before_call(h.device)
         # A rank that has given up must not push: a peer still in the previous call may be reading
         # the rows it would overwrite. The device decides at its barrier and the copy engine cannot
         # branch, so the host pushes nothing once it has seen the error (the CPU sees it at once).
@@ -387,7 +388,7 @@ class GemmReduceScatter:
         self.counts = heap.alloc((2, slots, chunks), torch.int64, name="gemm_rs.counts")
         self.counts.zero_()
         self.calls = torch.zeros(2, dtype=torch.int64, device=heap.device)  # kernels/calls.py
-        self.one_stream = runtime.OneStream("GemmReduceScatter")
+        self.stream_order = runtime.StreamOrder()
         heap.publish()
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
@@ -403,7 +404,7 @@ class GemmReduceScatter:
         if rows == 0 or k == 0 or W == 1 or not fits or not _kernel_applies(a):
             stats.record("gemm_rs.fallback")
             return runtime.reduce_scatter(a @ b, self.device_group)
-        self.one_stream.check(h.device)
+        self.stream_order.before_call(h.device)
         stats.record("gemm_rs.kernel")
         cfg = _fused_config(rows, n, k, h.device, config)
         c = torch.empty((rows, n), dtype=a.dtype, device=h.device)
@@ -440,7 +441,7 @@ class GemmAllReduce:
         self.calls = torch.zeros(2, dtype=torch.int64, device=heap.device)  # kernels/calls.py
         self.programs = resident_programs(heap.device)
         self.cache_modifiers = cache_modifiers(heap.device)
-        self.one_stream = runtime.OneStream("GemmAllReduce")
+        self.stream_order = runtime.StreamOrder()
         heap.publish()
 
     @staticmethod
@@ -482,7 +483,7 @@ class GemmAllReduce:
             out = torch.empty((m, self.n), dtype=self.dtype, device=h.device)
         if m == 0:
             return out
-        self.one_stream.check(h.device)
+        self.stream_order.before_call(h.device)
         stats.record("gemm_all_reduce.kernel")
         W = h.world_size
         cfg = config or gemm_all_reduce_config(m, self.n, self.programs, h.device)

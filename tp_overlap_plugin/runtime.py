@@ -22,31 +22,29 @@ def capturing(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-class OneStream:
-    """An op whose calls share state in device memory (epochs, call counters, slots) must see its
-    calls serialised on one stream: two streams would interleave their loads and stores of that
-    state, share an epoch, mix their slots, and end in a timeout or a wrong sum. So each op records
-    the stream of its first call and refuses any other. A CUDA graph capture is exempt (torch
-    captures on a stream of its own, and a replay runs on the stream it is launched on, without
-    calling the op); so is the CPU, which has one stream."""
+class StreamOrder:
+    """Keeps one op's calls in the order the host issues them, whatever streams they are issued on.
 
-    def __init__(self, op: str):
-        self.op = op
-        self.stream: int | None = None
+    An op keeps its state in device memory (epochs, call counters, receive slots) and each call reads
+    and advances it, so its calls must run one after another: two calls running at once on two
+    streams would share an epoch, mix their slots, and end in a timeout or a wrong sum. On one stream
+    they do. A call on another stream than the op's previous call first makes its stream wait for
+    everything queued on the previous one so far (that call included): one event per switch of
+    stream, nothing per call beyond looking up the current stream. So micro-batches on two streams,
+    or the usual warm-up on a side stream before a graph capture, are correct, and serialised.
+    Exempt: the CPU (one stream) and graph capture (torch captures on a stream of its own; a
+    replay runs in the order of the stream it is launched on, without calling the op)."""
 
-    def check(self, device: torch.device) -> None:
+    def __init__(self):
+        self.last: torch.cuda.Stream | None = None
+
+    def before_call(self, device: torch.device) -> None:
         if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return
-        self.check_id(torch.cuda.current_stream(device).cuda_stream)
-
-    def check_id(self, stream: int) -> None:
-        if self.stream is None:
-            self.stream = stream
-        elif stream != self.stream:
-            raise RuntimeError(
-                f"{self.op} was called on stream {stream:#x}, but its first call ran on stream {self.stream:#x}: "
-                f"an op keeps its epochs and call counters in device memory, so all of its calls must be on one "
-                f"stream (build one op per stream, e.g. per micro-batch, for concurrent streams)")
+        stream = torch.cuda.current_stream(device)
+        if self.last is not None and stream != self.last:
+            stream.wait_stream(self.last)
+        self.last = stream
 
 
 def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
