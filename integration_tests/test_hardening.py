@@ -184,3 +184,24 @@ def test_a_held_back_rank_keeps_the_rows_it_reads():
         err = ((c1.double() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, (r, err)  # call 1 read the rows of call 1, on every rank
         assert second is not None and "gave up" in second, (r, second)
+
+
+def test_warm_up_covers_every_variant_a_step_can_hit():
+    """Every step size up to the budget maps, per rank and op, to a (tile config, row-count class)
+    pair that one of the warm-up steps has compiled (serving/runner.py _warm_overlap_shapes)."""
+    from tp_overlap_plugin.gemm_config import SMALL_M
+    from tp_overlap_plugin.overlap_layers import warm_up_token_counts
+    buckets = (16, 128, 1024, 4096)
+
+    def variant(rows):
+        bucket = next((b for b in buckets if b >= rows), buckets[-1])
+        return bucket, rows <= SMALL_M, rows == 1, rows % 16 == 0
+
+    for world in (2, 3, 4):
+        limit = 5000
+        warm = warm_up_token_counts(limit, world, buckets)
+        assert max(warm) <= limit
+        for view in (lambda t: -(-t // world), lambda t: t):  # rows of a sequence-parallel shard; all rows
+            compiled = {variant(view(t)) for t in warm}
+            missing = sorted({variant(view(t)) for t in range(1, limit + 1)} - compiled)
+            assert not missing, (world, missing)

@@ -280,6 +280,8 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=device))
                           for _ in range(self.mcfg.num_layers)]
         self.use_triton = device.type == "cuda"
+        if self.heap is not None and device.type == "cuda":
+            self._warm_overlap_shapes()
         if device.type == "cuda" and not cfg.enforce_eager:
             self._capture_graphs()
 
@@ -377,6 +379,17 @@ class ModelRunner:
                          context_lens=[n], block_tables=[list(range(nb))], num_decodes=0, logit_rows=[n - 1])
         self._forward(step, scratch_kv, use_triton=self.device.type == "cuda")
         del scratch_kv
+
+    def _warm_overlap_shapes(self) -> None:
+        """One forward per step size of overlap_layers.warm_up_token_counts, on every rank alike, so
+        that no kernel that waits on peers compiles mid-serving (a rank compiling stalls its peers)."""
+        from tp_overlap_plugin.gemm_config import device_table
+        from tp_overlap_plugin.overlap_layers import warm_up_token_counts
+        table = device_table(self.device)
+        limit = min(self.cfg.max_num_batched_tokens, self.max_model_len)
+        for n in warm_up_token_counts(limit, self.world_size, table.buckets if table is not None else ()):
+            self._profile_run(n)
+        self.heap.check()
 
     def _agree(self, n_blocks: int) -> int:
         # Rank 0 schedules for every rank, so all ranks must use the smallest pool any of them can hold.
