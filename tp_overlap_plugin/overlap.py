@@ -318,7 +318,9 @@ class AllGatherGemm:
         self.stream_order.before_call(h.device)
         # A rank that has given up must not push: a peer still in the previous call may be reading
         # the rows it would overwrite. The device decides at its barrier and the copy engine cannot
-        # branch, so the host pushes nothing once it has seen the error (the CPU sees it at once).
+        # branch, so the host pushes nothing once it has seen the error: on the CPU at once (the
+        # barrier kernel has run), on a GPU once the error word has reached the host (poll). Known
+        # gap: on a GPU the pushes of the calls queued before that still go out.
         h.poll()
         stats.record("ag_gemm.kernel")
         cfg = _fused_config(rows, n, k, h.device, config)
