@@ -18,14 +18,15 @@ DEAD = 1                                        # not rank 0, whose number an un
 EXIT_CODE = 17
 TIMEOUT_S = {"cpu": 2.0, "cuda": 1.0}
 OPS = ("all_reduce", "ag_gemm", "gemm_rs", "gemm_all_reduce")
+LATER = OPS + ("all_reduce_norm",)  # run after the first failure too (they give up at once)
 # ops whose output is checked: those that take `out` everywhere; on a GPU (where an op returns
 # before the error is read) all of them
-POISONED = {"cpu": ("all_reduce", "gemm_all_reduce"), "cuda": OPS}
+POISONED = {"cpu": ("all_reduce", "gemm_all_reduce", "all_reduce_norm"), "cuda": LATER}
 
 
 def _build(ctx):
     """Every op of this test, set up collectively; each entry runs it once and returns its output."""
-    from tp_overlap_plugin.collectives import HeapAllReduce
+    from tp_overlap_plugin.collectives import HeapAllReduce, HeapAllReduceNorm
     from tp_overlap_plugin.overlap import AllGatherGemm, GemmAllReduce, GemmReduceScatter
 
     h, W, r, dev = ctx.heap, ctx.world_size, ctx.rank, ctx.device
@@ -34,6 +35,7 @@ def _build(ctx):
     ag = AllGatherGemm(h, max_rows=8, k=32, dtype=dtype)
     rs = GemmReduceScatter(h, max_rows=8, n=16, dtype=dtype)
     gar = GemmAllReduce(h, max_rows=8, n=48, dtype=dtype)
+    norm = HeapAllReduceNorm(h, hidden=48, max_rows=8, dtype=dtype)
     gen = torch.Generator().manual_seed(r)
     # 80 KB: ten 8 KB chunks, more than the CPU grid's four programs, so programs own several
     x = torch.randn(20_480, generator=gen).to(dev)
@@ -41,6 +43,8 @@ def _build(ctx):
     a_rs = torch.randn(8 * W, 32, generator=gen).to(dtype).to(dev)
     b = torch.randn(32, 16, generator=gen).to(dtype).to(dev)
     w = torch.randn(48, 32, generator=gen).to(dtype).to(dev)  # 3 tiles of 16 columns on the CPU
+    y_in = torch.randn(8, 48, generator=gen).to(dtype).to(dev)
+    w_norm = torch.ones(48, dtype=dtype, device=dev)
 
     def gemm_all_reduce():
         y = torch.zeros((8, 48), dtype=dtype, device=dev)
@@ -52,6 +56,15 @@ def _build(ctx):
         _last_out["all_reduce"] = y
         return ar(x, out=y)
 
+    def all_reduce_norm():
+        # both outputs: the normalised rows and the new residual
+        y, res = torch.zeros((8, 48), dtype=dtype, device=dev), torch.zeros((8, 48), dtype=dtype, device=dev)
+        _last_out["all_reduce_norm"] = torch.cat([y, res])
+        try:
+            return norm(y_in, y_in, w_norm, 1e-6, out=y, residual_out=res)
+        finally:
+            _last_out["all_reduce_norm"] = torch.cat([y, res])
+
     def ag_gemm():
         # my own rows need no peer: only the peers' rows of C are checked
         c = _last_out["ag_gemm"] = ag(a, b)
@@ -61,7 +74,8 @@ def _build(ctx):
         c = _last_out["gemm_rs"] = rs(a_rs, b)
         return c
 
-    return {"all_reduce": all_reduce, "ag_gemm": ag_gemm, "gemm_rs": gemm_rs, "gemm_all_reduce": gemm_all_reduce}
+    return {"all_reduce": all_reduce, "ag_gemm": ag_gemm, "gemm_rs": gemm_rs, "gemm_all_reduce": gemm_all_reduce,
+            "all_reduce_norm": all_reduce_norm}
 
 
 _last_out = {}  # the ops' latest outputs
@@ -95,7 +109,7 @@ def _one_rank_dies(ctx, doomed):
     small = h.timeout_s  # from TP_OVERLAP_HEAP_TIMEOUT_S
     h.timeout_s = 60  # the default: warm-up may include compiles
     ops = _build(ctx)
-    for name in OPS:  # every kernel compiled and run on every rank, so no rank waits on a compile
+    for name in LATER:  # every kernel compiled and run on every rank, so no rank waits on a compile
         ops[name]()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -104,12 +118,12 @@ def _one_rank_dies(ctx, doomed):
     if ctx.rank == DEAD:
         os._exit(EXIT_CODE)
     h.timeout_s = small
-    for name in OPS:
+    for name in LATER:
         _last_out.pop(name, None)
     checked = POISONED[dev.type]
     first = _attempt(ctx, ops[doomed])
     written_first = doomed in checked and not _all_poisoned(ctx, doomed)
-    later = {name: _attempt(ctx, ops[name]) for name in OPS}
+    later = {name: _attempt(ctx, ops[name]) for name in LATER}
     written_later = [name for name in checked if not _all_poisoned(ctx, name)]
     return {"first": first, "later": later, "written": (written_first, written_later), "timeout": small}
 
