@@ -46,17 +46,20 @@ def ag_kernel_w1(a, b, c, cfg, flat=True):
     """The AG-GEMM kernel at world 1: c = a @ b through its own-rows loop."""
     heap_bases, error, calls, flags = _w1_state(a.device)
     m, k = a.shape
-    ag_gemm_kernel[(num_programs(a.device),)](a, b, c, a, c, m, b.shape[1], k, b.stride(0), b.stride(1), 0, flags,
-                                              calls, 0, heap_bases, error, 1000, GATHER=False,
-                                              **_w1_options(k, cfg, flat))
+    ag_gemm_kernel[(num_programs(a.device),)](a_ptr=a, b_ptr=b, c_ptr=c, gathered_ptr=a, rows=m, N=b.shape[1], K=k,
+                                              stride_bk=b.stride(0), stride_bn=b.stride(1), slot_stride=0,
+                                              flags_ptr=flags, calls_ptr=calls, rank=0, heap_bases=heap_bases,
+                                              error_ptr=error, **_w1_options(k, cfg, flat))
 
 
 def rs_kernel_w1(a, b, c, cfg, flat=True):
     """The GEMM-RS kernel at world 1: c = a @ b through its own-rows loop."""
     heap_bases, error, calls, flags = _w1_state(a.device)
     m, k = a.shape
-    gemm_rs_kernel[(num_programs(a.device),)](a, b, c, c, m, b.shape[1], k, a.stride(0), b.stride(0), b.stride(1), 0,
-                                              flags, calls, 0, heap_bases, error, 1000, CHUNKS=1,
+    gemm_rs_kernel[(num_programs(a.device),)](a_ptr=a, b_ptr=b, c_ptr=c, recv_ptr=c, rows=m, N=b.shape[1], K=k,
+                                              stride_am=a.stride(0), stride_bk=b.stride(0), stride_bn=b.stride(1),
+                                              slot_stride=0, counts_ptr=flags, calls_ptr=calls, rank=0,
+                                              heap_bases=heap_bases, error_ptr=error, CHUNKS=1,
                                               **_w1_options(k, cfg, flat))
 
 

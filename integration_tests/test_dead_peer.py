@@ -1,7 +1,8 @@
 """A rank dies while its peers run a collective. Every survivor raises RankTimeoutError naming the
-dead rank, after the spin bound (TP_OVERLAP_SPIN_LIMIT, set small here) and not a hang. After that,
-the survivors' collectives give up at once instead of spinning again, raise at the next check, and
-write no output that could pass for a result (the all-reduces' outputs stay as poisoned)."""
+dead rank, after the time bound (TP_OVERLAP_HEAP_TIMEOUT_S, set small here) and not a hang. After
+that, the survivors' collectives give up at once instead of spinning again, raise at the next check,
+and write NaN wherever they could not produce a result: never stale or uninitialised memory that
+could pass for one (outputs start as zeros here)."""
 
 import os
 import time
@@ -15,15 +16,17 @@ from tp_overlap_plugin.multirank import RankExited, run_ranks
 
 DEAD = 1                                        # not rank 0, whose number an unset error word would give
 EXIT_CODE = 17
-SPINS = {"cpu": 4000, "cuda": 2_000_000}        # about 2 s and 1 s of polling
-WARM_SPINS = {"cpu": 200_000, "cuda": 40_000_000}  # the defaults: warm-up may include compiles
+TIMEOUT_S = {"cpu": 2.0, "cuda": 1.0}
 OPS = ("all_reduce", "ag_gemm", "gemm_rs", "gemm_all_reduce")
-POISONED = ("all_reduce", "gemm_all_reduce")    # ops whose output is checked to stay unwritten
+LATER = OPS + ("all_reduce_norm",)  # run after the first failure too (they give up at once)
+# ops whose output is checked: those that take `out` everywhere; on a GPU (where an op returns
+# before the error is read) all of them
+POISONED = {"cpu": ("all_reduce", "gemm_all_reduce", "all_reduce_norm"), "cuda": LATER}
 
 
 def _build(ctx):
     """Every op of this test, set up collectively; each entry runs it once and returns its output."""
-    from tp_overlap_plugin.collectives import HeapAllReduce
+    from tp_overlap_plugin.collectives import HeapAllReduce, HeapAllReduceNorm
     from tp_overlap_plugin.overlap import AllGatherGemm, GemmAllReduce, GemmReduceScatter
 
     h, W, r, dev = ctx.heap, ctx.world_size, ctx.rank, ctx.device
@@ -32,6 +35,7 @@ def _build(ctx):
     ag = AllGatherGemm(h, max_rows=8, k=32, dtype=dtype)
     rs = GemmReduceScatter(h, max_rows=8, n=16, dtype=dtype)
     gar = GemmAllReduce(h, max_rows=8, n=48, dtype=dtype)
+    norm = HeapAllReduceNorm(h, hidden=48, max_rows=8, dtype=dtype)
     gen = torch.Generator().manual_seed(r)
     # 80 KB: ten 8 KB chunks, more than the CPU grid's four programs, so programs own several
     x = torch.randn(20_480, generator=gen).to(dev)
@@ -39,28 +43,51 @@ def _build(ctx):
     a_rs = torch.randn(8 * W, 32, generator=gen).to(dtype).to(dev)
     b = torch.randn(32, 16, generator=gen).to(dtype).to(dev)
     w = torch.randn(48, 32, generator=gen).to(dtype).to(dev)  # 3 tiles of 16 columns on the CPU
+    y_in = torch.randn(8, 48, generator=gen).to(dtype).to(dev)
+    w_norm = torch.ones(48, dtype=dtype, device=dev)
 
     def gemm_all_reduce():
-        y = torch.full((8, 48), float("nan"), dtype=dtype, device=dev)
-        try:
-            gar(a, w, out=y)
-        finally:
-            _last_out["gemm_all_reduce"] = y
-        return y
+        y = torch.zeros((8, 48), dtype=dtype, device=dev)
+        _last_out["gemm_all_reduce"] = y
+        return gar(a, w, out=y)
 
     def all_reduce():
-        y = torch.full_like(x, float("nan"))
+        y = torch.zeros_like(x)
+        _last_out["all_reduce"] = y
+        return ar(x, out=y)
+
+    def all_reduce_norm():
+        # both outputs: the normalised rows and the new residual
+        y, res = torch.zeros((8, 48), dtype=dtype, device=dev), torch.zeros((8, 48), dtype=dtype, device=dev)
+        _last_out["all_reduce_norm"] = torch.cat([y, res])
         try:
-            ar(x, out=y)
+            return norm(y_in, y_in, w_norm, 1e-6, out=y, residual_out=res)
         finally:
-            _last_out["all_reduce"] = y
-        return y
+            _last_out["all_reduce_norm"] = torch.cat([y, res])
 
-    return {"all_reduce": all_reduce, "ag_gemm": lambda: ag(a, b), "gemm_rs": lambda: rs(a_rs, b),
-            "gemm_all_reduce": gemm_all_reduce}
+    def ag_gemm():
+        # my own rows need no peer: only the peers' rows of C are checked
+        c = _last_out["ag_gemm"] = ag(a, b)
+        return c
+
+    def gemm_rs():
+        c = _last_out["gemm_rs"] = rs(a_rs, b)
+        return c
+
+    return {"all_reduce": all_reduce, "ag_gemm": ag_gemm, "gemm_rs": gemm_rs, "gemm_all_reduce": gemm_all_reduce,
+            "all_reduce_norm": all_reduce_norm}
 
 
-_last_out = {}  # the poisoned ops' latest outputs
+_last_out = {}  # the ops' latest outputs
+
+
+def _all_poisoned(ctx, name) -> bool:
+    """Whether every element the op could not produce without the dead peer is NaN."""
+    y = _last_out[name]
+    if name == "ag_gemm":
+        rows = y.shape[0] // ctx.world_size
+        y = torch.cat([y[:ctx.rank * rows], y[(ctx.rank + 1) * rows:]])
+    return bool(torch.isnan(y).all().item())
 
 
 def _attempt(ctx, op):
@@ -79,10 +106,10 @@ def _attempt(ctx, op):
 
 def _one_rank_dies(ctx, doomed):
     h, dev = ctx.heap, ctx.device
-    small = h.spin_limit  # from TP_OVERLAP_SPIN_LIMIT
-    h.spin_limit = WARM_SPINS[dev.type]
+    small = h.timeout_s  # from TP_OVERLAP_HEAP_TIMEOUT_S
+    h.timeout_s = 60  # the default: warm-up may include compiles
     ops = _build(ctx)
-    for name in OPS:  # every kernel compiled and run on every rank, so no rank waits on a compile
+    for name in LATER:  # every kernel compiled and run on every rank, so no rank waits on a compile
         ops[name]()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -90,33 +117,36 @@ def _one_rank_dies(ctx, doomed):
     dist.barrier(group=ctx.group)
     if ctx.rank == DEAD:
         os._exit(EXIT_CODE)
-    h.spin_limit = small
+    h.timeout_s = small
+    for name in LATER:
+        _last_out.pop(name, None)
+    checked = POISONED[dev.type]
     first = _attempt(ctx, ops[doomed])
-    written_first = doomed in POISONED and not torch.isnan(_last_out[doomed]).all().item()
-    later = {name: _attempt(ctx, ops[name]) for name in OPS}
-    written_later = any(not torch.isnan(_last_out[name]).all().item() for name in POISONED)
-    return {"first": first, "later": later, "written": (written_first, written_later), "spins": small}
+    written_first = doomed in checked and not _all_poisoned(ctx, doomed)
+    later = {name: _attempt(ctx, ops[name]) for name in LATER}
+    written_later = [name for name in checked if not _all_poisoned(ctx, name)]
+    return {"first": first, "later": later, "written": (written_first, written_later), "timeout": small}
 
 
 @pytest.mark.parametrize("doomed", OPS)
 @pytest.mark.parametrize("world", [2, 4])
 def test_survivors_name_the_dead_rank(world, doomed, device):
     results = run_ranks(_one_rank_dies, world, (doomed,), device=device, heap_size=2 << 20,
-                        env={"TP_OVERLAP_SPIN_LIMIT": str(SPINS[device])}, may_exit=(DEAD,), timeout=300)
+                        env={"TP_OVERLAP_HEAP_TIMEOUT_S": str(TIMEOUT_S[device])}, may_exit=(DEAD,), timeout=300)
     assert results[DEAD] == RankExited(EXIT_CODE)
     for me, out in enumerate(results):
         if me == DEAD:
             continue
-        assert out["spins"] == SPINS[device]
+        assert out["timeout"] == TIMEOUT_S[device]
         msg, secs = out["first"]
         assert msg is not None, f"rank {me}: {doomed} with a dead peer raised nothing"
-        assert f"rank {me} gave up after {SPINS[device]} spins waiting for rank {DEAD} to set flag" in msg, msg
-        assert secs < 120, (me, secs)
+        assert f"rank {me} gave up after {TIMEOUT_S[device]:g} s waiting for rank {DEAD} to set flag" in msg, msg
+        assert TIMEOUT_S[device] <= secs < 120, (me, secs)
         for name, (later_msg, later_secs) in out["later"].items():
             # the error slot keeps the first failure; nothing spins through a second bound
             assert later_msg == msg, (me, name, later_msg)
             assert later_secs < secs, (me, name, later_secs, secs)
-        assert out["written"] == (False, False), (me, out["written"])
+        assert out["written"] == (False, []), (me, out["written"])
 
 
 CALLS_PER_STEP = 8
@@ -133,8 +163,8 @@ def _custom_op_after_a_death(ctx):
     from tp_overlap_plugin.collectives import HeapAllReduce
 
     h, dev = ctx.heap, ctx.device
-    small = h.spin_limit
-    h.spin_limit = WARM_SPINS[dev.type]
+    small = h.timeout_s
+    h.timeout_s = 60
     key = "test_dead_peer"
     custom_ops.register_all_reduce(key, HeapAllReduce(h, max_bytes=64 << 10), _never)
     x = torch.full((1024,), float(ctx.rank + 1), device=dev)
@@ -145,7 +175,7 @@ def _custom_op_after_a_death(ctx):
     dist.barrier(group=ctx.group)
     if ctx.rank == DEAD:
         os._exit(EXIT_CODE)
-    h.spin_limit = small
+    h.timeout_s = small
     for call in range(1, 10 * h.POLL_EVERY):
         try:
             torch.ops.tp_overlap.all_reduce(x, key)
@@ -160,7 +190,7 @@ def _custom_op_after_a_death(ctx):
 def test_custom_op_raises_for_a_dead_peer(world, device):
     from tp_overlap_plugin.heap import SymmetricHeap
     results = run_ranks(_custom_op_after_a_death, world, device=device, heap_size=2 << 20,
-                        env={"TP_OVERLAP_SPIN_LIMIT": str(SPINS[device])}, may_exit=(DEAD,), timeout=300)
+                        env={"TP_OVERLAP_HEAP_TIMEOUT_S": str(TIMEOUT_S[device])}, may_exit=(DEAD,), timeout=300)
     for me, result in enumerate(results):
         if me == DEAD:
             assert result == RankExited(EXIT_CODE)
@@ -172,3 +202,61 @@ def test_custom_op_raises_for_a_dead_peer(world, device):
         # failed kernel has landed: by the first step boundary after the next copy
         bound = 1 if device == "cpu" else SymmetricHeap.POLL_EVERY + 2 * CALLS_PER_STEP + 1
         assert call <= bound, (me, call, bound)
+
+
+DIE_AT = 4  # the replay before which the dead rank exits
+
+
+def _graph_replay_after_a_death(ctx):
+    """vLLM's decode: the op only runs inside a captured CUDA graph (two all-reduces in a chain, as
+    two layers), replayed once a step, the host waiting for each step's "token" (its own sync).
+    Returns (the tokens the host took, the replay that raised, its message)."""
+    from tp_overlap_plugin import custom_ops
+    from tp_overlap_plugin.collectives import HeapAllReduce
+
+    h, dev, W = ctx.heap, ctx.device, ctx.world_size
+    small = h.timeout_s
+    h.timeout_s = 60
+    key = "test_dead_peer_graph"
+    custom_ops.register_all_reduce(key, HeapAllReduce(h, max_bytes=64 << 10), _never)
+    x = torch.full((1024,), float(ctx.rank + 1), device=dev)
+    torch.ops.tp_overlap.all_reduce(x, key)  # eager first: compiled, and the op's stream recorded
+    torch.cuda.synchronize(dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = torch.ops.tp_overlap.all_reduce(torch.ops.tp_overlap.all_reduce(x, key) / W, key)
+        token = y.sum()
+    graph.replay()
+    torch.cuda.synchronize(dev)
+    dist.barrier(group=ctx.group)
+    h.timeout_s = small  # a device word: the captured kernels read the new bound
+    tokens = []
+    for step in range(1, 4 * DIE_AT):
+        if step == DIE_AT and ctx.rank == DEAD:
+            os._exit(EXIT_CODE)
+        try:
+            graph.replay()
+        except RankTimeoutError as e:
+            return tokens, step, str(e)
+        tokens.append(token.item())
+    return tokens, None, None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2])
+def test_graph_replay_surfaces_a_dead_peer_within_one_step(world):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    results = run_ranks(_graph_replay_after_a_death, world, device="cuda", heap_size=2 << 20,
+                        env={"TP_OVERLAP_HEAP_TIMEOUT_S": str(TIMEOUT_S["cuda"])}, may_exit=(DEAD,), timeout=300)
+    want = 1024.0 * sum(range(1, world + 1))
+    for me, result in enumerate(results):
+        if me == DEAD:
+            assert result == RankExited(EXIT_CODE)
+            continue
+        tokens, raised_at, msg = result
+        assert raised_at == DIE_AT + 1, (me, raised_at, tokens)  # the replay after the failed step
+        assert f"waiting for rank {DEAD} to set flag" in msg, msg
+        assert tokens[:DIE_AT - 1] == [want] * (DIE_AT - 1), tokens
+        # the failed step's output is NaN, not the previous replay's values
+        assert len(tokens) == DIE_AT and tokens[-1] != tokens[-1], tokens

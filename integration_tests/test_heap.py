@@ -86,7 +86,7 @@ def _crash_during_heap_setup(ctx):
 def test_shm_files_removed_after_rank_crash():
     before = _shm_files()
     with pytest.raises(RankFailedError, match=r"rank 1 failed:\nprocess exited with code 3|rank 1 had exited with code 3"):
-        run_ranks(_crash_after_heap, 2, heap_size=HEAP, heap_kwargs={"spin_limit": 300}, timeout=60)
+        run_ranks(_crash_after_heap, 2, heap_size=HEAP, heap_kwargs={"timeout_s": 1.0}, timeout=60)
     with pytest.raises(RankFailedError):
         run_ranks(_crash_during_heap_setup, 2, timeout=60)
     assert _shm_files() <= before

@@ -22,10 +22,18 @@ from tp_overlap_plugin.kernels.gemv import gemv_kernel
 from tp_overlap_plugin.kernels.layer_ops import rmsnorm_kernel, rope_cache_kernel, silu_mul_kernel
 from tp_overlap_plugin.collectives import norm_num_warps
 from tp_overlap_plugin.overlap import RS_CHUNKS
+from tp_overlap_plugin.kernels import triton_compat
+import triton.language as tl
+
+
+@triton.jit
+def clock_kernel(out_ptr):
+    """The wait bound's clock (kernels/triton_compat.py: clock_ns), on its own."""
+    tl.store(out_ptr, triton_compat.clock_ns())
 
 TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64)}
 
-_COMM = {"rank": "i32", "world": "i32", "heap_bases": "*i64", "error_ptr": "*i64", "max_spins": "i32"}
+_COMM = {"rank": "i32", "world": "i32", "heap_bases": "*i64", "error_ptr": "*i64"}
 _TILES = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "EVEN_K": True, "INTERPRET": False}
 _PTR = {"TMA": False, "B_KMAJOR": False, "C_TMA": False, "SUBTILE": False, "WARP_SPEC": False, "SPLIT": False,
         "DEVICE_DESC": False}
@@ -60,11 +68,11 @@ _GEMM_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 M:i32 N:i32 K:i32 stride_am:i
               "stride_bn:i32 stride_cm:i32 stride_cn:i32 c_desc:*bf16 split_ws_ptr:*fp32 split_count_ptr:*i32 "
               "split_k:i32")
 _FUSED_TILES = {**_TILES, "EVEN_K": False, "WORLD": 4, "FLATTEN": True}  # odd K: the masked K loop
-_AG = {**_FUSED_TILES, "GATHER": False}
+_AG = _FUSED_TILES
 _RS = {**_FUSED_TILES, "CHUNKS": RS_CHUNKS}
 _ONE = {"rank": 1, "rows": 1, "WORLD": 2}
-_FUSED_COMM = "rank:i32 heap_bases:*i64 error_ptr:*i64 max_spins:i32"
-_AG_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 gathered_ptr:*bf16 full_ptr:*bf16 rows:i32 N:i32 K:i32 "
+_FUSED_COMM = "rank:i32 heap_bases:*i64 error_ptr:*i64"
+_AG_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 gathered_ptr:*bf16 rows:i32 N:i32 K:i32 "
             "stride_bk:i32 stride_bn:i32 slot_stride:i32 flags_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM)
 _RS_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 recv_ptr:*bf16 rows:i32 N:i32 K:i32 stride_am:i32 stride_bk:i32 "
             "stride_bn:i32 slot_stride:i32 counts_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM)
@@ -121,11 +129,12 @@ KERNELS = {
                  {"BLOCK": 1024}),
     "barrier": (barrier_kernel,
                 {"flags_ptr": "*i64", "epoch_ptr": "*i64", "rank": "i32", "world": "i32",
-                 "heap_bases": "*i64", "error_ptr": "*i64", "max_spins": "i32"}, {}),
+                 "heap_bases": "*i64", "error_ptr": "*i64"}, {}),
+    "clock": (clock_kernel, {"out_ptr": "*i64"}, {}),
 }
 # The all-reduces (kernels/allreduce.py, allreduce_norm.py): arrival marked in the data, 16-byte
 # vectors to and from peers; checked at 2 and 8 ranks (receive tiles of 1 and 8 peers).
-_LAMPORT = {"rank": "i32", "heap_bases": "*i64", "error_ptr": "*i64", "max_spins": "i32"}
+_LAMPORT = {"rank": "i32", "heap_bases": "*i64", "error_ptr": "*i64"}
 _SLOTS = {"x_ptr": 16, "out_ptr": 16, "slots_ptr": 16, "scatter_ptr": 16, "gather_ptr": 16, "res_ptr": 16,
           "res_out_ptr": 16, "n": 16, "slot_stride": 16, "src_stride": 16, "scatter_slot_stride": 16,
           "scatter_src_stride": 16, "gather_slot_stride": 16, "row_stride": 16, "stride_x": 16, "stride_res": 16,
@@ -261,7 +270,7 @@ def test_a_data_wait_spins_on_one_value_for_all_threads(name, target):
     assert loops, f"{name}: no spin loop found"
     for loop, _ in loops:
         head = loop.split("} do {", 1)[0]
-        assert re.search(r"scf\.while \(.*\) : \(tensor<[^)]*, i32, i32\)", head), f"{name}: the spin state is not a scalar"
+        assert re.search(r"scf\.while \(.*\) : \(tensor<[^)]*, i32\)", head), f"{name}: the spin state is not a scalar"
         body = loop.split("} do {", 1)[1]
         # a volatile tensor load, or on CDNA a buffer load (which Triton makes of it) that keeps
         # the coherent cache modifier
@@ -292,3 +301,18 @@ def test_peer_traffic_moves_in_16_byte_vectors(name, target):
         assert any("sc0 sc1" in p for p in polls), f"{name}: no 16-byte coherent polls"
         incoherent_buffer_loads = [p for p in polls if p.startswith("buffer") and "sc0 sc1" not in p]
         assert not incoherent_buffer_loads, f"{name}: buffer loads without sc0 sc1 (a poll that may never see a push)"
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles real kernels")
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_the_wait_clock_reads_the_device_timer(target):
+    """clock_ns is %globaltimer on NVIDIA (ns) and s_memrealtime on CDNA (100 MHz), and every wait
+    reads it (the bound is time, not polls)."""
+    asm = _compiled("clock", target).asm
+    if target == "sm90":
+        assert "%globaltimer" in asm["ptx"]
+    else:
+        assert "s_memrealtime" in asm["amdgcn"]
+    for name in ("barrier", "one_shot_all_reduce_bf16_w2"):
+        code = _compiled(name, target).asm["ptx" if target == "sm90" else "amdgcn"]
+        assert ("%globaltimer" if target == "sm90" else "s_memrealtime") in code, name

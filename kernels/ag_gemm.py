@@ -1,8 +1,11 @@
 """AG-GEMM in one persistent launch: C = all_gather(A_shard) @ B, the gather hidden behind the GEMM.
 
 The copy engine moves the shards (the host enqueues it on a side stream): into each peer's heap, a
-memcpy of my rows, then an 8-byte memcpy of the call number into my flag there. No SM is involved, so the GEMM keeps every SM, and nothing the GEMM's resident programs wait
-for needs an SM to become free. (The GEMM's own programs pushing was measured as the other
+memcpy of my rows, a stream write-value (whose default flags fence the earlier writes system-wide
+first, so a peer that sees what follows also sees the rows), then an 8-byte memcpy of the call
+number into my flag there (a write-value's value is fixed when a graph is captured; the call
+number lives in device memory). No SM is involved, so the GEMM keeps every SM, and nothing the
+GEMM's resident programs wait for needs an SM to become free. (The GEMM's own programs pushing was measured as the other
 producer: no faster, and it costs SMs and a dynamic schedule; bench/notes/ag_gemm.md.)
 A memcpy's destination is fixed when a graph is captured, so the peers' buffers are single, and
 `copy_engine_begin_kernel` first has all ranks meet: after it every peer has read the last call's
@@ -31,52 +34,42 @@ from tp_overlap_plugin.kernels.gemm import gemm_tile, store_tile, tile_coords
 
 
 @triton.jit
-def copy_engine_begin_kernel(calls_ptr, push_ptr, flags_ptr, rank, world, heap_bases, error_ptr, max_spins):
+def copy_engine_begin_kernel(calls_ptr, push_ptr, flags_ptr, rank, world, heap_bases, error_ptr):
     """Before the copy engine pushes call e into the peers' buffers: every rank meets here, after
     its call e - 1 has read them, and e becomes the value the engine copies into the flags. A rank
-    that has given up leaves it at e - 1, so its peers time out rather than take its rows."""
+    that has given up leaves it at e - 1, so its peers time out rather than take its rows; the host
+    pushes nothing where it can see that (kernels run in order on the CPU; on a GPU, once the error
+    has reached the host)."""
     epoch = calls.call_number(calls_ptr)
-    if rma.barrier(flags_ptr, epoch, rank, world, heap_bases, error_ptr, max_spins):
+    if rma.barrier(flags_ptr, epoch, rank, world, heap_bases, error_ptr):
         tl.store(push_ptr, epoch)
 
 
 @triton.jit
-def copy_rows(src_ptr, dst_ptr, row0, rows, K, BLOCK_M: tl.constexpr, COLS: tl.constexpr):
-    """dst[row0 : row0 + BLOCK_M] = src[same rows] for rows below `rows`; both [*, K] row-major."""
-    r = row0 + tl.arange(0, BLOCK_M)
-    at = r.to(tl.int64)[:, None] * K
-    for k0 in range(0, K, COLS):
-        cols = k0 + tl.arange(0, COLS)
-        mask = (r < rows)[:, None] & (cols < K)[None, :]
-        tl.store(dst_ptr + at + cols[None, :], tl.load(src_ptr + at + cols[None, :], mask=mask), mask=mask)
-
-
-@triton.jit
-def _shard_tile(a_ptr, b_ptr, c_ptr, full_ptr, src, tile, rows, N, K, row_blocks, tiles_n, k_blocks, stride_bk,
-                stride_bn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, GATHER: tl.constexpr):
-    """Tile `tile` of C's rows from rank src's shard, whose rows `a_ptr` holds ([rows, K])."""
+def _shard_tile(a_ptr, b_ptr, c_ptr, src, tile, rows, N, K, row_blocks, tiles_n, k_blocks, stride_bk, stride_bn,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, POISON: tl.constexpr = False):
+    """Tile `tile` of C's rows from rank src's shard, whose rows `a_ptr` holds ([rows, K]); with
+    POISON, NaN instead (rows that never arrived)."""
     pid_m, pid_n = tile_coords(tile, row_blocks, tiles_n, GROUP_M)
-    acc = gemm_tile(a_ptr, b_ptr, pid_m, pid_n, rows, N, K, 0, k_blocks, K, 1, stride_bk, stride_bn,
-                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, False, False)
+    if POISON:
+        acc = tl.full((BLOCK_M, BLOCK_N), float("nan"), tl.float32)
+    else:
+        acc = gemm_tile(a_ptr, b_ptr, pid_m, pid_n, rows, N, K, 0, k_blocks, K, 1, stride_bk, stride_bn,
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, False, False)
     c_shard = c_ptr + tl.cast(src, tl.int64) * rows * N
     store_tile(c_shard, c_shard, acc, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N, False, False)
-    if GATHER:
-        if pid_n == 0:
-            copy_rows(a_ptr, full_ptr + tl.cast(src, tl.int64) * rows * K, pid_m * BLOCK_M, rows, K, BLOCK_M, 128)
 
 
 @triton.jit
-def ag_gemm_kernel(a_ptr, b_ptr, c_ptr, gathered_ptr, full_ptr, rows, N, K, stride_bk, stride_bn, slot_stride,
-                   flags_ptr, calls_ptr, rank, heap_bases, error_ptr, max_spins,
+def ag_gemm_kernel(a_ptr, b_ptr, c_ptr, gathered_ptr, rows, N, K, stride_bk, stride_bn, slot_stride,
+                   flags_ptr, calls_ptr, rank, heap_bases, error_ptr,
                    WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, FLATTEN: tl.constexpr,
-                   GATHER: tl.constexpr):
+                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, FLATTEN: tl.constexpr):
     """c[src * rows + i] = (row i of rank src's shard) @ B for every src; a is my shard [rows, K].
-    With GATHER, full[src * rows + i] = that row too (one program per row block copies it; tests).
 
     Once this rank has given up on a peer (error slot set, or a wait here fails) the program
-    computes no tile of a peer's rows: they may never have arrived."""
+    computes no tile of a peer's rows (they may never have arrived): those rows of C are NaN."""
     epoch, ok = calls.begin_call(calls_ptr, error_ptr)
     P = tl.num_programs(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -84,19 +77,24 @@ def ag_gemm_kernel(a_ptr, b_ptr, c_ptr, gathered_ptr, full_ptr, rows, N, K, stri
     per_shard = row_blocks * tiles_n
     k_blocks = tl.cdiv(K, BLOCK_K)
     for item in tl.range(tl.program_id(0), per_shard, P, flatten=FLATTEN):
-        _shard_tile(a_ptr, b_ptr, c_ptr, full_ptr, rank, item, rows, N, K, row_blocks, tiles_n, k_blocks, stride_bk,
-                    stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, INTERPRET, GATHER)
+        _shard_tile(a_ptr, b_ptr, c_ptr, rank, item, rows, N, K, row_blocks, tiles_n, k_blocks, stride_bk, stride_bn,
+                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, INTERPRET)
     for peer in tl.static_range(WORLD):
         if peer != rank:
             ok = ok & rma.signal_wait(flags_ptr + (peer - rank - 1 + WORLD) % WORLD, epoch, rank, peer, heap_bases,
-                                      error_ptr, max_spins)
+                                      error_ptr)
     end = WORLD * per_shard
     if not ok:
         end = per_shard
     for item in tl.range(calls.first_item(per_shard, P), end, P, flatten=FLATTEN):
         src = (rank - item // per_shard + WORLD) % WORLD
         slot = (src - rank - 1 + WORLD) % WORLD
-        _shard_tile(gathered_ptr + tl.cast(slot, tl.int64) * slot_stride, b_ptr, c_ptr, full_ptr, src,
-                    item % per_shard, rows, N, K, row_blocks, tiles_n, k_blocks, stride_bk, stride_bn,
-                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, INTERPRET, GATHER)
+        _shard_tile(gathered_ptr + tl.cast(slot, tl.int64) * slot_stride, b_ptr, c_ptr, src, item % per_shard, rows,
+                    N, K, row_blocks, tiles_n, k_blocks, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                    EVEN_K, INTERPRET)
+    if not ok:
+        for item in range(calls.first_item(per_shard, P), WORLD * per_shard, P):
+            _shard_tile(gathered_ptr, b_ptr, c_ptr, (rank - item // per_shard + WORLD) % WORLD, item % per_shard,
+                        rows, N, K, row_blocks, tiles_n, k_blocks, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K,
+                        GROUP_M, EVEN_K, INTERPRET, True)
     calls.finish_call(calls_ptr, epoch)

@@ -16,17 +16,18 @@ Rounding follows the stock path (all-reduce, then layer_ops.rmsnorm): the reduce
 to the dtype, the bias added and rounded, the residual added and rounded (the new residual), and
 the normalised row rounded before the weight multiplies.
 
-A wait that gives up leaves its row's normalised output unwritten and stops the program (see
-kernels/allreduce.py); blocks of that row whose sums had landed may already hold their new
-residual.
+A wait that gives up stops the program (see kernels/allreduce.py): its row, and every later row of
+the program, gets NaN in both outputs (the normalised row and the new residual), including blocks
+whose sums had landed.
 """
 
 import triton
 import triton.language as tl
 
 from tp_overlap_plugin.kernels import rma
-from tp_overlap_plugin.kernels.allreduce import (CHUNK_BYTES, _advance, _bits, _flag, _not_yet, _peer_tile, _sendable,
-                                                 _sum_in_rank_order, _wait_landed, peers_pow2)
+from tp_overlap_plugin.kernels.allreduce import CHUNK_BYTES
+from tp_overlap_plugin.kernels.lamport import (advance, bits, flag, not_yet, peer_tile, peers_pow2, sendable,
+                                               sum_in_rank_order, wait_landed)
 
 
 # Elements of a receive tile (every peer's copy of a row's columns): a 4096- or 8192-wide row at
@@ -46,7 +47,7 @@ def row_blocks(hidden: int, world: int, elsize: int) -> tuple[int, int]:
 @triton.jit
 def all_reduce_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr, slots_ptr, push_epoch_ptr,
                               row_epoch_ptr, rows, n, stride_x, stride_res, stride_out, stride_res_out, slot_stride,
-                              src_stride, row_stride, eps, rank, heap_bases, error_ptr, max_spins, W: tl.constexpr,
+                              src_stride, row_stride, eps, rank, heap_bases, error_ptr, W: tl.constexpr,
                               PEERS: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, ONE_TILE: tl.constexpr,
                               HAS_BIAS: tl.constexpr, PEER_STORE: tl.constexpr, POLL_LOAD: tl.constexpr):
     """slots[e % 2][src][r] in every heap receives rank src's row r in its call e.
@@ -60,26 +61,26 @@ def all_reduce_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, bias_ptr, out_ptr, res_out_
     pid = tl.program_id(0)
     lane = tl.arange(0, BLOCK)
     dtype = x_ptr.dtype.element_ty
-    live = _flag(tl.load(error_ptr, volatile=True) == 0)  # a rank that has given up pushes nothing
+    live = flag(rma.no_error(error_ptr))  # a rank that has given up pushes nothing
     pieces = tl.cdiv(n, BLOCK)
     for i in range(pid, rows * pieces, tl.num_programs(0)):
         r = i // pieces
         cols = (i % pieces) * BLOCK + lane
         mask = cols < n
-        epoch = _advance(push_epoch_ptr + i)
+        epoch = advance(push_epoch_ptr + i)
         dst = slots_ptr + (epoch % 2) * slot_stride + rank * src_stride + r * row_stride
-        bits = _sendable(_bits(tl.load(x_ptr + r * stride_x + cols, mask=mask)))
+        payload = sendable(bits(tl.load(x_ptr + r * stride_x + cols, mask=mask)))
         for q in tl.static_range(1, W):
             peer = (rank + q) % W
-            tl.store(rma.translate(dst + cols, rank, peer, heap_bases), bits, mask=mask & live,
+            tl.store(rma.translate(dst + cols, rank, peer, heap_bases), payload, mask=mask & live,
                      cache_modifier=PEER_STORE)
     ok = pid >= 0
-    pcols, srcs = _peer_tile(rank, W, PEERS)
+    pcols, srcs = peer_tile(rank, W, PEERS)
     lane = tl.arange(0, SUB)
     if ONE_TILE:
         w_row = tl.load(w_ptr + lane, mask=lane < n, other=0).to(tl.float32)
     for r in range(pid, rows, tl.num_programs(0)):
-        epoch = _advance(row_epoch_ptr + r)
+        epoch = advance(row_epoch_ptr + r)
         if ok:
             base = slots_ptr + (epoch % 2) * slot_stride + r * row_stride
             squares = tl.zeros((SUB,), dtype=tl.float32)
@@ -87,15 +88,14 @@ def all_reduce_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, bias_ptr, out_ptr, res_out_
                 if ok:
                     cols = start + lane
                     mask = cols < n
-                    mine = _sendable(_bits(tl.load(x_ptr + r * stride_x + cols, mask=mask, other=0)))
+                    mine = sendable(bits(tl.load(x_ptr + r * stride_x + cols, mask=mask, other=0)))
                     res = tl.load(res_ptr + r * stride_res + cols, mask=mask, other=0).to(tl.float32)
                     ptrs = base + srcs * src_stride + cols[:, None]
                     m = mask[:, None] & (pcols < W - 1)
-                    tile, landed = _wait_landed(ptrs, m, srcs, epoch, rank, heap_bases, error_ptr, max_spins,
-                                                POLL_LOAD)
+                    tile, landed = wait_landed(ptrs, m, srcs, epoch, rank, heap_bases, error_ptr, POLL_LOAD)
                     ok = ok & landed
                     if ok:
-                        total = _sum_in_rank_order(tile, mine.to(dtype, bitcast=True).to(tl.float32), rank, W, dtype)
+                        total = sum_in_rank_order(tile, mine.to(dtype, bitcast=True).to(tl.float32), rank, W, dtype)
                         total = total.to(dtype).to(tl.float32)
                         if HAS_BIAS:
                             bias = tl.load(bias_ptr + cols, mask=mask, other=0).to(tl.float32)
@@ -104,7 +104,7 @@ def all_reduce_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, bias_ptr, out_ptr, res_out_
                         tl.store(res_out_ptr + r * stride_res_out + cols, h, mask=mask)
                         hf = tl.where(mask, h.to(tl.float32), 0.0)
                         squares += hf * hf
-                        _not_yet(ptrs, m)
+                        not_yet(ptrs, m)
                         if ONE_TILE:  # the whole row is here, in registers
                             rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / n + eps)
                             y = (hf * rstd).to(dtype).to(tl.float32) * w_row
@@ -120,3 +120,10 @@ def all_reduce_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, bias_ptr, out_ptr, res_out_
                     w = tl.load(w_ptr + cols, mask=mask, other=0).to(tl.float32)
                     y = (h * rstd).to(dtype).to(tl.float32) * w
                     tl.store(out_ptr + r * stride_out + cols, y.to(dtype), mask=mask)
+        if not ok:  # a NaN row, not a partial or stale one
+            nan = tl.full((SUB,), float("nan"), dtype)
+            for start in range(0, n, SUB):
+                cols = start + lane
+                mask = cols < n
+                tl.store(res_out_ptr + r * stride_res_out + cols, nan, mask=mask)
+                tl.store(out_ptr + r * stride_out + cols, nan, mask=mask)

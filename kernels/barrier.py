@@ -8,15 +8,15 @@ from tp_overlap_plugin.kernels import rma
 
 
 @triton.jit
-def barrier_kernel(flags_ptr, epoch_ptr, rank, world, heap_bases, error_ptr, max_spins):
+def barrier_kernel(flags_ptr, epoch_ptr, rank, world, heap_bases, error_ptr):
     epoch = tl.load(epoch_ptr) + 1
     # Every thread loads the epoch and one stores it: without the barrier a late warp could load the
     # advanced value and wait for an epoch that no peer will raise.
     tl.debug_barrier()
     tl.store(epoch_ptr, epoch)
-    rma.barrier(flags_ptr, epoch, rank, world, heap_bases, error_ptr, max_spins)
+    rma.barrier(flags_ptr, epoch, rank, world, heap_bases, error_ptr)
 
 
 def launch_barrier(heap, flags, epoch):
-    barrier_kernel[(1,)](flags, epoch, heap.rank, heap.world_size, heap.heap_bases, heap.error,
-                         heap.spin_limit, num_warps=1)
+    barrier_kernel[(1,)](flags_ptr=flags, epoch_ptr=epoch, rank=heap.rank, world=heap.world_size,
+                         heap_bases=heap.heap_bases, error_ptr=heap.error, num_warps=1)

@@ -16,7 +16,8 @@ Two ways to read the operands, one body (constexpr `TMA`):
   nn.Linear weight (`B_KMAJOR`) is described as the weight, [N, K], and transposed in registers.
 - Pointers (interpreter, unaligned operands, targets without descriptors): rows are taken modulo
   the valid row count and columns modulo N, so the K loop needs no row/column masks (duplicated
-  rows are computed and never stored); only a ragged K is masked (`EVEN_K` drops it).
+  rows are computed and never stored); only a ragged K is masked (`EVEN_K` drops it). Offsets
+  are int64 (`operand_pointers`, and the stores).
 
 C is always addressable by pointer (GEMM-RS stores into a peer's heap that way); `C_TMA` stores
 through a descriptor `c_desc` instead. `SUBTILE` stores the tile in two column halves, which halves
@@ -49,6 +50,21 @@ def tile_coords(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def operand_pointers(a_ptr, b_ptr, pid_m, pid_n, M, N, k0, stride_am, stride_ak, stride_bk, stride_bn,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Pointers to tile (pid_m, pid_n)'s first K block of A (rows taken modulo M) and of B (columns
+    modulo N), from K index k0. Offsets are int64: a row index times a row stride passes 2^31 as
+    soon as an operand has 2^31 elements (a 16384-token step against a 152k vocabulary), and int32
+    products would wrap to a wrong or illegal address."""
+    rows = ((pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M).to(tl.int64)
+    cols = ((pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N).to(tl.int64)
+    ks = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
+    b_ptrs = b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+    return a_ptrs, b_ptrs
+
+
+@triton.jit
 def gemm_tile(a_ptr, b_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_am, stride_ak, stride_bk, stride_bn,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
               INTERPRET: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr):
@@ -68,11 +84,9 @@ def gemm_tile(a_ptr, b_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_am, stride
             else:
                 acc = tl.dot(a, b, acc)
     else:
-        rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
-        cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
         ks = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + rows[:, None] * stride_am + (k_lo * BLOCK_K + ks)[None, :] * stride_ak
-        b_ptrs = b_ptr + (k_lo * BLOCK_K + ks)[:, None] * stride_bk + cols[None, :] * stride_bn
+        a_ptrs, b_ptrs = operand_pointers(a_ptr, b_ptr, pid_m, pid_n, M, N, k_lo * BLOCK_K, stride_am, stride_ak,
+                                          stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K)
         for k in range(k_lo, k_hi):
             if EVEN_K:
                 a = tl.load(a_ptrs)
@@ -99,7 +113,7 @@ def _store_part(c_ptr, c_desc, part, pid_m, col0, M, N, stride_cm, stride_cn,
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = col0 + tl.arange(0, WIDTH)
         mask = (rows < M)[:, None] & (cols < N)[None, :]
-        tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn,
+        tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols.to(tl.int64)[None, :] * stride_cn,
                  part.to(c_ptr.dtype.element_ty), mask=mask, cache_modifier=CACHE)
 
 

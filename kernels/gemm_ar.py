@@ -10,7 +10,7 @@ slices of a tile summed on the sending rank before the push (a workspace round t
 and the program that pushes would then be whichever slice finished last, not a fixed one.
 
 The exchange is the one-shot all-reduce's (kernels/allreduce.py): receive slots hold NOT_YET until
-a push overwrites them, pushes are _sendable bits rounded to the dtype (so the sum is the stock
+a push overwrites them, pushes are lamport.sendable bits rounded to the dtype (so the sum is the stock
 path's: each rank's partial rounded, then summed in fp32 in rank order 0..W-1), the reader resets
 what it consumed, and two slots alternate by call parity. The parity is the call's number, kept
 in device memory by kernels/calls.py (one counter for the whole op, not one per chunk: the tiling,
@@ -23,23 +23,22 @@ of this rank still has to push) take tiles p, p + P, ... in two passes: first ev
 multiplied and pushed, its own copy stored into this rank's slot for the second pass; then every
 tile waits for its peers' copies, sums, stores. No wait comes before a push, so no rank waits on a
 tile that its peer's programs have not reached. A rank whose heap already holds an error pushes
-nothing; a wait that gives up (bounded by max_spins) records rank, peer and address in the error
-slot, leaves its tile unwritten and ends its program's work.
+nothing; a wait that gives up (bounded in time: lamport.wait_landed) records rank, peer and address
+in the error slot and ends its program's work: the rest of its tiles are NaN.
 """
 
 import triton
 import triton.language as tl
 
 from tp_overlap_plugin.kernels import calls, rma
-from tp_overlap_plugin.kernels.allreduce import (_bits, _flag, _not_yet, _peer_tile, _sendable, _sum_in_rank_order,
-                                                 _wait_landed)
+from tp_overlap_plugin.kernels.lamport import bits, flag, not_yet, peer_tile, sendable, sum_in_rank_order, wait_landed
 from tp_overlap_plugin.kernels.gemm import gemm_tile, store_tile, tile_coords
 
 
 @triton.jit
 def gemm_all_reduce_kernel(a_ptr, b_ptr, bias_ptr, out_ptr, slots_ptr, calls_ptr, M, N, K, stride_am, stride_bk,
                            stride_bn, stride_om, slot_stride, src_stride, row_stride, rank, heap_bases, error_ptr,
-                           max_spins, W: tl.constexpr, PEERS: tl.constexpr, BLOCK_M: tl.constexpr,
+                           W: tl.constexpr, PEERS: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_M: tl.constexpr,
                            GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr,
                            HAS_BIAS: tl.constexpr, PEER_STORE: tl.constexpr, POLL_LOAD: tl.constexpr):
@@ -60,20 +59,20 @@ def gemm_all_reduce_kernel(a_ptr, b_ptr, bias_ptr, out_ptr, slots_ptr, calls_ptr
         pid_m, pid_n = tile_coords(t, tiles_m, tiles_n, GROUP_M)
         acc = gemm_tile(a_ptr, b_ptr, pid_m, pid_n, M, N, K, 0, k_blocks, stride_am, 1, stride_bk, stride_bn,
                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, False, False)
-        bits = _sendable(_bits(acc.to(dtype)))
+        payload = sendable(bits(acc.to(dtype)))
         for q in tl.static_range(1, W):
             there = rma.translate(mine, rank, (rank + q) % W, heap_bases)
-            store_tile(there, there, bits, pid_m, pid_n, push_rows, N, row_stride, 1, BLOCK_M, BLOCK_N, False, False,
+            store_tile(there, there, payload, pid_m, pid_n, push_rows, N, row_stride, 1, BLOCK_M, BLOCK_N, False, False,
                        PEER_STORE)
-        store_tile(mine, mine, bits, pid_m, pid_n, M, N, row_stride, 1, BLOCK_M, BLOCK_N, False, False)
+        store_tile(mine, mine, payload, pid_m, pid_n, M, N, row_stride, 1, BLOCK_M, BLOCK_N, False, False)
     tl.debug_barrier()  # my own tiles, stored above, are read back below by other threads
     ok = live
-    pcols, srcs = _peer_tile(rank, W, PEERS)
+    pcols, srcs = peer_tile(rank, W, PEERS)
     lane = tl.arange(0, SUB_M * BLOCK_N)
     for t in range(tl.program_id(0), tiles, P):
         pid_m, pid_n = tile_coords(t, tiles_m, tiles_n, GROUP_M)
         for r0 in range(0, BLOCK_M, SUB_M):
-            if ok & _flag(pid_m * BLOCK_M + r0 < M):
+            if ok & flag(pid_m * BLOCK_M + r0 < M):
                 # a receive tile is SUB_M rows of the output tile, flattened, beside every peer's copy
                 rows = pid_m * BLOCK_M + r0 + lane // BLOCK_N
                 cols = pid_n * BLOCK_N + lane % BLOCK_N
@@ -82,14 +81,17 @@ def gemm_all_reduce_kernel(a_ptr, b_ptr, bias_ptr, out_ptr, slots_ptr, calls_ptr
                 own = tl.load(mine + offs, mask=mask, other=0)
                 ptrs = slot + srcs.to(tl.int64) * src_stride + offs[:, None]
                 m = mask[:, None] & (pcols < W - 1)
-                tile, landed = _wait_landed(ptrs, m, srcs, epoch, rank, heap_bases, error_ptr, max_spins, POLL_LOAD)
+                tile, landed = wait_landed(ptrs, m, srcs, epoch, rank, heap_bases, error_ptr, POLL_LOAD)
                 ok = ok & landed
                 if ok:
-                    total = _sum_in_rank_order(tile, own.to(dtype, bitcast=True).to(tl.float32), rank, W, dtype)
+                    total = sum_in_rank_order(tile, own.to(dtype, bitcast=True).to(tl.float32), rank, W, dtype)
                     if HAS_BIAS:  # after the sum, rounded as the stock path's `all_reduce(y) + bias` is
                         bias = tl.load(bias_ptr + cols, mask=cols < N, other=0).to(tl.float32)
                         total = total.to(dtype).to(tl.float32) + bias
                     store_tile(out_ptr, out_ptr, tl.reshape(total, (SUB_M, BLOCK_N)), (pid_m * BLOCK_M + r0) // SUB_M,
                                pid_n, M, N, stride_om, 1, SUB_M, BLOCK_N, False, False)
-                    _not_yet(ptrs, m)
+                    not_yet(ptrs, m)
+            if not ok:
+                store_tile(out_ptr, out_ptr, tl.full((SUB_M, BLOCK_N), float("nan"), tl.float32),
+                           (pid_m * BLOCK_M + r0) // SUB_M, pid_n, M, N, stride_om, 1, SUB_M, BLOCK_N, False, False)
     calls.finish_call(calls_ptr, epoch)

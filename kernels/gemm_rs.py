@@ -53,7 +53,7 @@ def _chunk(c, per_shard, CHUNKS: tl.constexpr):
 
 @triton.jit
 def gemm_rs_kernel(a_ptr, b_ptr, c_ptr, recv_ptr, rows, N, K, stride_am, stride_bk, stride_bn, slot_stride,
-                   counts_ptr, calls_ptr, rank, heap_bases, error_ptr, max_spins,
+                   counts_ptr, calls_ptr, rank, heap_bases, error_ptr,
                    WORLD: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr,
                    FLATTEN: tl.constexpr):
@@ -62,7 +62,7 @@ def gemm_rs_kernel(a_ptr, b_ptr, c_ptr, recv_ptr, rows, N, K, stride_am, stride_
 
     Once this rank has given up on a peer, the program stores nothing into peers' heaps and counts
     nothing there (its stream no longer orders those stores after the owner's last read of that
-    half), and computes none of its own tiles: their partials may never arrive."""
+    half), and computes none of its own tiles (their partials may never arrive): they are NaN."""
     epoch, ok = calls.begin_call(calls_ptr, error_ptr)
     half = epoch % 2
     P = tl.num_programs(0)
@@ -108,7 +108,7 @@ def gemm_rs_kernel(a_ptr, b_ptr, c_ptr, recv_ptr, rows, N, K, stride_am, stride_
         for peer in tl.static_range(WORLD):
             if peer != rank:
                 ok = ok & rma.signal_wait(counts_half + ((peer - rank - 1 + WORLD) % WORLD) * CHUNKS + c,
-                                          tl.cast(size, tl.int64), rank, peer, heap_bases, error_ptr, max_spins)
+                                          tl.cast(size, tl.int64), rank, peer, heap_bases, error_ptr)
         first = peers_items + lo
         end = first + size
         if not ok:
@@ -125,6 +125,11 @@ def gemm_rs_kernel(a_ptr, b_ptr, c_ptr, recv_ptr, rows, N, K, stride_am, stride_
                                    tl.where(src == rank, 0, rows), N, BLOCK_M, BLOCK_N)
                 total += tl.where(src == rank, mine, theirs)
             store_tile(c_ptr, c_ptr, total, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N, False, False)
+        if not ok:  # rows whose partials may never arrive: NaN, not stale or uninitialised memory
+            for item in range(calls.first_item(first, P), first + size, P):
+                pid_m, pid_n = tile_coords(item - peers_items, row_blocks, tiles_n, GROUP_M)
+                store_tile(c_ptr, c_ptr, tl.full((BLOCK_M, BLOCK_N), float("nan"), tl.float32), pid_m, pid_n, rows, N,
+                           N, 1, BLOCK_M, BLOCK_N, False, False)
     if calls.finish_call(calls_ptr, epoch):
         # every program has passed its waits on this half's counts: zero them for call e + 2
         for s in tl.static_range((WORLD - 1) * CHUNKS):

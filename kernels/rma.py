@@ -8,10 +8,13 @@ Flags are int64 monotonic epochs with exactly one writer per slot. They are neve
 compares against the epoch it expects, so CUDA-graph replays (which advance the epoch in device
 memory) and the Triton interpreter (whose atomics are not atomic across processes) are both correct.
 
-Every spin is bounded. A wait that gives up records (rank, peer, flag offset, expected, seen) in the
-heap's error slot and returns False; later waits on the same rank see the slot and give up at once,
-so a dead peer costs one spin limit, not one per flag. The host turns the slot into an exception
-(SymmetricHeap.check).
+Every spin is bounded in wall-clock time: a wait gives up once the heap's timeout (a word of the error
+slot, set by the host from `heap_timeout_s`, the same for every world size and poll cost) has passed
+since it started, on a device clock (`triton_compat.clock_ns`: %globaltimer on NVIDIA, s_memrealtime
+on AMD, the host clock under the interpreter). A wait that gives up records (rank, peer, flag offset,
+expected, seen) in the heap's error slot and returns False; later waits on the same rank see the
+slot and give up at once, so a dead peer costs one timeout, not one per flag. The host turns the
+slot into an exception (SymmetricHeap.check).
 
 A failed wait must stop what depends on it, so its answer drives control flow, and control flow that
 holds a CTA barrier must be taken alike by all threads. Triton treats a scalar as uniform without
@@ -25,6 +28,8 @@ atomic read, one round trip for the program, after threads have polled on their 
 import triton
 import triton.language as tl
 
+from tp_overlap_plugin.kernels import triton_compat
+
 # error-slot words, mirrored in tp_overlap_plugin/heap.py
 _ERR_CODE = tl.constexpr(0)
 _ERR_RANK = tl.constexpr(1)
@@ -32,6 +37,7 @@ _ERR_PEER = tl.constexpr(2)
 _ERR_FLAG_OFFSET = tl.constexpr(3)
 _ERR_EXPECTED = tl.constexpr(4)
 _ERR_SEEN = tl.constexpr(5)
+_ERR_TIMEOUT_NS = tl.constexpr(7)  # not an error: the wait bound, in ns, set by the host
 
 # Defaults of constexpr parameters must be constexpr objects: Triton 3.6 passes a plain str
 # default through unwrapped and fails to compile the call.
@@ -95,6 +101,13 @@ def signal_set(flag_ptr, value, rank, peer, heap_bases):
 
 
 @triton.jit
+def timeout_ns(error_ptr):
+    """How long a wait may spin, in ns: one word in device memory, so a test or a CUDA graph
+    replay takes the current value without a recompile."""
+    return tl.load(error_ptr + _ERR_TIMEOUT_NS)
+
+
+@triton.jit
 def no_error(error_ptr):
     """True, alike in every thread, while no wait of this rank has given up."""
     return tl.atomic_add(error_ptr, 0, sem="acquire", scope="gpu") == 0
@@ -118,29 +131,30 @@ def report_stuck(flag_ptr, expected, seen, rank, peer, heap_bases, error_ptr):
 
 
 @triton.jit
-def signal_wait(flag_ptr, expected, rank, peer, heap_bases, error_ptr, max_spins):
+def signal_wait(flag_ptr, expected, rank, peer, heap_bases, error_ptr):
     """Wait until my flag (written by `peer`) reaches `expected`. Returns one decision for the program,
     the same in every thread: True when the flag has landed (acquired), False when it gave up at the
-    spin bound or because an earlier wait of this rank had (the error slot then names the first).
+    time bound or because an earlier wait of this rank had (the error slot then names the first).
 
-    Threads poll on their own, with volatile loads (the cheapest round trip measured) and no barrier
-    in the loop, so they may leave it at different polls, e.g. when the flag lands as the bound is
-    hit. Flags only grow, so one acquiring atomic read after the loop, whose result every thread
-    receives, sees at least what any thread saw: that is the decision, and its acquire orders the
-    data reads after it. Both branches after it contain barriers.
+    Threads poll on their own, with volatile loads (the cheapest round trip measured), each with its
+    own reading of the clock and no barrier in the loop, so they may leave it at different polls,
+    e.g. when the flag lands as the bound is hit. Flags only grow, so one acquiring atomic read
+    after the loop, whose result every thread receives, sees at least what any thread saw: that is
+    the decision, and its acquire orders the data reads after it. Both branches after it contain
+    barriers.
     `expected` must be the same in every thread too: a kernel argument, or a value every thread
     loaded before any thread could change it.
 
     To mask a block with the result, combine it first (`ok = True` ... `ok = ok & signal_wait(...)`):
     the Triton 3.9 interpreter gives a bare scalar comparison its operands' integer type, and a
     mask broadcast from it is rejected by tl.load/tl.store."""
+    timeout = timeout_ns(error_ptr)
+    start = triton_compat.clock_ns()
     seen = tl.load(flag_ptr, volatile=True)
     failed = tl.load(error_ptr, volatile=True)
-    spins = 0
-    while (seen < expected) & (failed == 0) & (spins < max_spins):
+    while (seen < expected) & (failed == 0) & (triton_compat.clock_ns() - start < timeout):
         seen = tl.load(flag_ptr, volatile=True)
         failed = tl.load(error_ptr, volatile=True)
-        spins += 1
     landed = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     ok = landed >= expected
     if not ok:
@@ -150,7 +164,7 @@ def signal_wait(flag_ptr, expected, rank, peer, heap_bases, error_ptr, max_spins
 
 
 @triton.jit
-def barrier(flags_ptr, epoch, rank, world, heap_bases, error_ptr, max_spins):
+def barrier(flags_ptr, epoch, rank, world, heap_bases, error_ptr):
     """All `world` ranks meet at `epoch`. flags_ptr[s] in my heap is written only by rank s.
     A rank that has already given up on a peer does not announce its arrival: its peers then time
     out and report too, rather than run on as if it had reached the barrier."""
@@ -159,5 +173,5 @@ def barrier(flags_ptr, epoch, rank, world, heap_bases, error_ptr, max_spins):
         for peer in range(world):
             signal_set(flags_ptr + rank, epoch, rank, peer, heap_bases)
         for peer in range(world):
-            ok = ok & signal_wait(flags_ptr + peer, epoch, rank, peer, heap_bases, error_ptr, max_spins)
+            ok = ok & signal_wait(flags_ptr + peer, epoch, rank, peer, heap_bases, error_ptr)
     return ok

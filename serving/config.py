@@ -180,6 +180,8 @@ class TPOverlapConfig(BaseModel):
     enabled: bool = True
     heap_size: Optional[int] = Field(None, ge=1 << 20, description="symmetric heap bytes per rank; "
                                      "default: sized from the model's largest activation at max batch")
+    heap_timeout_s: Optional[float] = Field(None, gt=0, description="seconds a kernel waits on a peer before it "
+                                            "gives up and the step fails; default TP_OVERLAP_HEAP_TIMEOUT_S or 60")
     dispatch: Literal["table", "overlap", "stock"] = Field(
         "table", description="table: measured per-device choices (stock where unmeasured); "
                              "overlap: always our kernels; stock: never")

@@ -283,6 +283,8 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=device),
                            torch.zeros(shape, dtype=self.dtype, device=device))
                           for _ in range(self.mcfg.num_layers)]
+        if self.heap is not None and device.type == "cuda":
+            self._warm_overlap_shapes()
         if device.type == "cuda" and not cfg.enforce_eager:
             self._capture_graphs()
 
@@ -317,7 +319,7 @@ class ModelRunner:
         needed = required_heap_bytes(self.mcfg.hidden_size, max_tokens, self.world_size, self.dtype)
         size = -(-(oc.heap_size or needed) // 256) * 256
         try:
-            self.heap = SymmetricHeap(self.ctrl_group, self.device, size)
+            self.heap = SymmetricHeap(self.ctrl_group, self.device, size, timeout_s=oc.heap_timeout_s)
         except Exception as e:
             if oc.heap_size:
                 # The user's own size failed: telling them to set it would be no advice.
@@ -391,6 +393,17 @@ class ModelRunner:
                          num_decodes=0, logit_rows=[n - 1])
         self._forward(step, scratch_kv)
         del scratch_kv
+
+    def _warm_overlap_shapes(self) -> None:
+        """One forward per step size of overlap_layers.warm_up_token_counts, on every rank alike, so
+        that no kernel that waits on peers compiles mid-serving (a rank compiling stalls its peers)."""
+        from tp_overlap_plugin.gemm_config import device_table
+        from tp_overlap_plugin.overlap_layers import warm_up_token_counts
+        table = device_table(self.device)
+        limit = min(self.cfg.max_num_batched_tokens, self.max_model_len)
+        for n in warm_up_token_counts(limit, self.world_size, table.buckets if table is not None else ()):
+            self._profile_run(n)
+        self.heap.check()
 
     def _agree(self, n_blocks: int) -> int:
         # Rank 0 schedules for every rank, so all ranks must use the smallest pool any of them can hold.

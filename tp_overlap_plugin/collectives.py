@@ -10,8 +10,9 @@ import triton
 
 from tp_overlap_plugin import runtime, stats
 from tp_overlap_plugin.heap import SymmetricHeap
-from tp_overlap_plugin.kernels.allreduce import (CHUNK_BYTES, one_shot_all_reduce_kernel, peers_pow2, sub_block,
+from tp_overlap_plugin.kernels.allreduce import (CHUNK_BYTES, one_shot_all_reduce_kernel, sub_block,
                                                  two_shot_all_reduce_kernel)
+from tp_overlap_plugin.kernels.lamport import peers_pow2
 from tp_overlap_plugin.kernels.allreduce_norm import all_reduce_rmsnorm_kernel, row_blocks
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -72,6 +73,17 @@ def alloc_row_slots(heap: SymmetricHeap, max_rows: int, n: int, dtype: torch.dty
     return slots
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of two tensors intersect (from the first to the last element)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    def span(t):
+        lo = t.data_ptr()
+        return lo, lo + (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def _bits_view(buf: torch.Tensor, elsize: int) -> torch.Tensor:
     return buf.view(BITS[elsize])
 
@@ -120,6 +132,7 @@ class HeapAllReduce:
             t.zero_()
         self.num_programs = resident_programs(heap.device)
         self.cache_modifiers = cache_modifiers(heap.device)
+        self.stream_order = runtime.StreamOrder()
         # per element size: the slots as words of that size, and the tile shapes (the host's
         # per-call work stays a lookup: eager calls are host-bound)
         self._launch = {}
@@ -187,22 +200,25 @@ class HeapAllReduce:
                              f"{self.one_shot_bytes} (its receive slots take 2 * world * one_shot_max_bytes of "
                              f"heap); use algorithm='two_shot' or build HeapAllReduce with a larger "
                              f"one_shot_max_bytes")
+        self.stream_order.before_call(x.device)
         stats.record(f"all_reduce.{algorithm}")
         h, W = self.heap, self.world
         launch = self._launch[x.element_size()]
         grid = (min(triton.cdiv(x.numel(), launch["block"]), self.num_programs),)
         if algorithm == "one_shot":
             slots = launch["one_shot"]
-            one_shot_all_reduce_kernel[grid](x, out, slots, self.one_shot_epochs, x.numel(), slots.stride(0),
-                                             slots.stride(1), h.rank, h.heap_bases, h.error, h.spin_limit, W=W,
-                                             PEERS=launch["peers"], BLOCK=launch["block"], SUB=launch["sub"],
-                                             num_warps=NUM_WARPS, **self.cache_modifiers)
+            one_shot_all_reduce_kernel[grid](
+                x_ptr=x, out_ptr=out, slots_ptr=slots, epoch_ptr=self.one_shot_epochs, n=x.numel(),
+                slot_stride=slots.stride(0), src_stride=slots.stride(1), rank=h.rank, heap_bases=h.heap_bases,
+                error_ptr=h.error, W=W, PEERS=launch["peers"], BLOCK=launch["block"], SUB=launch["sub"],
+                num_warps=NUM_WARPS, **self.cache_modifiers)
         else:
             scatter, gather = launch["scatter"], launch["gather"]
-            two_shot_all_reduce_kernel[grid](x, out, scatter, gather, self.two_shot_epochs, x.numel(),
-                                             scatter.stride(0), scatter.stride(1), gather.stride(0), h.rank,
-                                             h.heap_bases, h.error, h.spin_limit, W=W, BLOCK=launch["block"],
-                                             num_warps=NUM_WARPS, **self.cache_modifiers)
+            two_shot_all_reduce_kernel[grid](
+                x_ptr=x, out_ptr=out, scatter_ptr=scatter, gather_ptr=gather, epoch_ptr=self.two_shot_epochs,
+                n=x.numel(), scatter_slot_stride=scatter.stride(0), scatter_src_stride=scatter.stride(1),
+                gather_slot_stride=gather.stride(0), rank=h.rank, heap_bases=h.heap_bases, error_ptr=h.error, W=W,
+                BLOCK=launch["block"], num_warps=NUM_WARPS, **self.cache_modifiers)
         h.check_if_free()
         return out
 
@@ -238,6 +254,7 @@ class HeapAllReduceNorm:
         self.cache_modifiers = cache_modifiers(heap.device)
         on_gpu = heap.device.type == "cuda"
         self.num_warps = norm_num_warps(torch.cuda.get_device_properties(heap.device).warp_size if on_gpu else 32)
+        self.stream_order = runtime.StreamOrder()
         heap.publish()
 
     @staticmethod
@@ -269,19 +286,28 @@ class HeapAllReduceNorm:
                                  f"strides {t.stride()}")
         if x.device != self.heap.device:
             raise ValueError(f"all_reduce_rmsnorm input is on {x.device}, but the heap is on {self.heap.device}")
+        for name, t in (("out", out), ("residual_out", residual_out)):
+            for src_name, src in (("x", x), ("residual", residual)):
+                # the kernel stores rows while later rows (and peers' pushes of them) are still read
+                if t is not None and t.numel() and _overlap(t, src):
+                    raise ValueError(f"all_reduce_rmsnorm {name} overlaps {src_name}: the kernel writes a row's "
+                                     f"outputs while it still reads the inputs; pass separate tensors")
         rows = x.shape[0]
         normed = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
         new_residual = (residual_out if residual_out is not None
                         else torch.empty_like(x, memory_format=torch.contiguous_format))
         if rows == 0:
             return normed, new_residual
+        self.stream_order.before_call(x.device)
         stats.record("all_reduce_norm.kernel")
         h, W = self.heap, self.heap.world_size
         all_reduce_rmsnorm_kernel[(min(rows * self.pieces, self.num_programs),)](
-            x, residual, weight, bias if bias is not None else weight, normed, new_residual, self.slots,
-            self.push_epochs, self.row_epochs, rows, self.hidden, x.stride(0), residual.stride(0), normed.stride(0),
-            new_residual.stride(0), self.slots.stride(0), self.slots.stride(1), self.slots.stride(2), eps, rank=h.rank,
-            heap_bases=h.heap_bases, error_ptr=h.error, max_spins=h.spin_limit, W=W, PEERS=peers_pow2(W),
+            x_ptr=x, res_ptr=residual, w_ptr=weight, bias_ptr=bias if bias is not None else weight, out_ptr=normed,
+            res_out_ptr=new_residual, slots_ptr=self.slots, push_epoch_ptr=self.push_epochs,
+            row_epoch_ptr=self.row_epochs, rows=rows, n=self.hidden, stride_x=x.stride(0),
+            stride_res=residual.stride(0), stride_out=normed.stride(0), stride_res_out=new_residual.stride(0),
+            slot_stride=self.slots.stride(0), src_stride=self.slots.stride(1), row_stride=self.slots.stride(2),
+            eps=eps, rank=h.rank, heap_bases=h.heap_bases, error_ptr=h.error, W=W, PEERS=peers_pow2(W),
             BLOCK=self.block, SUB=self.sub, ONE_TILE=self.hidden <= self.sub, HAS_BIAS=bias is not None,
             num_warps=self.num_warps, **self.cache_modifiers)
         h.check_if_free()

@@ -44,10 +44,51 @@ def register_all_reduce(key: str, heap_all_reduce: HeapAllReduce,
     if bf16_via_fp32 is None:
         bf16_via_fp32 = heap_all_reduce.heap.device.type == "cpu"
     _reducers[key] = _Reducer(heap_all_reduce, fallback, bf16_via_fp32, choose)
+    watch_graphs(heap_all_reduce.heap)
 
 
 def registered(key: str) -> bool:
     return key in _reducers
+
+
+# Heaps whose error word CUDA graphs carry to the host (watch_graphs), and whether torch's CUDAGraph is
+# patched for it (once per process).
+_watched: list = []
+_graphs_patched = False
+
+
+def watch_graphs(heap) -> None:
+    """Surface a failed wait of `heap` under CUDA-graph replay, where the op's Python does not run.
+
+    Every graph captured in this process ends with a copy of the heap's error word into pinned host
+    memory (a node after all of the step's kernels), and every replay first reads the word the last
+    replay left there: host memory, no sync, no device time beyond one 8-byte copy per graph. An
+    engine waits for a step's tokens (its own sync, after the copy in stream order) before it runs
+    the next step, so a step whose wait gave up raises RankTimeoutError at the next replay at the
+    latest: within one step. (vLLM's adapter: vLLM captures and replays through torch.cuda.CUDAGraph.)"""
+    global _graphs_patched
+    if heap.device.type != "cuda" or heap in _watched:
+        return
+    heap.queue_error_copy()  # allocates the pinned word outside any capture
+    _watched.append(heap)
+    if _graphs_patched:
+        return
+    graph_cls = torch.cuda.CUDAGraph
+    capture_end, replay = graph_cls.capture_end, graph_cls.replay
+
+    def capture_end_with_error_copy(self, *args, **kwargs):
+        for h in _watched:
+            h.queue_error_copy()
+        return capture_end(self, *args, **kwargs)
+
+    def replay_after_check(self, *args, **kwargs):
+        for h in _watched:
+            h.raise_if_seen()
+        return replay(self, *args, **kwargs)
+
+    graph_cls.capture_end = capture_end_with_error_copy
+    graph_cls.replay = replay_after_check
+    _graphs_patched = True
 
 
 @torch.library.custom_op("tp_overlap::all_reduce", mutates_args=())

@@ -25,6 +25,7 @@ import fcntl
 import mmap
 import os
 import uuid
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -36,8 +37,10 @@ DEFAULT_HEAP_SIZE = 256 << 20
 HEAP_SIZE_SETTING = "heap_size (TP_OVERLAP_HEAP_SIZE, or tp_overlap.heap_size in the engine config)"
 SHM_PREFIX = "tp_overlap-"
 
-# Error-slot layout (int64 words). Written only by a kernel whose spin-wait gave up.
+# Error-slot layout (int64 words), mirrored in kernels/rma.py. Written only by a kernel whose wait gave
+# up, except ERR_TIMEOUT_NS: the wait bound that kernels read, set by the host.
 ERR_CODE, ERR_RANK, ERR_PEER, ERR_FLAG_OFFSET, ERR_EXPECTED, ERR_SEEN = range(6)
+ERR_TIMEOUT_NS = 7
 ERR_WORDS = 8
 ERR_TIMEOUT = 1
 
@@ -67,12 +70,18 @@ def default_heap_size() -> int:
     return int(os.environ.get("TP_OVERLAP_HEAP_SIZE", DEFAULT_HEAP_SIZE))
 
 
-def default_spin_limit(device: torch.device) -> int:
-    env = os.environ.get("TP_OVERLAP_SPIN_LIMIT")
-    if env:
-        return int(env)
-    # The interpreter spends ~0.1 ms per poll; a GPU ~0.5 us. Both give up after roughly 20 s.
-    return 200_000 if device.type == "cpu" else 40_000_000
+# How long a wait on a peer spins before it gives up, in seconds of wall-clock time, whatever the world
+# size, the device or the cost of a poll. Long enough for a peer's first-time JIT compile or a GC
+# pause (the engine compiles every kernel it can hit during warm-up); a dead peer is reported after it.
+DEFAULT_HEAP_TIMEOUT_S = 60.0
+HEAP_TIMEOUT_SETTING = "heap_timeout_s (TP_OVERLAP_HEAP_TIMEOUT_S, or tp_overlap.heap_timeout_s in the engine config)"
+
+
+def default_timeout_s() -> float:
+    if os.environ.get("TP_OVERLAP_SPIN_LIMIT"):
+        warnings.warn("TP_OVERLAP_SPIN_LIMIT is no longer read: waits are bounded in seconds by "
+                      f"{HEAP_TIMEOUT_SETTING}", stacklevel=3)
+    return float(os.environ.get("TP_OVERLAP_HEAP_TIMEOUT_S", DEFAULT_HEAP_TIMEOUT_S))
 
 
 @dataclass(frozen=True)
@@ -89,7 +98,7 @@ class SymmetricHeap:
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device | str,
                  heap_size: int | None = None, backend: str | None = None,
-                 spin_limit: int | None = None):
+                 timeout_s: float | None = None):
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
@@ -101,7 +110,6 @@ class SymmetricHeap:
             raise ValueError(f"heap_size must be a multiple of {ALIGN} bytes and at least 64 KiB, "
                              f"got {self.heap_size}")
         self.backend_name = backend or default_backend(self.device)
-        self.spin_limit = spin_limit if spin_limit is not None else default_spin_limit(self.device)
         backend_cls = _BACKENDS.get(self.backend_name)
         if backend_cls is None:
             raise ValueError(f"unknown heap backend {self.backend_name!r}; choose from {sorted(_BACKENDS)}")
@@ -120,6 +128,9 @@ class SymmetricHeap:
         self._polls = 0
         self.error = self.alloc((ERR_WORDS,), torch.int64, name="error_slot")
         self.error.zero_()
+        self.timeout_s = timeout_s if timeout_s is not None else default_timeout_s()
+        from tp_overlap_plugin.runtime import StreamOrder
+        self._barrier_order = StreamOrder()
         self._barrier_flags = self.alloc((self.world_size,), torch.int64, name="host_barrier.flags")
         self._barrier_flags.zero_()
         self._barrier_epoch = self.alloc((1,), torch.int64, name="host_barrier.epoch")
@@ -186,13 +197,27 @@ class SymmetricHeap:
 
     # ---- errors and host synchronisation ------------------------------------------------------
 
+    @property
+    def timeout_s(self) -> float:
+        """How long a kernel's wait on a peer spins before it gives up (seconds, wall clock)."""
+        return self._timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, seconds: float) -> None:
+        if not 0 < seconds < 1e9:
+            raise ValueError(f"heap timeout must be a positive number of seconds, got {seconds}; "
+                             f"set {HEAP_TIMEOUT_SETTING}")
+        self._timeout_s = float(seconds)
+        # a device word the kernels read (rma.timeout_ns), written in stream order before later launches
+        self.error[ERR_TIMEOUT_NS] = int(seconds * 1e9)
+
     def check(self) -> None:
         """Raise if a kernel of this rank gave up waiting on a peer. Synchronises with the device."""
         err = self.error.tolist()
         if err[ERR_CODE] == 0:
             return
         raise RankTimeoutError(
-            f"rank {err[ERR_RANK]} gave up after {self.spin_limit} spins waiting for rank "
+            f"rank {err[ERR_RANK]} gave up after {self.timeout_s:g} s waiting for rank "
             f"{err[ERR_PEER]} to set flag {self.describe_offset(err[ERR_FLAG_OFFSET])} to epoch "
             f"{err[ERR_EXPECTED]} (saw {err[ERR_SEEN]}); the peer crashed, hung, or the ranks "
             f"issued different collectives. The heap is unusable now; restart the group.")
@@ -211,14 +236,29 @@ class SymmetricHeap:
         from tp_overlap_plugin import runtime
         if runtime.capturing(self.device):
             return
+        self.raise_if_seen()
+        if self._polls % self.POLL_EVERY == 0:
+            self.queue_error_copy()
+        self._polls += 1
+
+    def queue_error_copy(self) -> None:
+        """Queue a copy of the error word into pinned host memory behind the work queued so far on
+        the current stream (inside a graph capture: a node of the graph, run by every replay)."""
         if self._error_seen is None:
             self._error_seen = torch.zeros(1, dtype=torch.int64).pin_memory()
             self._error_seen_view = self._error_seen.numpy()
-        elif self._error_seen_view[0] != 0:
+        self._error_seen.copy_(self.error[:1], non_blocking=True)
+
+    def raise_if_seen(self) -> None:
+        """Raise like check() if the last copy of the error word that has landed on the host shows a
+        failed wait; reads host memory only."""
+        if self._error_seen is not None and self._error_seen_view[0] != 0:
             self.check()
-        if self._polls % self.POLL_EVERY == 0:
-            self._error_seen.copy_(self.error[:1], non_blocking=True)
-        self._polls += 1
+
+    def memory_lock(self):
+        """A context in which host stores into the CPU heap are ordered with the interpreter's memory
+        operations of every rank (they take the same lock: _InterpreterMemoryLock); a no-op on GPUs."""
+        return _InterpreterMemoryLock.holding() if self.device.type == "cpu" else contextlib.nullcontext()
 
     def check_if_free(self) -> None:
         """After a launch: check where reading the error slot costs nothing (the CPU). On a GPU it is a
@@ -237,6 +277,7 @@ class SymmetricHeap:
     def barrier(self) -> None:
         """Device-side barrier across the heap's ranks (the same kernel graphs capture)."""
         from tp_overlap_plugin.kernels.barrier import launch_barrier
+        self._barrier_order.before_call(self.device)
         launch_barrier(self, self._barrier_flags, self._barrier_epoch)
         self.check_if_free()
 
@@ -325,15 +366,31 @@ class _InterpreterMemoryLock:
 
     def __init__(self, fd: int):
         self.fd = fd
-        from triton.runtime import interpreter  # a heap in host memory is only ever run by the interpreter
-        native = interpreter._interpreter
+        # a heap in host memory is only ever run by the interpreter
+        from tp_overlap_plugin.kernels import triton_compat
+        native = triton_compat.interpreter_native()
         if not isinstance(native, _LockedNative):
             missing = [op for op in self.OPS if not hasattr(native, op)]
             if missing:
                 raise RuntimeError(f"this Triton's interpreter has no {missing} in its native module; the CPU "
                                    f"heap cannot make its memory operations atomic between ranks")
-            interpreter._interpreter = _LockedNative(native)
+            triton_compat.set_interpreter_native(_LockedNative(native))
         self._held.append(self)
+
+    @classmethod
+    @contextlib.contextmanager
+    def holding(cls):
+        """The lock the interpreter's memory operations take now, held by the host (a flock: a full
+        fence on both sides)."""
+        fd = cls._held[-1].fd if cls._held else None
+        if fd is None:
+            yield
+            return
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
 
     def release(self) -> None:
         if self in self._held:
@@ -513,6 +570,41 @@ class _IpcBackend:
 
 
 _BACKENDS = {"shm": _ShmBackend, "torch": _TorchSymmBackend, "ipc": _IpcBackend}
+
+
+_WRITE_VALUE: list = []  # the driver's stream write-value function, once loaded
+
+
+def _stream_write_value_fn():
+    """cuStreamWriteValue32 (the CUDA driver) or hipStreamWriteValue32 (the HIP runtime), through ctypes:
+    torch exposes no stream write-value for arbitrary device memory (torch 2.11-2.13 have one only
+    inside symmetric memory's private ops)."""
+    if not _WRITE_VALUE:
+        hip = torch.version.hip is not None
+        lib = _load_runtime(True) if hip else ctypes.CDLL("libcuda.so.1")
+        names = ["hipStreamWriteValue32"] if hip else ["cuStreamWriteValue32_v2", "cuStreamWriteValue32"]
+        fn = next((getattr(lib, n) for n in names if hasattr(lib, n)), None)
+        if fn is None:
+            raise RuntimeError(f"the GPU runtime has none of {names}; the copy-engine push needs a stream write-value")
+        fn.restype = ctypes.c_int
+        # (stream, address, value, flags): CUdeviceptr is a 64-bit integer, hip takes a void*
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64 if not hip else ctypes.c_void_p, ctypes.c_uint32,
+                       ctypes.c_uint]
+        _WRITE_VALUE.append(fn)
+    return _WRITE_VALUE[0]
+
+
+def stream_write_value32(word: torch.Tensor, value: int) -> None:
+    """Enqueue on the current stream a write of `value` into the 4-byte word `word` (device memory), as
+    a stream memory operation with default flags: the driver fences every earlier write of the
+    stream system-wide before it, copy-engine writes to peers included. Capturable in a graph (the
+    value is then fixed)."""
+    if word.element_size() * word.numel() < 4 or word.data_ptr() % 4:
+        raise ValueError("stream_write_value32 needs an aligned 4-byte word")
+    stream = torch.cuda.current_stream(word.device).cuda_stream
+    rc = _stream_write_value_fn()(stream, word.data_ptr(), value & 0xFFFFFFFF, 0)
+    if rc != 0:
+        raise RuntimeError(f"stream write-value failed with error code {rc}")
 
 
 def _load_runtime(hip: bool):

@@ -26,8 +26,10 @@ from tp_overlap_plugin.collectives import alloc_row_slots, cache_modifiers, resi
 from tp_overlap_plugin.decode_config import FMA_MAX_ROWS, MAX_ROWS, DecodeConfig, pick_decode_config
 from tp_overlap_plugin.gemm_config import (TileConfig, gemm_all_reduce_config, pick_config,  # noqa: F401
                                            prefers_cublas)
-from tp_overlap_plugin.heap import SymmetricHeap
-from tp_overlap_plugin.kernels.allreduce import TILE_ELEMS, peers_pow2
+from tp_overlap_plugin.heap import SymmetricHeap, stream_write_value32
+from tp_overlap_plugin.kernels import triton_compat
+from tp_overlap_plugin.kernels.allreduce import TILE_ELEMS
+from tp_overlap_plugin.kernels.lamport import peers_pow2
 from tp_overlap_plugin.kernels.gemm import gemm_kernel
 from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel, copy_engine_begin_kernel
 from tp_overlap_plugin.kernels.gemm_ar import gemm_all_reduce_kernel
@@ -155,12 +157,8 @@ def _descriptor_allocator(active: bool):
     if not active:
         yield
         return
-    from triton.runtime import _allocation  # the ContextVar behind triton.set_allocator (3.6-3.9)
-    token = _allocation._allocator.set(_DESCRIPTOR_SCRATCH)
-    try:
+    with triton_compat.allocator(_DESCRIPTOR_SCRATCH):
         yield
-    finally:
-        _allocation._allocator.reset(token)
 
 
 def _eager_config(cfg: TileConfig) -> TileConfig:
@@ -196,9 +194,11 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig
     plain = slices == 1 and not interpret
     warp_spec = cfg.warp_spec and plain and descs is not None
     with _descriptor_allocator(device_desc and not interpret):
-        gemm_kernel[grid](a_arg, b_arg, out, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                          out.stride(0), out.stride(1), c_desc, ws, counts, slices,
-                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        gemm_kernel[grid](a_ptr=a_arg, b_ptr=b_arg, c_ptr=out, M=m, N=n, K=k, stride_am=a.stride(0),
+                          stride_ak=a.stride(1), stride_bk=b.stride(0), stride_bn=b.stride(1), stride_cm=out.stride(0),
+                          stride_cn=out.stride(1), c_desc=c_desc, split_ws_ptr=ws, split_count_ptr=counts,
+                          split_k=slices, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                          GROUP_M=cfg.group_m,
                           EVEN_K=k % cfg.block_k == 0, INTERPRET=interpret,
                           FLATTEN=cfg.flatten and plain and not warp_spec,
                           TMA=descs is not None, B_KMAJOR=b_kmajor, C_TMA=c_tma, SUBTILE=cfg.subtile,
@@ -282,7 +282,9 @@ class AllGatherGemm:
     """c = all_gather(a_shard) @ b, the gather hidden behind the GEMM, in one persistent GEMM launch
     (kernels/ag_gemm.py) that multiplies my rows first and the peers' rows once their flags are up,
     while the copy engine moves the shards on a side stream (a memcpy of my rows into each peer's
-    heap, then one of the call number into my flag there, after a tiny kernel where the ranks meet).
+    heap, a fencing stream write-value, then a memcpy of the call number into my flag there, after
+    a tiny kernel where the ranks meet). The rows a peer delivered stay in `gathered[slot]`
+    (slot = (src - me - 1) mod W) until the next call.
 
     Capacity is fixed at construction (heap space is symmetric): `max_rows` rows per shard, `k`
     columns. Every call's state (call number) lives in device memory and the copies' addresses are
@@ -304,6 +306,9 @@ class AllGatherGemm:
         self.calls = torch.zeros(2, dtype=torch.int64, device=heap.device)  # kernels/calls.py
         self.push_value = torch.zeros(1, dtype=torch.int64, device=heap.device)
         self.stream = torch.cuda.Stream(heap.device) if heap.device.type == "cuda" else None
+        # written by a stream write-value after each peer's rows, for its fence (see _push)
+        self.fence = torch.zeros(1, dtype=torch.int32, device=heap.device)
+        self.stream_order = runtime.StreamOrder()
         # my slot and my flags in each peer's heap, in push order (rank + 1 first)
         self._at_peer = []
         for q in [(heap.rank + i) % W for i in range(1, W)]:
@@ -311,8 +316,7 @@ class AllGatherGemm:
             self._at_peer.append((heap.peer_view(self.gathered[slot], q), heap.peer_view(self.flags[slot:slot + 1], q)))
         heap.publish()
 
-    def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool = False,
-                 config: TileConfig | None = None):
+    def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
         h = self.heap
         _check_operands("ag_gemm", a_shard, b, h.device)
         rows, k = a_shard.shape
@@ -321,29 +325,33 @@ class AllGatherGemm:
         fits = rows <= self.max_rows and k == self.k and a_shard.dtype == self.dtype
         if rows == 0 or n == 0 or W == 1 or not fits or not _kernel_applies(a_shard):
             stats.record("ag_gemm.fallback")
-            a_full = runtime.all_gather(a_shard, self.device_group)
-            c = a_full @ b
-            return (c, a_full) if return_gathered else c
+            return runtime.all_gather(a_shard, self.device_group) @ b
+        self.stream_order.before_call(h.device)
+        # A rank that has given up must not push: a peer still in the previous call may be reading
+        # the rows it would overwrite. The device decides at its barrier and the copy engine cannot
+        # branch, so the host pushes nothing once it has seen the error: on the CPU at once (the
+        # barrier kernel has run), on a GPU once the error word has reached the host (poll). Known
+        # gap: on a GPU the pushes of the calls queued before that still go out.
+        h.poll()
         stats.record("ag_gemm.kernel")
         cfg = _fused_config(rows, n, k, h.device, config)
         c = torch.empty((W * rows, n), dtype=a_shard.dtype, device=h.device)
-        # a copy, ordered after the GEMM's reads: the heap's buffers are rewritten by the next call
-        a_full = torch.empty((W * rows, k), dtype=a_shard.dtype, device=h.device) if return_gathered else c
-        copy_engine_begin_kernel[(1,)](self.calls, self.push_value, self.meet, h.rank, W, h.heap_bases, h.error,
-                                       h.spin_limit, num_warps=1)
+        copy_engine_begin_kernel[(1,)](calls_ptr=self.calls, push_ptr=self.push_value, flags_ptr=self.meet,
+                                       rank=h.rank, world=W, heap_bases=h.heap_bases, error_ptr=h.error, num_warps=1)
         if self.stream is None:  # the CPU runs everything in order: the pushes must come first
+            h.check()  # this call's barrier gave up: push nothing
             self._push(a_shard)
             met = None
         else:
             met = torch.cuda.Event()
             met.record(torch.cuda.current_stream(h.device))
         ag_gemm_kernel[(num_programs(h.device),)](
-            a_shard, b, c, self.gathered, a_full, rows, n, k, b.stride(0), b.stride(1), self.max_rows * k,
-            self.flags, self.calls, h.rank, h.heap_bases, h.error, h.spin_limit,
-            WORLD=W, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            EVEN_K=k % cfg.block_k == 0, INTERPRET=h.device.type == "cpu",
-            FLATTEN=cfg.flatten and not return_gathered, GATHER=return_gathered,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            a_ptr=a_shard, b_ptr=b, c_ptr=c, gathered_ptr=self.gathered, rows=rows, N=n, K=k, stride_bk=b.stride(0),
+            stride_bn=b.stride(1), slot_stride=self.max_rows * k, flags_ptr=self.flags, calls_ptr=self.calls,
+            rank=h.rank, heap_bases=h.heap_bases, error_ptr=h.error, WORLD=W, BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0,
+            INTERPRET=h.device.type == "cpu", FLATTEN=cfg.flatten, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
         if met is not None:
             # enqueued after the GEMM, so the host's work for the memcpys overlaps the GPU's own rows
             main = torch.cuda.current_stream(h.device)
@@ -353,12 +361,23 @@ class AllGatherGemm:
                 self._push(a_shard)
             main.wait_stream(self.stream)
         h.check_if_free()
-        return (c, a_full) if return_gathered else c
+        return c
 
     def _push(self, a_shard: torch.Tensor) -> None:
+        """Into each peer's heap: my rows, then my flag (the call number). Stream order alone says the
+        rows' copy has completed before the flag's starts, not that a peer that sees the flag sees
+        the rows: a stream write-value in between fences the earlier writes system-wide first (its
+        own value is fixed when a graph is captured, so the call number goes by memcpy after it).
+        On the CPU the flag is stored under the lock the interpreter's loads take (heap.py), after
+        the rows."""
         for there, flag in self._at_peer:
             there[:a_shard.shape[0]].copy_(a_shard, non_blocking=True)
-            flag.copy_(self.push_value, non_blocking=True)
+            if self.stream is not None:
+                stream_write_value32(self.fence, 1)
+                flag.copy_(self.push_value, non_blocking=True)
+            else:
+                with self.heap.memory_lock():
+                    flag.copy_(self.push_value)
 
 
 class GemmReduceScatter:
@@ -382,6 +401,7 @@ class GemmReduceScatter:
         self.counts = heap.alloc((2, slots, chunks), torch.int64, name="gemm_rs.counts")
         self.counts.zero_()
         self.calls = torch.zeros(2, dtype=torch.int64, device=heap.device)  # kernels/calls.py
+        self.stream_order = runtime.StreamOrder()
         heap.publish()
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
@@ -397,12 +417,14 @@ class GemmReduceScatter:
         if rows == 0 or k == 0 or W == 1 or not fits or not _kernel_applies(a):
             stats.record("gemm_rs.fallback")
             return runtime.reduce_scatter(a @ b, self.device_group)
+        self.stream_order.before_call(h.device)
         stats.record("gemm_rs.kernel")
         cfg = _fused_config(rows, n, k, h.device, config)
         c = torch.empty((rows, n), dtype=a.dtype, device=h.device)
         gemm_rs_kernel[(num_programs(h.device),)](
-            a, b, c, self.recv, rows, n, k, a.stride(0), b.stride(0), b.stride(1), self.max_rows * n,
-            self.counts, self.calls, h.rank, h.heap_bases, h.error, h.spin_limit,
+            a_ptr=a, b_ptr=b, c_ptr=c, recv_ptr=self.recv, rows=rows, N=n, K=k, stride_am=a.stride(0),
+            stride_bk=b.stride(0), stride_bn=b.stride(1), slot_stride=self.max_rows * n, counts_ptr=self.counts,
+            calls_ptr=self.calls, rank=h.rank, heap_bases=h.heap_bases, error_ptr=h.error,
             WORLD=W, CHUNKS=self.chunks, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0, INTERPRET=h.device.type == "cpu", FLATTEN=cfg.flatten,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -432,6 +454,7 @@ class GemmAllReduce:
         self.calls = torch.zeros(2, dtype=torch.int64, device=heap.device)  # kernels/calls.py
         self.programs = resident_programs(heap.device)
         self.cache_modifiers = cache_modifiers(heap.device)
+        self.stream_order = runtime.StreamOrder()
         heap.publish()
 
     @staticmethod
@@ -473,6 +496,7 @@ class GemmAllReduce:
             out = torch.empty((m, self.n), dtype=self.dtype, device=h.device)
         if m == 0:
             return out
+        self.stream_order.before_call(h.device)
         stats.record("gemm_all_reduce.kernel")
         W = h.world_size
         cfg = config or gemm_all_reduce_config(m, self.n, self.programs, h.device)
@@ -480,9 +504,11 @@ class GemmAllReduce:
         peers = peers_pow2(W)
         sub_m = max(1, min(cfg.block_m, TILE_ELEMS // (cfg.block_n * peers)))
         gemm_all_reduce_kernel[(min(tiles, self.programs),)](
-            x, weight, bias if bias is not None else out, out, self.slots, self.calls, m, self.n, k, x.stride(0),
-            weight.stride(1), weight.stride(0), out.stride(0), self.slots.stride(0), self.slots.stride(1),
-            self.slots.stride(2), h.rank, h.heap_bases, h.error, h.spin_limit, W=W, PEERS=peers,
+            a_ptr=x, b_ptr=weight, bias_ptr=bias if bias is not None else out, out_ptr=out, slots_ptr=self.slots,
+            calls_ptr=self.calls, M=m, N=self.n, K=k, stride_am=x.stride(0), stride_bk=weight.stride(1),
+            stride_bn=weight.stride(0), stride_om=out.stride(0), slot_stride=self.slots.stride(0),
+            src_stride=self.slots.stride(1), row_stride=self.slots.stride(2), rank=h.rank, heap_bases=h.heap_bases,
+            error_ptr=h.error, W=W, PEERS=peers,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SUB_M=sub_m, GROUP_M=cfg.group_m,
             EVEN_K=k % cfg.block_k == 0, INTERPRET=h.device.type == "cpu", HAS_BIAS=bias is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **self.cache_modifiers)

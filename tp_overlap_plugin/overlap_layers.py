@@ -52,6 +52,31 @@ def gemm_ar_rows(max_tokens: int) -> int:
     return max(1, min(max_tokens, GEMM_AR_ROWS))
 
 
+def warm_up_token_counts(max_tokens: int, world: int, buckets=()) -> list[int]:
+    """Step sizes (tokens) whose forwards, run once each before serving, compile every variant of the
+    kernels that wait on peers which a step of up to `max_tokens` can hit. A variant first compiled
+    mid-serving holds its rank for the compile while its peers wait: bounded by heap_timeout_s, but
+    no step should rely on that. An op's variant is fixed by its tile config, per M bucket of the
+    GEMM table (`buckets`, and gemm_config.SMALL_M without a table), and by Triton's specialisation
+    of its row count (1, a multiple of 16, or neither). So per interval between bucket edges: one row
+    count of each class, for a shard's rows (sequence-parallel ops split a step by rows across the
+    world) and for a whole step's (the replicated layout's ops)."""
+    from tp_overlap_plugin.gemm_config import SMALL_M
+    edges = sorted({0, SMALL_M, *buckets})
+
+    def rows_up_to(limit: int) -> set[int]:
+        rows = {1}
+        for lo, hi in zip(edges, edges[1:] + [limit]):
+            hi = min(hi, limit)
+            sixteen = (lo // 16 + 1) * 16
+            other = lo + 1 if (lo + 1) % 16 else lo + 2
+            rows.update(r for r in (sixteen, other) if r <= hi)
+        return rows
+
+    shard = {min(r * world, max_tokens) for r in rows_up_to(-(-max_tokens // world))}
+    return sorted(shard | rows_up_to(max_tokens))
+
+
 def required_heap_bytes(hidden: int, max_tokens: int, world: int, dtype: torch.dtype) -> int:
     """Heap for one model: AG-GEMM's [W - 1, T/W, hidden] receive buffer and GEMM-RS's two halves of
     the same shape (every column layer reads, and every row layer writes, the hidden size; one op of

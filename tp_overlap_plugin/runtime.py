@@ -22,6 +22,31 @@ def capturing(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+class StreamOrder:
+    """Keeps one op's calls in the order the host issues them, whatever streams they are issued on.
+
+    An op keeps its state in device memory (epochs, call counters, receive slots) and each call reads
+    and advances it, so its calls must run one after another: two calls running at once on two
+    streams would share an epoch, mix their slots, and end in a timeout or a wrong sum. On one stream
+    they do. A call on another stream than the op's previous call first makes its stream wait for
+    everything queued on the previous one so far (that call included): one event per switch of
+    stream, nothing per call beyond looking up the current stream. So micro-batches on two streams,
+    or the usual warm-up on a side stream before a graph capture, are correct, and serialised.
+    Exempt: the CPU (one stream) and graph capture (torch captures on a stream of its own; a
+    replay runs in the order of the stream it is launched on, without calling the op)."""
+
+    def __init__(self):
+        self.last: torch.cuda.Stream | None = None
+
+    def before_call(self, device: torch.device) -> None:
+        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return
+        stream = torch.cuda.current_stream(device)
+        if self.last is not None and stream != self.last:
+            stream.wait_stream(self.last)
+        self.last = stream
+
+
 def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
@@ -49,10 +74,11 @@ def use_triton_interpreter() -> bool:
         os.environ["TRITON_INTERPRET"] = "1"
         return True
     import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
 
-    if not isinstance(tl.cdiv, InterpretedFunction):
+    from tp_overlap_plugin.kernels import triton_compat
+
+    if not triton_compat.is_interpreted(tl.cdiv):
         return False
     from tp_overlap_plugin.kernels import allreduce, gemm
 
-    return all(isinstance(k, InterpretedFunction) for k in (gemm.gemm_kernel, allreduce.one_shot_all_reduce_kernel))
+    return all(triton_compat.is_interpreted(k) for k in (gemm.gemm_kernel, allreduce.one_shot_all_reduce_kernel))

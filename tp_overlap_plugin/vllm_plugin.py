@@ -22,6 +22,7 @@ Enabling
   size, vLLM's all-reduce where unmeasured) | "overlap" (always ours) | "stock",
   "dispatch_table": path, "max_bytes": all-reduce capacity in bytes (default 8 MiB),
   "heap_size": bytes per rank (default: what the all-reduce needs),
+  "heap_timeout_s": seconds a wait on a peer spins before it gives up (default 60),
   "backend": "torch" | "ipc" | "shm" (default per device)};
 * or the environment, read as our engine reads it: TP_OVERLAP=1 or TP_OVERLAP='{...options...}'
   turns it on (--additional-config's options win), TP_OVERLAP=0 keeps the plugin out of vLLM.
@@ -41,19 +42,19 @@ Limits
 ------
 * `tp_overlap_plugin.stats` counts op calls that run Python: under CUDA/HIP graph replay the
   captured kernel runs without it, so counts stop at capture.
-* A peer that stops answering: the kernel gives up after its spin bound (TP_OVERLAP_SPIN_LIMIT),
-  writes no output for the chunks it could not reduce, raises no flag of its own (so the peers give
-  up too), and records rank, peer and flag in the heap's error slot. vLLM's step loop has no sync
-  point of ours to read the slot at (heap.check() costs a device sync, and is not allowed during
-  graph capture), so the op polls instead: every eager call of `torch.ops.tp_overlap.all_reduce`,
-  whichever all-reduce serves it, reads the error word that an earlier call copied to pinned host
-  memory without waiting (SymmetricHeap.poll: one small copy per 16 calls) and raises
-  RankTimeoutError in the worker, which fails the step. The call that finds it comes some calls
-  after the one that timed out, once the device has run it. Under CUDA-graph replay the op's Python
-  does not run: a decode-only stretch of replays is reported at the next eager call (a step larger
-  than the captured sizes, e.g. a new prompt's prefill), and until then the timed-out all-reduce's
-  output keeps the previous replay's values. A crashed worker is also caught by vLLM's own
-  worker-death handling.
+* A peer that stops answering: the kernel gives up after the heap's timeout (`heap_timeout_s`,
+  TP_OVERLAP_HEAP_TIMEOUT_S, default 60 s, wall clock), writes NaN for the chunks it could not
+  reduce, raises no flag of its own (so the peers give up too), and records rank, peer and flag in
+  the heap's error slot. vLLM's step loop has no sync point of ours to read the slot at
+  (heap.check() costs a device sync, and is not allowed during graph capture), so:
+  - eager calls of `torch.ops.tp_overlap.all_reduce` poll: each reads the error word that an earlier
+    call copied to pinned host memory without waiting (SymmetricHeap.poll: one small copy per 16
+    calls) and raises RankTimeoutError in the worker, which fails the step;
+  - under CUDA-graph replay, where the op's Python does not run, every captured graph ends with a
+    copy of the error word to pinned memory and every replay first reads it (custom_ops.watch_graphs):
+    vLLM waits for a step's sampled tokens before the next step, so the next replay raises. A
+    failed step's all-reduce outputs are NaN meanwhile, never stale values.
+  A crashed worker is also caught by vLLM's own worker-death handling.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ _ON = ("1", "true", "on", "yes")
 class Options:
     max_bytes: int = DEFAULT_MAX_BYTES
     heap_size: int | None = None
+    heap_timeout_s: float | None = None
     backend: str | None = None
     # As in our engine (tp_overlap_plugin/dispatch.py): "table" takes the measured per-device
     # choice for each message size (stock where unmeasured), "overlap" always our kernel,
@@ -286,7 +288,7 @@ def _ensure_all_reduce(opts: Options) -> str:
     if no_table and tp.rank_in_group == 0:
         logger.warning(no_table)
     heap = SymmetricHeap(tp.cpu_group, device, heap_size=opts.resolved_heap_size(tp.world_size),
-                         backend=opts.backend)
+                         backend=opts.backend, timeout_s=opts.heap_timeout_s)
     reducer = HeapAllReduce(heap, max_bytes=opts.max_bytes, device_group=tp.device_group)
     custom_ops.register_all_reduce(key, reducer, tensor_model_parallel_all_reduce,
                                    choose=dispatcher.ipc_all_reduce)
@@ -304,16 +306,17 @@ def _use_triton_interpreter() -> None:
     from, before any plugin runs. So the setting has to be in the environment vLLM starts with;
     this checks it and says so if not."""
     import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
 
-    if not isinstance(tl.cdiv, InterpretedFunction):
+    from tp_overlap_plugin.kernels import triton_compat
+
+    if not triton_compat.is_interpreted(tl.cdiv):
         raise RuntimeError(
             "tp_overlap on the CPU runs its kernels under the Triton interpreter, but Triton was "
             "imported in this vLLM process without it. Start vLLM with TRITON_INTERPRET=1 in its "
             "environment (e.g. `TRITON_INTERPRET=1 vllm serve ...`); vLLM's CPU backend does not use "
             "Triton itself, so this changes nothing else.")
     from tp_overlap_plugin.kernels import allreduce
-    if not isinstance(allreduce.one_shot_all_reduce_kernel, InterpretedFunction):
+    if not triton_compat.is_interpreted(allreduce.one_shot_all_reduce_kernel):
         raise RuntimeError("tp_overlap_plugin.kernels was imported before TRITON_INTERPRET=1 was set "
                            "in this process; set it in the environment vLLM starts with.")
 
