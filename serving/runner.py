@@ -314,17 +314,23 @@ class ModelRunner:
                                f"on {self.device} ({e}); lower max_num_batched_tokens or set "
                                f"tp_overlap.heap_size") from e
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        dispatcher = Dispatcher.load(oc.dispatch, name, self.world_size, oc.dispatch_table)
+        dispatcher = Dispatcher.load(oc.dispatch, name, self.world_size, oc.dispatch_table, model=self.cfg.model)
         if self.rank == 0:
+            from tp_overlap_plugin.gemm_config import table_source
+            from tp_overlap_plugin.tuning.shapes import ModelDims
             log.info("tp_overlap: heap %d MiB/rank (fused-op and all-reduce buffers for %d tokens per step), "
-                     "dispatch %s (%s)", size >> 20, max_tokens, oc.dispatch, dispatcher.source)
+                     "dispatch %s (%s); GEMM configs: %s", size >> 20, max_tokens, oc.dispatch, dispatcher.source,
+                     table_source(self.device))
             if interpreted:
                 log.info("tp_overlap: on the CPU the kernels run under the Triton interpreter "
                          "(TRITON_INTERPRET=1): correct, and slow")
-            no_table = dispatcher.missing_table_warning(name, self.world_size)
-            if no_table:
-                log.warning(no_table)
-            elif self.dtype not in KERNEL_DTYPES and dispatcher.may_use_kernels:
+            dims = ModelDims.of(self.mcfg)
+            warnings = dispatcher.startup_warnings(name, self.world_size,
+                                                   dims.layers(self.world_size) + [dims.lm_head(self.world_size)],
+                                                   model=self.cfg.model)
+            for w in warnings:
+                log.warning(w)
+            if dispatcher.missing is None and self.dtype not in KERNEL_DTYPES and dispatcher.may_use_kernels:
                 log.warning("tp_overlap: the AG-GEMM and GEMM-RS kernels take %s only, so with dtype %s "
                             "those ops fall back to the stock path (all-gather / reduce-scatter, then torch "
                             "matmul); the all-reduce kernel does take it. Use --dtype bfloat16 to run them.",
