@@ -188,7 +188,15 @@ def _bench_serve(args) -> int:
 
 def _tune(args) -> int:
     """Measure the flag's tables on this machine for this TP size and model (tp_overlap_plugin/tuning/tune.py)."""
+    from tp_overlap_plugin import tables
+
     from .config import EngineConfig
+
+    try:  # before anything is measured: a cache it cannot write would lose the run
+        tables.writable_or_raise(tables.cache_dir())
+    except PermissionError as e:
+        print(f"tp-overlap tune: {e}", file=sys.stderr)
+        return 1
 
     try:
         mcfg = EngineConfig(model=args.model).load_model_config()

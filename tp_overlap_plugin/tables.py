@@ -79,13 +79,24 @@ def versions(device: str = "cuda") -> dict:
     import triton
     driver = "none"
     if device != "cpu" and torch.cuda.is_available():
-        with contextlib.suppress(Exception):
-            if torch.version.hip is not None:
-                driver = f"hip {torch.version.hip}"
-            else:
-                v = torch._C._cuda_getDriverVersion()
-                driver = f"cuda {v // 1000}.{v % 1000 // 10} (runtime {torch.version.cuda})"
+        driver = _driver_version()
     return {"torch": torch.__version__, "triton": triton.__version__, "driver": driver}
+
+
+def _driver_version() -> str:
+    """The GPU driver's version as its tool reports it (nvidia-smi, or the HIP runtime's for ROCm
+    builds), "unknown" where neither answers."""
+    import subprocess
+
+    import torch
+    if torch.version.hip is not None:
+        return f"hip {torch.version.hip}"
+    with contextlib.suppress(Exception):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10).stdout.split()
+        if out:
+            return f"nvidia {out[0]} (CUDA runtime {torch.version.cuda})"
+    return "unknown"
 
 
 def tune_command(world: int | None = None, model: str | None = None) -> str:

@@ -170,6 +170,38 @@ def build(overlap: dict | None, foundation: dict | None, gemm_ar: dict | None = 
     return table
 
 
+def _fused_markdown(t: dict, layer_ops, layer_name: str) -> str:
+    md = ""
+    md += "## GEMMs (ms)\n\n" + md_table(
+        ["op", "M", "K", "N", "sequential", "ours", "seq/ours", "chosen"],
+        [[r["op"], r["M"], r["K"], r["N"], r["sequential_ms"], r["ours_ms"], _ratio(r, "ratio", r["speedup"]),
+          r["winner"]] for r in t["gemm"]])
+    d = Dispatcher(gemm=t["gemm"], margin=t["margin"])
+    if layer_ops is None:
+        from tp_overlap_plugin.tuning.shapes import LAYER_OPS, shipped_dims
+        layer_ops = [(LAYER_OPS[layer], k, n) for layer, k, n in shipped_dims("llama-3-8b").layers(t["world"])]
+    ops = sorted(layer_ops)
+    ms = sorted({r["M"] for r in t["gemm"] if (r["op"], r["K"], r["N"]) in ops})
+    md += (f"\n## Layout per step size, {layer_name} layer (its four linear ops)\n\nSharded (sequence-parallel) "
+           "when the layer's ops, each fused where that wins, beat the sequential total by the margin.\n\n")
+    md += md_table(["M", "layout"], [[m, "sharded" if d.sequence_parallel(m, ops) else "replicated"] for m in ms])
+    return md
+
+
+def _all_reduce_markdown(t: dict) -> str:
+    md = ""
+    spread = any("graph_ratio" in r or "eager_ratio" in r for r in t["all_reduce"])
+    cols = (["bytes", "ours", "ours graph", "NCCL graph"] + (["NCCL/ours graph [min–max]"] if spread else [])
+            + ["chosen in graph", "ours eager", "NCCL eager"] + (["NCCL/ours eager [min–max]"] if spread else [])
+            + ["chosen eager"])
+    md += "\n## All-reduce (µs)\n\n" + md_table(cols, [
+        [r["bytes"], r["algorithm"], r["ours_graph_us"], r["nccl_graph_us"]]
+        + ([_ratio(r, "graph_ratio", "-")] if spread else [])
+        + [r["graph_winner"], r["ours_eager_us"], r["nccl_eager_us"]]
+        + ([_ratio(r, "eager_ratio", "-")] if spread else []) + [r["eager_winner"]] for r in t["all_reduce"]])
+    return md
+
+
 def _ratio(row: dict, key: str, value: float):
     """A ratio cell: the median [min–max] over repeats where there were several, else the one value."""
     if key in row:
@@ -185,28 +217,10 @@ def markdown(t: dict, layer_ops=None, layer_name: str = "Llama-3-8B") -> str:
           f"Triton {t['triton']}). A fused op or our all-reduce is chosen only at ≥{t['margin']:.2f}x over the stock "
           f"path; our all-reduce is timed as \"auto\" runs it: one-shot up to {t['one_shot_max_bytes'] >> 10} KB, "
           f"two-shot above._\n\n")
-    md += "## GEMMs (ms)\n\n" + md_table(
-        ["op", "M", "K", "N", "sequential", "ours", "seq/ours", "chosen"],
-        [[r["op"], r["M"], r["K"], r["N"], r["sequential_ms"], r["ours_ms"], _ratio(r, "ratio", r["speedup"]),
-          r["winner"]] for r in t["gemm"]])
-    d = Dispatcher(gemm=t["gemm"], margin=t["margin"])
-    if layer_ops is None:
-        from tp_overlap_plugin.tuning.shapes import LAYER_OPS, shipped_dims
-        layer_ops = [(LAYER_OPS[layer], k, n) for layer, k, n in shipped_dims("llama-3-8b").layers(t["world"])]
-    ops = sorted(layer_ops)
-    ms = sorted({r["M"] for r in t["gemm"] if (r["op"], r["K"], r["N"]) in ops})
-    md += (f"\n## Layout per step size, {layer_name} layer (its four linear ops)\n\nSharded (sequence-parallel) "
-           "when the layer's ops, each fused where that wins, beat the sequential total by the margin.\n\n")
-    md += md_table(["M", "layout"], [[m, "sharded" if d.sequence_parallel(m, ops) else "replicated"] for m in ms])
-    spread = any("graph_ratio" in r or "eager_ratio" in r for r in t["all_reduce"])
-    cols = (["bytes", "ours", "ours graph", "NCCL graph"] + (["NCCL/ours graph [min–max]"] if spread else [])
-            + ["chosen in graph", "ours eager", "NCCL eager"] + (["NCCL/ours eager [min–max]"] if spread else [])
-            + ["chosen eager"])
-    md += "\n## All-reduce (µs)\n\n" + md_table(cols, [
-        [r["bytes"], r["algorithm"], r["ours_graph_us"], r["nccl_graph_us"]]
-        + ([_ratio(r, "graph_ratio", "-")] if spread else [])
-        + [r["graph_winner"], r["ours_eager_us"], r["nccl_eager_us"]]
-        + ([_ratio(r, "eager_ratio", "-")] if spread else []) + [r["eager_winner"]] for r in t["all_reduce"]])
+    if t["gemm"]:  # a TP=1 table has GEMV rows only
+        md += _fused_markdown(t, layer_ops, layer_name)
+    if t["all_reduce"]:
+        md += _all_reduce_markdown(t)
     if "gemm_all_reduce" in t:
         md += ("\n## GEMM + all-reduce, decode row layers (µs)\n\nAgainst the faster of F.linear + NCCL and F.linear "
                "+ ours; `+norm`: with the residual add + RMSNorm after it, against the faster of F.linear + NCCL + "

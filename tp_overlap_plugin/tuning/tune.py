@@ -95,14 +95,20 @@ def make_plan(model: str, dims: ModelDims, world: int, device: str, quick: bool,
                                + [{"key": f"norm/{dims.hidden}x{t}", "hidden": dims.hidden, "tokens": t} for t in tokens])
         items["fused_ops"] = [{"key": f"{LAYER_OPS[layer]}/{m}x{k}x{n}", "layer": layer, "op": LAYER_OPS[layer],
                                "M": m, "K": k, "N": n} for layer, k, n in layers for m in fused_ms]
+        # the interpreter: one row layer shows the pipeline (and eagerly the rule says stock anyway)
+        row_layers = [x for x in layers if LAYER_OPS[x[0]] == "rs"][:None if gpu else 1]
         items["gemm_ar"] = [{"key": f"{m}x{k}x{n}", "shape": f"{model} {layer}", "M": m, "K": k, "N": n}
-                            for layer, k, n in layers if LAYER_OPS[layer] == "rs" for m in ar_rows]
+                            for layer, k, n in row_layers for m in ar_rows]
     return Plan(model, dims, world, device, quick, GPU_REPEATS if gpu else 1, margin, items)
 
 
 # ---- the measurement store --------------------------------------------------------------------
 
-def store_dir(device_name: str, world: int) -> Path:
+def store_dir(device_name: str, world: int, phase: str | None = None) -> Path:
+    """Where a phase's rows are kept: per device and TP size, except the GEMM configs' (one GPU's
+    measurements, for the one config table per device that every TP size's shapes go into)."""
+    if phase == "gemm_configs":
+        return tables.cache_dir() / "measurements" / tables.device_key(device_name)
     return tables.cache_dir() / "measurements" / f"{tables.device_key(device_name)}-tp{world}"
 
 
@@ -176,20 +182,20 @@ def tune_rank(ctx, plan: Plan, deadline: float, force: bool, crashed: dict, cach
     os.environ["TP_OVERLAP_CACHE"] = cache  # the parent's cache, whatever this process inherited
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
     env = _agree(ctx, _env(ctx, plan) if ctx.rank == 0 else None)
-    directory = store_dir(env["device"], plan.world)
     summary = {"environment": env, "phases": {}}
     for phase in PHASES:
         items = plan.items.get(phase)
         if not items:
             continue
+        directory = store_dir(env["device"], plan.world, phase)
         have = _agree(ctx, {} if force or ctx.rank else load_rows(directory, phase, env))
         todo = [it for it in items if it["key"] not in have]
         bar = _bar(ctx, phase, len(items), len(items) - len(todo))
         state = {"measured": 0, "stopped": None}
 
-        def keep(rows: dict, extra=None, _phase=phase, _state=state, _bar=bar):
+        def keep(rows: dict, extra=None, _phase=phase, _state=state, _bar=bar, _dir=directory):
             if ctx.rank == 0 and rows:
-                save_rows(directory, _phase, env, rows, extra)
+                save_rows(_dir, _phase, env, rows, extra)
             _state["measured"] += len(rows)
             if _bar is not None:
                 _bar.update(len(rows))
@@ -362,7 +368,7 @@ def build_tables(device_name: str, world: int, plan: Plan) -> dict:
     directory = store_dir(device_name, world)
     stored = {}
     for phase in PHASES:
-        path = directory / f"{phase}.json"
+        path = store_dir(device_name, world, phase) / f"{phase}.json"
         if path.exists():
             try:
                 stored[phase] = json.loads(path.read_text())
@@ -405,7 +411,9 @@ def build_tables(device_name: str, world: int, plan: Plan) -> dict:
         gpath = tables.cached_path("gemm", device_name)
         with tables.locked(gpath):
             tables.write_atomic(gpath, gc.dump_table(gtable))
-        tables.write_atomic(directory / "gemm-configs-results.json", json.dumps(payload, indent=1))
+        # the results file `bench/gemm_configs.py table` rebuilds the table and its markdown from
+        tables.write_atomic(store_dir(device_name, world, "gemm_configs") / "gemm-configs-results.json",
+                            json.dumps(payload, indent=1))
         out["gemm"] = gpath
         md += "\n# GEMM core configs\n\n" + gmd
     stem = tables.cache_dir() / "evidence" / f"{tables.device_key(device_name)}-tp{world}"
@@ -484,11 +492,6 @@ def run(model: str, dims: ModelDims, world: int, device: str, quick: bool = Fals
     from tp_overlap_plugin.multirank import run_ranks
     from tp_overlap_plugin.tuning import rules
     cache = tables.cache_dir()
-    try:
-        tables.writable_or_raise(cache)
-    except PermissionError as e:
-        print(f"tp-overlap tune: {e}", file=sys.stderr)
-        return 1
     plan = make_plan(model, dims, world, device, quick, rules.MARGIN if margin is None else margin)
     budget_s = 60 * (budget_min if budget_min is not None else (3 if quick else 10))
     total = sum(len(v) for v in plan.items.values())
@@ -497,6 +500,10 @@ def run(model: str, dims: ModelDims, world: int, device: str, quick: bool = Fals
           f"cache {cache}" + ("; --force: measuring everything again" if force else
                               "; rows measured before under these versions are kept"), file=sys.stderr, flush=True)
     t0 = time.monotonic()
+    device_name = _device_name(device)
+    if not force and not _todo(plan, device_name):
+        print("tp-overlap tune: every row is measured already (--force measures them again)", file=sys.stderr)
+        return _finish(plan, device_name, None, None, t0)
     crashed = _preflight(plan) if device == "cuda" and plan.items.get("gemm_configs") else {}
     interrupted = None
     summary = None
@@ -510,7 +517,18 @@ def run(model: str, dims: ModelDims, world: int, device: str, quick: bool = Fals
         interrupted = "interrupted (Ctrl-C)"
     except Exception as e:  # a rank failed: what finished before is kept
         interrupted = f"a rank failed: {str(e)[-2000:]}"
-    device_name = summary["environment"]["device"] if summary else _device_name(device)
+    return _finish(plan, summary["environment"]["device"] if summary else device_name, summary, interrupted, t0)
+
+
+def _todo(plan: Plan, device_name: str) -> int:
+    """How many of the plan's rows the store lacks (under this process's versions)."""
+    env = {"device": device_name, **tables.versions(plan.device)}
+    return sum(len([it for it in items if it["key"] not in load_rows(store_dir(device_name, plan.world, phase), phase, env)])
+               for phase, items in plan.items.items())
+
+
+def _finish(plan: Plan, device_name: str, summary: dict | None, interrupted: str | None, t0: float) -> int:
+    world, model = plan.world, plan.model
     paths = build_tables(device_name, world, plan)
     for name, p in paths.items():
         print(f"  {name}: {p}", file=sys.stderr)
@@ -524,7 +542,7 @@ def run(model: str, dims: ModelDims, world: int, device: str, quick: bool = Fals
         print(f"tp-overlap tune: {interrupted} after {took:.0f} s; the rows measured so far are kept in the cache, "
               f"and `tp-overlap tune --tp {world} --model {model}` resumes from there.", file=sys.stderr)
         return 130 if interrupted.startswith("interrupted") else 1
-    stopped = any(s["stopped"] for s in summary["phases"].values())
+    stopped = summary is not None and any(s["stopped"] for s in summary["phases"].values())
     print(f"tp-overlap tune: done in {took:.0f} s" + (" (budget reached: run it again to measure the rest)"
                                                      if stopped else "") + f". `tp-overlap serve --tp {world} "
           f"--model {model} --tp-overlap` now uses these tables.", file=sys.stderr)
@@ -532,10 +550,13 @@ def run(model: str, dims: ModelDims, world: int, device: str, quick: bool = Fals
 
 
 def _device_name(device: str) -> str:
+    """This machine's device name, asked in a child process: the ranks measure without a CUDA context
+    of this process's on GPU 0 beside them."""
     if device == "cpu":
         return "cpu"
-    import torch
-    return torch.cuda.get_device_name(0)
+    import subprocess
+    code = "import torch; print(torch.cuda.get_device_name(0))"
+    return subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
 
 
 def _preflight(plan: Plan) -> dict:
