@@ -515,8 +515,9 @@ def run(model: str, dims: ModelDims, world: int, device: str, quick: bool = Fals
         summary = per_rank[0]
     except KeyboardInterrupt:
         interrupted = "interrupted (Ctrl-C)"
-    except Exception as e:  # a rank failed: what finished before is kept
-        interrupted = f"a rank failed: {str(e)[-2000:]}"
+    except Exception as e:  # a rank failed (Ctrl-C reaches the ranks too): what finished before is kept
+        interrupted = ("interrupted (Ctrl-C)" if "KeyboardInterrupt" in str(e)
+                       else f"a rank failed: {str(e)[-2000:]}")
     return _finish(plan, summary["environment"]["device"] if summary else device_name, summary, interrupted, t0)
 
 
