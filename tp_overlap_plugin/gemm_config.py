@@ -133,8 +133,10 @@ def find_table(device_name: str) -> tuple[GemmTable | None, "tables.Found"]:
                                   f"({type(e).__name__}: {e}); the GEMM core takes its on-paper configs. "
                                   f"`{tables.tune_command()}` measures a new one.")
             found = tables.Found("none", warnings=found.warnings)
-    for w in found.warnings:
-        log.warning(w)
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_rank() == 0:  # one warning per start, not one per rank
+        for w in found.warnings:
+            log.warning(w)
     return table, found
 
 

@@ -74,13 +74,23 @@ def shipped_path(kind: str, device_name: str, world: int | None = None) -> Path:
 
 @functools.lru_cache(maxsize=None)
 def versions(device: str = "cuda") -> dict:
-    """What a measurement depends on besides the device: torch, Triton and the GPU driver."""
+    """What a measurement depends on besides the device: torch, Triton and the GPU driver. Triton's
+    version is read from its package metadata, not by importing it: on the CPU the engine decides on
+    TRITON_INTERPRET after looking its table up, and Triton reads that setting when it is imported."""
     import torch
-    import triton
     driver = "none"
     if device != "cpu" and torch.cuda.is_available():
         driver = _driver_version()
-    return {"torch": torch.__version__, "triton": triton.__version__, "driver": driver}
+    return {"torch": torch.__version__, "triton": _triton_version(), "driver": driver}
+
+
+def _triton_version() -> str:
+    from importlib import metadata
+    for dist in ("triton", "pytorch-triton-rocm", "pytorch-triton"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            return metadata.version(dist)
+    import triton
+    return triton.__version__
 
 
 def _driver_version() -> str:
