@@ -38,13 +38,15 @@ from tp_overlap_plugin.tuning.shapes import LAYER_OPS, ModelDims
 
 PHASES = ("gemm_configs", "gemv", "all_reduce", "fused_ops", "gemm_ar")
 GPU_REPEATS = 3
-# seconds per measured item, for the estimate printed first (H200: runs of 2026-11-22..24; the CPU's
-# are the interpreter's at the CPU plan's tiny sizes)
+# seconds per measured item, for the estimate printed first. GPU: gemm_configs and gemv from the H100
+# runs of 2026-11-24 (TP=1, Llama-3-8B: 28 + 20 rows in 150 s, 18 s of it the preflight); the
+# collective phases are guesses from bench/overlap.py, foundation.py and gemm_ar.py runs on H200x2
+# (not yet timed as tune runs). CPU: the interpreter at the CPU plan's tiny sizes.
 SECONDS_PER_ITEM = {
-    "cuda": {"gemm_configs": 0.6, "gemv": 0.5, "all_reduce": 1.5, "fused_ops": 2.0, "gemm_ar": 3.0},
-    "cpu": {"gemm_configs": 1.5, "gemv": 0.3, "all_reduce": 1.0, "fused_ops": 2.0, "gemm_ar": 3.0},
+    "cuda": {"gemm_configs": 1.5, "gemv": 3.3, "all_reduce": 2.0, "fused_ops": 2.5, "gemm_ar": 3.0},
+    "cpu": {"gemm_configs": 0.5, "gemv": 0.3, "all_reduce": 1.0, "fused_ops": 2.0, "gemm_ar": 4.0},
 }
-START_SECONDS = {"cuda": 60.0, "cpu": 10.0}  # rank start-up, and on GPUs the configs' preflight compile
+START_SECONDS = {"cuda": 40.0, "cpu": 8.0}  # rank start-up, and on GPUs the configs' preflight compile
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,8 @@ def make_plan(model: str, dims: ModelDims, world: int, device: str, quick: bool,
         sizes = [8 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20] if quick else \
             [8 << 10, 32 << 10, 128 << 10, 512 << 10, 2 << 20, 4 << 20, 8 << 20, 32 << 20]
         tokens = [1, 8, 32] if quick else [1, 8, 32, 128, 256]
-        fused_ms = [world * m for m in ((2, 64, 512) if quick else (1, 16, 64, 256))] + [1024, 4096, 16384]
+        # decode-sized steps (multiples of W: each rank a whole number of rows) up to the prefill sizes
+        fused_ms = sorted({world * m for m in ((2, 64, 512) if quick else (1, 16, 64, 256))} | {1024, 4096, 16384})
         ar_rows = [1, 16, 64] if quick else list(gemm_ar.ROWS)
     else:  # the interpreter: the pipeline, at sizes it runs in seconds
         passes, rows, sizes, tokens, fused_ms, ar_rows = (16,), [1], [8 << 10], [1], [2 * world], [1]
@@ -336,7 +339,6 @@ PHASE_RUNNERS = {"gemm_configs": _gemm_configs, "gemv": _gemv, "all_reduce": _al
 
 def heap_bytes(plan: Plan) -> int:
     from tp_overlap_plugin.collectives import HeapAllReduce
-    from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter
     from tp_overlap_plugin.tuning import allreduce, gemm_ar
     if plan.world == 1:
         return 1 << 20
@@ -365,7 +367,6 @@ def build_tables(device_name: str, world: int, plan: Plan) -> dict:
     evidence markdown and PNG beside them. Returns the paths."""
     from tp_overlap_plugin.tuning import gemm_configs as gc
     from tp_overlap_plugin.tuning import rules
-    directory = store_dir(device_name, world)
     stored = {}
     for phase in PHASES:
         path = store_dir(device_name, world, phase) / f"{phase}.json"
