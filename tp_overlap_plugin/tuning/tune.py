@@ -191,7 +191,7 @@ def tune_rank(ctx, plan: Plan, deadline: float, force: bool, crashed: dict, cach
         if not items:
             continue
         directory = store_dir(env["device"], plan.world, phase)
-        have = _agree(ctx, {} if force or ctx.rank else load_rows(directory, phase, env))
+        have = _agree(ctx, set() if force or ctx.rank else set(load_rows(directory, phase, env)))
         todo = [it for it in items if it["key"] not in have]
         bar = _bar(ctx, phase, len(items), len(items) - len(todo))
         state = {"measured": 0, "stopped": None}
@@ -251,7 +251,8 @@ def _gemm_configs(ctx, plan, todo, keep, go, crashed):
         cands = (large if it["M"] >= gc.LARGE_FROM else []) + (small if it["M"] <= gc.SMALL_UPTO else [])
         entry = gc.measure_entry(it["M"], it["K"], it["N"], it["names"], cands, timer, failed, gen, l2,
                                  dry_run=plan.device == "cpu")
-        entry.pop("stopped", None)
+        if "stopped" in entry:  # the CUDA context is gone: end the run, keeping the rows measured before
+            raise RuntimeError(f"GEMM config sweep stopped: {entry['stopped']}")
         return {it["key"]: entry}
     extra = {"candidates": {"large": [c.to_dict() for c in large], "small": [c.to_dict() for c in small]},
              "crashed": crashed}
@@ -297,16 +298,27 @@ def _all_reduce(ctx, plan, todo, keep, go, crashed):
                 (row,) = allreduce.all_reduce_sweep(ctx, comm, symm, [it["bytes"]], repeats=plan.repeats,
                                                     samples=samples)
                 keep({it["key"]: row})
-    with ctx.heap.scope():
-        if norms:
-            tokens = [it["tokens"] for it in norms]
-            symm = allreduce.torch_symm_all_reduce(ctx, max(tokens) * plan.dims.hidden * 2)
-            for it in norms:
-                if not go():
-                    return
+            _quiesce(ctx)
+    if norms:
+        symm = allreduce.torch_symm_all_reduce(ctx, max(it["tokens"] for it in norms) * plan.dims.hidden * 2)
+        for it in norms:
+            if not go():
+                return
+            with ctx.heap.scope():  # each size's buffers, then the space back (heap_bytes holds one)
                 (row,) = allreduce.norm_sweep(ctx, symm, it["hidden"], [it["tokens"]], repeats=plan.repeats,
                                               samples=samples)
-                keep({it["key"]: row})
+                _quiesce(ctx)
+            keep({it["key"]: row})
+
+
+def _quiesce(ctx) -> None:
+    """Every rank done with the heap space of a scope before any reuses it (peers write into it)."""
+    import torch
+    import torch.distributed as dist
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize()
+    ctx.heap.check()
+    dist.barrier(group=ctx.group)
 
 
 def _fused_ops(ctx, plan, todo, keep, go, crashed):
@@ -328,8 +340,10 @@ def _gemm_ar(ctx, plan, todo, keep, go, crashed):
     for it in todo:
         if not go():
             return
-        (row,) = gemm_ar.measure(ctx, [(it["shape"], it["K"], it["N"])], [it["M"]], repeats=plan.repeats,
-                                 samples=10 if plan.device == "cuda" else 1)
+        with ctx.heap.scope():  # each row's buffers, then the space back (heap_bytes holds the largest)
+            (row,) = gemm_ar.measure(ctx, [(it["shape"], it["K"], it["N"])], [it["M"]], repeats=plan.repeats,
+                                     samples=10 if plan.device == "cuda" else 1)
+            _quiesce(ctx)
         keep({it["key"]: row})
 
 
