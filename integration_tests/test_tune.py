@@ -180,21 +180,27 @@ def test_an_unwritable_cache_is_a_clear_error_before_measuring(tmp_path):
     assert json.loads(keep.read_text()) == _table()           # and nothing lost
 
 
-_WRITER = """
-import json, sys
-from tp_overlap_plugin.tuning import tune
-env = json.loads(sys.argv[1])
-for i in range(int(sys.argv[3])):
-    tune.save_rows(tune.store_dir("cpu", 2), "gemv", env, {f"{sys.argv[2]}-{i}": {"i": i}})
-"""
-
-
-def test_two_runs_at_once_leave_one_valid_file_with_both_runs_rows(cache):
-    env = {"device": "cpu", **tables.versions("cpu")}
-    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, json.dumps(env), name, "40"],
-                              env={**os.environ, "TP_OVERLAP_CACHE": str(cache)}) for name in ("a", "b")]
-    assert [p.wait(timeout=120) for p in procs] == [0, 0]
-    from tp_overlap_plugin.tuning import tune
-    rows = tune.load_rows(tune.store_dir("cpu", 2), "gemv", env)
-    assert set(rows) == {f"{n}-{i}" for n in "ab" for i in range(40)}
-    assert not [p for p in tune.store_dir("cpu", 2).iterdir() if p.name.endswith(".tmp")]
+def test_two_runs_at_once_leave_one_valid_file_with_both_runs_rows(tmp_path):
+    """Two `tune` runs at once on one cache (TP=1: the single-GPU phases), of two models: the tables
+    are valid JSON and hold both models' rows; no temporary file is left behind."""
+    tiny = tmp_path / "tiny"
+    _put(tiny / "config.json", json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}))
+    cache = tmp_path / "cache"
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "TP_OVERLAP_CACHE": str(cache)}
+    procs = [subprocess.Popen([sys.executable, "-m", "tp_overlap_plugin.serving.cli", "tune", "--tp", "1", "--quick",
+                               "--device", "cpu", "--model", model], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir()) for model in ("demo", str(tiny))]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outs]
+    from tp_overlap_plugin.serving.demo import demo_hf_config
+    from tp_overlap_plugin.tuning.shapes import ModelDims
+    dims = [ModelDims.from_hf(demo_hf_config()), ModelDims.from_hf(json.loads((tiny / "config.json").read_text()))]
+    layers = {(k, n) for d in dims for _, k, n in d.layers(1)}
+    table = json.loads((cache / "dispatch" / "cpu-tp1.json").read_text())
+    assert {(r["K"], r["N"]) for r in table["gemv"]} == layers | {d.lm_head(1)[1:] for d in dims}
+    assert set(table["models"]) == {"demo", "tiny"}
+    gemm = json.loads((cache / "gemm" / "cpu.json").read_text())
+    assert {(e["K"], e["N"]) for e in gemm["entries"]} == layers
+    assert not [p for p in cache.rglob("*.tmp")]
