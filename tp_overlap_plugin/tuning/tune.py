@@ -135,18 +135,17 @@ def load_rows(directory: Path, phase: str, env: dict) -> dict:
 
 
 def save_rows(directory: Path, phase: str, env: dict, rows: dict, extra: dict | None = None) -> None:
-    """Merge `rows` into the phase's file, under its lock, atomically (a concurrent run's rows stay)."""
+    """Merge `rows` into the phase's file, under its lock, atomically (a concurrent run's rows stay;
+    rows of other versions, or a file that does not parse, are replaced)."""
     path = directory / f"{phase}.json"
     with tables.locked(path):
-        kept = load_rows(directory, phase, env)
-        old = {}
-        if path.exists():
-            try:
-                old = json.loads(path.read_text())
-            except ValueError:
-                old = {}
-        data = {**(old if _same_versions(old.get("environment", {}), env) else {}), **(extra or {}),
-                "environment": env, "rows": {**kept, **rows}}
+        try:
+            old = json.loads(path.read_text())
+        except (OSError, ValueError):
+            old = {}
+        if not isinstance(old, dict) or not _same_versions(old.get("environment", {}), env):
+            old = {}
+        data = {**old, **(extra or {}), "environment": env, "rows": {**old.get("rows", {}), **rows}}
         tables.write_atomic(path, json.dumps(data, indent=1))
 
 
