@@ -131,7 +131,9 @@ def load_rows(directory: Path, phase: str, env: dict) -> dict:
         print(f"tp-overlap tune: ignoring {path} ({type(e).__name__}: {e}); measuring its rows again",
               file=sys.stderr)
         return {}
-    return data.get("rows", {}) if _same_versions(data.get("environment", {}), env) else {}
+    if not isinstance(data, dict) or not _same_versions(data.get("environment", {}), env):
+        return {}
+    return data.get("rows", {})
 
 
 def save_rows(directory: Path, phase: str, env: dict, rows: dict, extra: dict | None = None) -> None:
