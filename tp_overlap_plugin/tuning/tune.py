@@ -160,13 +160,33 @@ def _env(ctx, plan: Plan) -> dict:
     return env
 
 
+class _Lines:
+    """The progress bar where tqdm is not installed: a line per tenth of the phase, with its ETA."""
+
+    def __init__(self, phase: str, total: int, done: int):
+        self.phase, self.total, self.n, self.start_n = phase, total, done, done
+        self.t0, self.shown = time.monotonic(), -1
+
+    def update(self, k: int) -> None:
+        self.n += k
+        tenth = 10 * self.n // max(self.total, 1)
+        if tenth != self.shown:
+            self.shown = tenth
+            rate = (time.monotonic() - self.t0) / max(self.n - self.start_n, 1)
+            print(f"{self.phase:>12s}: {self.n}/{self.total} rows, {time.monotonic() - self.t0:.0f} s, "
+                  f"ETA {rate * (self.total - self.n):.0f} s", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
 def _bar(ctx, phase: str, total: int, done: int):
     if ctx.rank != 0:
         return None
     try:
         from tqdm import tqdm
     except ImportError:
-        return None
+        return _Lines(phase, total, done)
     return tqdm(total=total, initial=done, desc=f"{phase:>12s}", unit="row", file=sys.stderr, dynamic_ncols=True,
                 bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]")
 
