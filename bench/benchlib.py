@@ -1,102 +1,24 @@
-"""Shared pieces of the GPU benchmarks: timing with device events on every rank, CUDA-graph
-capture, writing results (JSON + markdown) with device and versions, and the statistics and charts of
-interleaved stock-vs-flag comparisons (e2e.py, serve_load.py)."""
+"""Shared pieces of the GPU benchmarks: the timers and the results' format (both from the package's
+tp_overlap_plugin/tuning, which `tp-overlap tune` measures with), the options every script takes, and
+the statistics and charts of interleaved stock-vs-flag comparisons (e2e.py, serve_load.py)."""
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 
 import torch
-import torch.distributed as dist
 
-
-def time_per_call_ms(fn, *, calls: int = 20, samples: int = 15, group=None) -> float:
-    """Median over `samples` of (time for `calls` back-to-back calls) / calls. Ranks start each
-    sample together (a host barrier), so one rank's late start does not read as latency. Without a
-    process group (single-GPU benchmarks) there is nobody to wait for."""
-    times = []
-    for _ in range(samples):
-        torch.cuda.synchronize()
-        if dist.is_initialized():
-            dist.barrier(group=group)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
-
-
-def hbm_copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Bytes/s of a device-to-device copy, counting bytes read and written: what a decode step that
-    streams the weights once can hope for."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    bw = 2 * nbytes * 10 / (start.elapsed_time(end) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return bw
-
-
-def cycle(items):
-    """A function returning the next item on every call: each call captured into a graph gets its own
-    (a weight copy per call, so the copies together overflow L2 as a model's layers do)."""
-    state = [0]
-
-    def nxt():
-        state[0] = (state[0] + 1) % len(items)
-        return items[state[0]]
-    return nxt
-
-
-def capture_graph(fn, calls: int):
-    """A CUDA graph of `calls` calls to fn; returns a replay function. fn must be warm."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # settle allocations on the capture stream
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return graph.replay
-
-
-def interleaved_ms(replays: dict, *, calls: int, rounds: int, samples: int, group=None) -> dict:
-    """Per name, the median over `rounds` of a replay's time per call (ms; each replay runs `calls`
-    calls). Within a round the replays run in turn, so drift on a shared machine hits them alike."""
-    times = {name: [] for name in replays}
-    for _ in range(rounds):
-        for name, replay in replays.items():
-            times[name].append(time_per_call_ms(replay, calls=1, samples=samples, group=group) / calls)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def graph_time_per_call_ms(fn, *, calls: int = 20, samples: int = 15, group=None) -> float:
-    replay = capture_graph(fn, calls)
-    replay()
-    torch.cuda.synchronize()
-    return time_per_call_ms(replay, calls=1, samples=samples, group=group) / calls
+from tp_overlap_plugin.tuning.results import (device_slug, environment, md_table, publish,  # noqa: F401
+                                              write_results)
+from tp_overlap_plugin.tuning.results import pyplot as _pyplot
+from tp_overlap_plugin.tuning.timing import (capture_graph, cycle, graph_time_per_call_ms,  # noqa: F401
+                                             hbm_copy_bandwidth, interleaved_ms, time_per_call_ms)
 
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -127,26 +49,6 @@ def shared_gpus_banner(tp: int) -> str:
             f"are not timings)\n\n")
 
 
-def environment(tp: int, on_gpu: bool = True, **extra) -> dict:
-    import triton
-    props = torch.cuda.get_device_properties(0) if on_gpu and torch.cuda.is_available() else None
-    return {
-        "date": datetime.date.today().isoformat(),
-        # the date alone cannot order two runs of one day (bench/readme_table.py takes the newest)
-        "timestamp": datetime.datetime.now().isoformat(timespec="seconds"),
-        "tp": tp,
-        "device": props.name if props else "cpu",
-        "device_count": torch.cuda.device_count() if props else 0,
-        "sm_count": props.multi_processor_count if props else None,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "hip": torch.version.hip,
-        "host": platform.node(),
-        **extra,
-    }
-
-
 def environment_probe(tp: int, on_gpu: bool = True, **extra) -> dict:
     """environment(), computed in a short-lived child process: a benchmark that starts engine processes
     must not hold a CUDA context of its own on GPU 0 while they run."""
@@ -158,17 +60,17 @@ def environment_probe(tp: int, on_gpu: bool = True, **extra) -> dict:
 
 
 def dispatch_table_warning(env: dict, dispatch: str) -> str | None:
-    """A loud line when the flag's `table` mode has no table for this device and TP size: then every op
-    takes the stock path and a comparison measures stock against stock."""
+    """A loud line when the flag's `table` mode has no table for this device and TP size (none cached,
+    none shipped): then every op takes the stock path and a comparison measures stock against stock."""
     if env["tp"] < 2 or dispatch != "table":
         return None
-    from tp_overlap_plugin.dispatch import table_path
-    path = table_path(env["device"], env["tp"])
-    if path.exists():
+    from tp_overlap_plugin import tables
+    found = tables.find("dispatch", env["device"], env["tp"])
+    if found.data is not None:
         return None
-    return (f"NO DISPATCH TABLE for {env['device']} at TP={env['tp']} ({path.name} is missing): with dispatch "
-            f"'table' the flag runs the stock path for every op, so these ratios compare stock with stock. "
-            f"Measure a table first (bench/overlap.py + bench/foundation.py -> bench/make_dispatch_table.py) "
+    return (f"NO DISPATCH TABLE for {env['device']} at TP={env['tp']} ({tables.table_name('dispatch', env['device'], env['tp'])} "
+            f"is neither cached nor shipped): with dispatch 'table' the flag runs the stock path for every op, so these "
+            f"ratios compare stock with stock. Measure one first (`{tables.tune_command(env['tp'], env.get('model'))}`) "
             f"or pass --dispatch overlap.")
 
 
@@ -209,43 +111,6 @@ def log(tag: str, msg: str) -> None:
     """A progress line with the time since the script started: a run cut off by a time limit still
     tells how far it got and how long each part took."""
     print(f"[{tag} +{time.monotonic() - _T0:7.1f}s] {msg}", flush=True)
-
-
-def device_slug(env: dict) -> str:
-    name = env["device"].replace("NVIDIA ", "").replace(" ", "-").lower()
-    return f"{name}x{env['device_count']}" if env["device_count"] > 1 else name
-
-
-def write_results(out_dir: str, name: str, payload: dict, markdown: str, compact: bool = False) -> tuple[str, str]:
-    """compact: JSON on one line (a payload of thousands of records, e.g. a step timeline)."""
-    os.makedirs(out_dir, exist_ok=True)
-    env = payload["environment"]
-    stem = os.path.join(out_dir, f"{name}-{device_slug(env)}-{env['date']}")
-    with open(stem + ".json", "w") as f:
-        json.dump(payload, f, **({"separators": (",", ":")} if compact else {"indent": 2}))
-    header = (f"_{env['device']} x{env['device_count']}, torch {env['torch']}, Triton {env['triton']}, "
-              f"{env['date']}. Medians; ratios from the same run._\n\n")
-    with open(stem + ".md", "w") as f:
-        f.write(header + markdown)
-    return stem + ".json", stem + ".md"
-
-
-def publish(out_dir: str, name: str, payload: dict, markdown: str) -> tuple[str, str]:
-    """write_results, then the tables and where they went on stdout (the device machines' log)."""
-    paths = write_results(out_dir, name, payload, markdown)
-    print(markdown)
-    print("wrote", *paths)
-    return paths
-
-
-def md_table(headers: list[str], rows: list[list]) -> str:
-    def fmt(v):
-        if isinstance(v, float):
-            return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
-        return str(v)
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
 
 
 def grouped_bars(path: str, labels: list[str], series: dict[str, list[float]], ylabel: str,
@@ -301,10 +166,11 @@ def start_comparison(kind: str, schema: str, args, on_gpu: bool = True) -> tuple
         warnings.append(no_table)
     for w in warnings:
         shout(w)
-    from tp_overlap_plugin.dispatch import table_path
+    from tp_overlap_plugin import tables
+    found = tables.find("dispatch", env["device"], args.tp)
     config = {"model": args.model, "tp": args.tp, "dispatch": args.dispatch, "engines": list(engines),
               "dispatch_table": None if no_table or args.tp == 1 or args.dispatch != "table"
-              else table_path(env["device"], args.tp).name,
+              else (found.path.name if found.origin == "shipped" else str(found.path)),
               "pairs": args.pairs, "quick": args.quick}
     # "interleaved": not to overwrite a same-day result of the scripts before them
     name = f"{kind}-interleaved-{args.model}-tp{args.tp}" + ("-overlap-first" if engines[0] == "overlap" else "") + \
@@ -371,16 +237,6 @@ def fmt_ratio(r: dict) -> str:
     if not r.get("ratios"):
         return "-"
     return f"{r['median']:.3f} [{r['min']:.3f}–{r['max']:.3f}]"
-
-
-def _pyplot():
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        return plt
-    except ImportError:
-        return None
 
 
 def ratio_chart(path: str, labels: list[str], ratios: list[dict], ylabel: str, title: str = "",

@@ -24,16 +24,16 @@ from benchlib import (bench_parser, environment, graph_time_per_call_ms, md_tabl
                       time_per_call_ms)
 from remote_bw import copy_kernel  # noqa: E402
 
-from tp_overlap_plugin.collectives import HeapAllReduce, HeapAllReduceNorm  # noqa: E402
-from tp_overlap_plugin.kernels import layer_ops  # noqa: E402
+from tp_overlap_plugin.collectives import HeapAllReduce  # noqa: E402
 from tp_overlap_plugin.kernels.barrier import launch_barrier  # noqa: E402
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
+from tp_overlap_plugin.tuning.allreduce import (SIZES, all_reduce_sweep, norm_heap_bytes, norm_sweep,  # noqa: E402
+                                                torch_symm_all_reduce)
 
 COPY_BYTES = 256 << 20
-AR_SIZES = [8 << 10, 32 << 10, 128 << 10, 512 << 10, 2 << 20, 4 << 20, 8 << 20]
+AR_SIZES = list(SIZES)
 NORM_HIDDEN = [4096, 8192]
 NORM_TOKENS = [1, 8, 32, 128, 256]
-EPS = 1e-5
 
 
 def _bench_rank(ctx, quick):
@@ -73,103 +73,13 @@ def _bench_rank(ctx, quick):
     # one-shot measured at every size (its capacity raised to the largest); "auto" would take it up
     # to 1 MB and two-shot above
     comm = HeapAllReduce(h, max_bytes=max(AR_SIZES), one_shot_max_bytes=max(AR_SIZES))
-    symm = _torch_symm_all_reduce(ctx, max(AR_SIZES))
+    symm = torch_symm_all_reduce(ctx, max(AR_SIZES))
     sizes = [AR_SIZES[0], AR_SIZES[3], AR_SIZES[5]] if quick else AR_SIZES
-    for nbytes in sizes:
-        numel = nbytes // 2
-        x = torch.randn(numel, dtype=torch.bfloat16, device=ctx.device)
-        y = torch.empty_like(x)
-        nccl_buf = x.clone()
-        ref = x.float().clone()
-        dist.all_reduce(ref, group=ctx.device_group)
-        row = {"bytes": nbytes}
-        for alg in ("one_shot", "two_shot"):
-            y.fill_(float("nan"))
-            comm(x, out=y, algorithm=alg)
-            err = ((y.float() - ref).norm() / ref.norm()).item()
-            assert err < 1e-2, f"{alg} all-reduce wrong at {nbytes} B: rel err {err}"
-            row[f"{alg}_rel_err_vs_nccl_fp32"] = err
-        ops = {"ours_one_shot": lambda: comm(x, out=y, algorithm="one_shot"),
-               "ours_two_shot": lambda: comm(x, out=y, algorithm="two_shot"),
-               "nccl": lambda: dist.all_reduce(nccl_buf, group=ctx.device_group)}
-        if symm is not None:
-            ops.update(symm(x))
-        _time_ops(ops, row, ctx)
-        out["all_reduce"].append(row)
+    out["all_reduce"] = all_reduce_sweep(ctx, comm, symm, sizes)
     out["all_reduce_norm"] = [row for hidden in NORM_HIDDEN
-                              for row in _norm_sweep(ctx, symm, hidden, NORM_TOKENS[:3] if quick else NORM_TOKENS)]
+                              for row in norm_sweep(ctx, symm, hidden, NORM_TOKENS[:3] if quick else NORM_TOKENS)]
     h.check()
     return out
-
-
-def _time_ops(ops, row, ctx):
-    for name, op in ops.items():
-        op()
-        torch.cuda.synchronize()
-        row[f"{name}_eager_us"] = 1e3 * time_per_call_ms(op, calls=20, group=ctx.group)
-        try:
-            row[f"{name}_graph_us"] = 1e3 * graph_time_per_call_ms(op, calls=20, group=ctx.group)
-        except Exception as e:  # keep the run going; the JSON says why
-            row[f"{name}_graph_error"] = repr(e)[:200]
-
-
-def _norm_sweep(ctx, symm, H, tokens):
-    """The row-layer epilogue of the decode layout, [T, H] bf16: all-reduce of the row layer's
-    partial output, + residual, RMSNorm. Fused: one kernel; the others: an all-reduce, then
-    layer_ops.rmsnorm (the add + norm kernel the model runs); `ours_alone`: the all-reduce alone."""
-    h, dev = ctx.heap, ctx.device
-    fused = HeapAllReduceNorm(h, H, max(tokens), torch.bfloat16)
-    comm = HeapAllReduce(h, max_bytes=max(tokens) * H * 2)
-    weight = (1 + 0.1 * torch.randn(H, device=dev)).to(torch.bfloat16)
-    rows = []
-    for t in tokens:
-        x = torch.randn(t, H, dtype=torch.bfloat16, device=dev)
-        residual = torch.randn(t, H, dtype=torch.bfloat16, device=ctx.device)
-        dist.broadcast(residual, 0, group=ctx.device_group)  # replicated, as in the decode layout
-        reduced = x.clone()
-        dist.all_reduce(reduced, group=ctx.device_group)
-        ref_out, ref_res = layer_ops.rmsnorm(reduced, weight, EPS, residual)
-        got_out, got_res = fused(x, residual, weight, EPS)
-        row = {"tokens": t, "hidden": H, "bytes": t * H * 2,
-               "residual_max_err": (got_res.float() - ref_res.float()).abs().max().item(),
-               "normed_max_err": (got_out.float() - ref_out.float()).abs().max().item()}
-        # NCCL sums bf16 in its own order: an ulp or two of the inputs' size
-        assert row["residual_max_err"] < 0.1 and row["normed_max_err"] < 0.1, row
-        nccl_buf = x.clone()
-        y = torch.empty_like(x)
-        ops = {"fused": lambda: fused(x, residual, weight, EPS), "ours_alone": lambda: comm(x, out=y),
-               "ours_then_norm": lambda: layer_ops.rmsnorm(comm(x, out=y), weight, EPS, residual),
-               "nccl_then_norm": lambda: layer_ops.rmsnorm(_nccl(nccl_buf, ctx), weight, EPS, residual)}
-        if symm is not None:
-            symm_one_shot = symm(x.view(-1))["torch_symm_one_shot"]
-            ops["torch_symm_then_norm"] = lambda: layer_ops.rmsnorm(symm_one_shot().view(t, H), weight, EPS, residual)
-        _time_ops(ops, row, ctx)
-        rows.append(row)
-    return rows
-
-
-def _nccl(buf, ctx):
-    dist.all_reduce(buf, group=ctx.device_group)
-    return buf
-
-
-def _torch_symm_all_reduce(ctx, max_bytes):
-    """torch's own symmetric-memory all-reduces (what vLLM uses on CUDA), or None if absent."""
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-        group_name = ctx.device_group.group_name
-        buf = symm_mem.empty(max_bytes // 2, dtype=torch.bfloat16, device=ctx.device)
-        symm_mem.rendezvous(buf, group_name)
-    except Exception as e:
-        print(f"rank {ctx.rank}: torch symmetric memory unavailable: {e!r}", file=sys.stderr)
-        return None
-
-    def ops(x):
-        inp = buf[: x.numel()]
-        inp.copy_(x)
-        return {"torch_symm_one_shot": lambda: torch.ops.symm_mem.one_shot_all_reduce(inp, "sum", group_name),
-                "torch_symm_two_shot": lambda: torch.ops.symm_mem.two_shot_all_reduce_(inp, "sum", group_name)}
-    return ops
 
 
 def _markdown(res: dict) -> str:
@@ -206,8 +116,7 @@ def _markdown(res: dict) -> str:
 def main(argv=None):
     args = bench_parser(__doc__).parse_args(argv)
     heap = (COPY_BYTES + HeapAllReduce.heap_bytes(args.tp, max(AR_SIZES), max(AR_SIZES))
-            + sum(HeapAllReduceNorm.heap_bytes(args.tp, hidden, max(NORM_TOKENS), torch.bfloat16)
-                  + HeapAllReduce.heap_bytes(args.tp, max(NORM_TOKENS) * hidden * 2) for hidden in NORM_HIDDEN)
+            + sum(norm_heap_bytes(args.tp, hidden, max(NORM_TOKENS)) for hidden in NORM_HIDDEN)
             + (16 << 20))
     per_rank = run_ranks(_bench_rank, args.tp, (args.quick,), device="cuda", heap_size=-(-heap // 4096) * 4096,
                          timeout=500)

@@ -32,10 +32,11 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import bench_parser, capture_graph, environment, interleaved_ms, md_table, publish  # noqa: E402
 from fused_core import ag_kernel_w1, rs_kernel_w1  # noqa: E402
-from overlap import llama_shapes, weight_t  # noqa: E402
+from overlap import llama_shapes  # noqa: E402
 
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
 from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter, _fused_config  # noqa: E402
+from tp_overlap_plugin.tuning.fused_ops import weight_t  # noqa: E402
 
 CALLS = 10  # per graph
 VARIANTS = ("cublas", "w1", "self_peer", "ours", "ours_1chunk")

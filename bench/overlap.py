@@ -15,131 +15,38 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 import traceback
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import (bench_parser, environment, graph_time_per_call_ms, grouped_bars, md_table,  # noqa: E402
-                      time_per_call_ms, write_results)
+from benchlib import bench_parser, environment, grouped_bars, md_table, write_results  # noqa: E402
 
 from tp_overlap_plugin.collectives import HeapAllReduce  # noqa: E402
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
-from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter, gemm  # noqa: E402
+from tp_overlap_plugin.tuning.allreduce import all_reduce_sweep, torch_symm_all_reduce  # noqa: E402
+from tp_overlap_plugin.tuning.fused_ops import measure_shape, torch_fused_group  # noqa: E402
+from tp_overlap_plugin.tuning.shapes import LAYER_OPS, shipped_dims  # noqa: E402
 
-# (model, layer, op, K, N) for TP=W: column-parallel N and row-parallel K are divided by W.
-LLAMA = {
-    "8B": dict(hidden=4096, inter=14336, q=4096, kv=1024),
-    "70B": dict(hidden=8192, inter=28672, q=8192, kv=1024),
-}
+MODELS = {"8B": "llama-3-8b", "70B": "llama-3-70b"}
 
 
 def llama_shapes(world: int):
-    out = []
-    for name, d in LLAMA.items():
-        out += [(name, "qkv", "ag", d["hidden"], (d["q"] + 2 * d["kv"]) // world),
-                (name, "o_proj", "rs", d["q"] // world, d["hidden"]),
-                (name, "gate_up", "ag", d["hidden"], 2 * d["inter"] // world),
-                (name, "down", "rs", d["inter"] // world, d["hidden"])]
-    return out
+    """(model, layer, op, K, N) of the Llama-3 8B/70B linear layers at TP=W (the shipped configs)."""
+    return [(label, layer, LAYER_OPS[layer], k, n) for label, name in MODELS.items()
+            for layer, k, n in shipped_dims(name).layers(world)]
 
 
 AR_SIZES = [8 << 10, 32 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20, 32 << 20, 64 << 20]
 
 
-def _torch_fused(ctx):
-    try:
-        import torch.distributed._symmetric_memory  # noqa: F401
-        return ctx.device_group.group_name
-    except Exception:
-        return None
-
-
-def weight_t(n, k, dev, gen):
-    """B as the TP layers pass it: the transpose of an nn.Linear weight [N, K], a view (no copy)."""
-    return (torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=gen) / k ** 0.5).t()
-
-
 def _measure_shape(ctx, op, m, k, n, gname, results, key, calls, torch_fused=False):
-    """Times every variant of one (op, M, K, N) on this rank; fills results[key]. torch's fused ops
-    run in a separate pass (torch_fused=True) so that a failure there cannot cost our numbers."""
-    W, dev, h = ctx.world_size, ctx.device, ctx.heap
-    rows = m // W
-    gen = torch.Generator(device=dev).manual_seed(1234 + ctx.rank)
-    row = results.setdefault(key, {"op": op, "M": m, "K": k, "N": n})
-    t0 = time.perf_counter()
-    if ctx.rank == 0:
-        print(f"[bench] {key} {'torch_fused' if torch_fused else ''}", file=sys.stderr, flush=True)
-    with h.scope():
-        if op == "ag":
-            a_shard = torch.randn(rows, k, device=dev, dtype=torch.bfloat16, generator=gen)
-            b = weight_t(n, k, dev, gen)
-            a_full = torch.empty(m, k, device=dev, dtype=torch.bfloat16)
-            fused = AllGatherGemm(h, rows, k)
-            variants = {
-                "cublas": lambda: torch.matmul(a_full, b),
-                "nccl": lambda: dist.all_gather_into_tensor(a_full, a_shard, group=ctx.device_group),
-                "sequential": lambda: (dist.all_gather_into_tensor(a_full, a_shard, group=ctx.device_group),
-                                       torch.matmul(a_full, b)),
-                "triton_gemm": lambda: gemm(a_full, b),
-                "ours": lambda: fused(a_shard, b),
-            }
-            if gname and torch_fused:
-                variants = {"torch_fused": lambda: torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [b], 0, gname)}
-            dist.all_gather_into_tensor(a_full, a_shard, group=ctx.device_group)
-            ref = torch.matmul(a_full, b).float()
-        else:
-            a = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen)
-            b = weight_t(n, k, dev, gen)
-            full = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-            shard = torch.empty(rows, n, device=dev, dtype=torch.bfloat16)
-            fused = GemmReduceScatter(h, rows, n)
-            variants = {
-                "cublas": lambda: torch.matmul(a, b, out=full),
-                "nccl": lambda: dist.reduce_scatter_tensor(shard, full, group=ctx.device_group),
-                "sequential": lambda: (torch.matmul(a, b, out=full),
-                                       dist.reduce_scatter_tensor(shard, full, group=ctx.device_group)),
-                "triton_gemm": lambda: gemm(a, b),
-                "ours": lambda: fused(a, b),
-            }
-            if gname and torch_fused:
-                variants = {"torch_fused": lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, gname)}
-            ref = torch.matmul(a, b).float()
-            dist.all_reduce(ref, group=ctx.device_group)
-            ref = ref[ctx.rank * rows:(ctx.rank + 1) * rows]
-        if "ours" in variants:
-            got = variants["ours"]().float()
-            torch.cuda.synchronize()
-            row["ours_rel_err"] = ((got - ref).norm() / ref.norm()).item()
-        timed = list(variants.items())
-        if "ours" in variants:
-            # the fused ops are capturable: the same calls replayed from a CUDA graph, beside
-            # sequential's, show what is left once the host's launch cost is gone
-            timed += [("ours_graph", variants["ours"]), ("sequential_graph", variants["sequential"])]
-        for name, fn in timed:
-            try:
-                t1 = time.perf_counter()
-                fn()
-                torch.cuda.synchronize()
-                t2 = time.perf_counter()
-                timer = graph_time_per_call_ms if name.endswith("_graph") else time_per_call_ms
-                row[name] = timer(fn, calls=calls, samples=7, group=ctx.group)
-                if ctx.rank == 0:
-                    print(f"    {name}: first call {t2 - t1:.1f} s, timing {time.perf_counter() - t2:.1f} s, "
-                          f"{row[name]:.3f} ms", file=sys.stderr, flush=True)
-            except Exception as e:
-                row[name + "_error"] = repr(e)[:300]
-        torch.cuda.synchronize()
-        h.check()
-        dist.barrier(group=ctx.group)  # no peer kernel may still touch this scope's heap space
-    row["bench_seconds"] = time.perf_counter() - t0
+    measure_shape(ctx, op, m, k, n, gname, results.setdefault(key, {}), calls, torch_fused)
 
 
 def _bench_rank(ctx, quick, partial, skip=()):
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
-    gname = _torch_fused(ctx)
+    gname = torch_fused_group(ctx)
     W = ctx.world_size
     out = {"shapes": {}, "sweep": {}, "all_reduce": [], "errors": []}
     ms = [8192] if quick else [2048, 8192]
@@ -180,53 +87,31 @@ def _bench_rank(ctx, quick, partial, skip=()):
     return out
 
 
+# tuning.allreduce's names -> this script's (its results and markdown predate the shared sweep)
+_AR_NAMES = {"ours_one_shot": "one_shot", "ours_two_shot": "two_shot", "torch_symm_one_shot": "torch_one_shot",
+             "torch_symm_two_shot": "torch_two_shot"}
+
+
 def _all_reduce_sweep(ctx, gname, sizes):
     h = ctx.heap
-    rows = []
     with h.scope():
         # one-shot up to 8 MB (its receive slots take 2 * W times its capacity), two-shot everywhere
         comm = HeapAllReduce(h, max_bytes=max(sizes), one_shot_max_bytes=min(max(sizes), 8 << 20))
-        symm = None
-        if gname:
-            import torch.distributed._symmetric_memory as symm_mem
-            symm = symm_mem.empty(max(sizes) // 2, dtype=torch.bfloat16, device=ctx.device)
-            symm_mem.rendezvous(symm, gname)
-        for nbytes in sizes:
-            x = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=ctx.device)
-            y = torch.empty_like(x)
-            nccl_buf = x.clone()
-            ref = x.float()
-            dist.all_reduce(ref, group=ctx.device_group)
-            row = {"bytes": nbytes}
-            ops = {"one_shot": lambda: comm(x, out=y, algorithm="one_shot"),
-                   "two_shot": lambda: comm(x, out=y, algorithm="two_shot"),
-                   "nccl": lambda: dist.all_reduce(nccl_buf, group=ctx.device_group)}
-            if symm is not None:
-                inp = symm[: x.numel()]
-                inp.copy_(x)
-                ops["torch_one_shot"] = lambda: torch.ops.symm_mem.one_shot_all_reduce(inp, "sum", gname)
-                ops["torch_two_shot"] = lambda: torch.ops.symm_mem.two_shot_all_reduce_(inp, "sum", gname)
-            if nbytes > comm.one_shot_bytes:
-                row["one_shot_error"] = f"over one_shot_max_bytes={comm.one_shot_bytes}"
-                del ops["one_shot"]
-            for alg in ("one_shot", "two_shot"):
-                if alg not in ops:
-                    continue
-                y.fill_(float("nan"))
-                ops[alg]()
-                torch.cuda.synchronize()
-                row[f"{alg}_rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
-            for name, op in ops.items():
-                try:
-                    op()
-                    torch.cuda.synchronize()
-                    row[f"{name}_eager_us"] = 1e3 * time_per_call_ms(op, calls=20, samples=9, group=ctx.group)
-                    row[f"{name}_graph_us"] = 1e3 * graph_time_per_call_ms(op, calls=20, samples=9, group=ctx.group)
-                except Exception as e:
-                    row[f"{name}_error"] = repr(e)[:200]
-            rows.append(row)
+        symm = torch_symm_all_reduce(ctx, max(sizes)) if gname else None
+        rows = [_renamed(r) for r in all_reduce_sweep(ctx, comm, symm, sizes, samples=9)]
         h.check()
     return rows
+
+
+def _renamed(row: dict) -> dict:
+    out = {}
+    for key, v in row.items():
+        for ours, theirs in _AR_NAMES.items():
+            if key.startswith(ours + "_"):
+                key = theirs + key[len(ours):]
+                break
+        out[key.replace("_rel_err_vs_nccl_fp32", "_rel_err")] = v
+    return out
 
 
 def _combine(per_rank):

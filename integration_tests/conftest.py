@@ -2,10 +2,18 @@
 CUDA/ROCm GPUs; a GPU case with more ranks than GPUs present is skipped, unless
 TP_OVERLAP_SHARE_GPUS=1 lets ranks share GPUs (tp_overlap_plugin/multirank.py)."""
 
+import os
+import tempfile
+
 import pytest
 import torch
 
 from tp_overlap_plugin.multirank import gpu_ranks_fit
+
+# The flag looks its tables up in the per-user cache before the shipped ones (tp_overlap_plugin/
+# tables.py): the tests, and the servers and ranks they start, get an empty cache of their own,
+# whatever `tp-overlap tune` left in this user's.
+os.environ["TP_OVERLAP_CACHE"] = tempfile.mkdtemp(prefix="tp_overlap_test_cache_")
 
 
 def pytest_generate_tests(metafunc):

@@ -46,16 +46,19 @@ def _run(script, *args, timeout=380):
 
 
 def _table_with(tmp_path, flag: str, res: dict) -> tuple[dict, str, Path]:
-    """make_dispatch_table.py on the shipped runs plus `res` (a smoke run's JSON, retagged as if
-    measured on the shipped table's device) given as `flag`: (the table, its markdown, its path)."""
+    """The dispatch table (tuning.rules, what make_dispatch_table.py runs; its command line is checked
+    by test_shipped_dispatch_table_is_reproducible) of the shipped runs plus `res` (a smoke run's JSON,
+    retagged as if measured on the shipped table's device) in `flag`'s place: (the table, its
+    markdown, its path)."""
+    from tp_overlap_plugin.tuning.rules import build, markdown
+
     env = json.loads(SHIPPED_OVERLAP.read_text())["environment"]
     res["environment"].update(device=env["device"], tp=env["tp"])
-    fake = tmp_path / f"{flag.strip('-')}-h200.json"
-    fake.write_text(json.dumps(res))
-    table, md = tmp_path / "table.json", tmp_path / "table.md"
-    _run("make_dispatch_table.py", "--overlap", str(SHIPPED_OVERLAP), "--foundation", str(SHIPPED_FOUNDATION),
-         flag, str(fake), "--table-out", str(table), "--md-out", str(md))
-    return json.loads(table.read_text()), md.read_text(), table
+    runs = {"gemm_ar": res if flag == "--gemm-ar" else None, "gemv": res if flag == "--gemv" else None}
+    built = build(json.loads(SHIPPED_OVERLAP.read_text()), json.loads(SHIPPED_FOUNDATION.read_text()), **runs)
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps(built))
+    return built, markdown(built), table
 
 
 def _has_matplotlib():

@@ -9,7 +9,8 @@ import sys
 PLUGIN_MODULES = ["tp_overlap_plugin", "tp_overlap_plugin.vllm_plugin", "tp_overlap_plugin.heap",
                   "tp_overlap_plugin.overlap", "tp_overlap_plugin.collectives", "tp_overlap_plugin.layers",
                   "tp_overlap_plugin.overlap_layers", "tp_overlap_plugin.dispatch", "tp_overlap_plugin.custom_ops",
-                  "tp_overlap_plugin.multirank", "tp_overlap_plugin.runtime"]
+                  "tp_overlap_plugin.multirank", "tp_overlap_plugin.runtime", "tp_overlap_plugin.tables",
+                  "tp_overlap_plugin.tuning.tune", "tp_overlap_plugin.tuning.rules", "tp_overlap_plugin.tuning.shapes"]
 
 
 def _loaded_after(code: str) -> list[str]:

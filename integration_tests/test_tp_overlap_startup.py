@@ -21,14 +21,15 @@ def test_table_names_follow_the_device():
     assert table_path("NVIDIA H200", 2).name == "h200-tp2.json"
     assert table_path("AMD Instinct MI300X", 8).name == "mi300x-tp8.json"
     assert table_path("AMD Instinct MI300X VF", 8).name == "mi300x-tp8.json"
+    assert table_path("NVIDIA H100 80GB HBM3", 1).name == table_path("NVIDIA H100 PCIe", 1).name == "h100-tp1.json"
     assert Dispatcher.load("table", "NVIDIA H200", 2).missing is None
 
 
 def test_no_table_is_a_warning_that_says_what_to_do():
-    d = Dispatcher.load("table", "AMD Instinct MI300X", 8)
-    msg = d.missing_table_warning("AMD Instinct MI300X", 8)
+    d = Dispatcher.load("table", "AMD Instinct MI300X", 8, model="llama-3-70b")
+    msg = d.missing_table_warning("AMD Instinct MI300X", 8, "llama-3-70b")
     assert "mi300x-tp8.json" in msg and "stock path for every op" in msg
-    assert "bench/make_dispatch_table.py" in msg and '"dispatch": "overlap"' in msg
+    assert "`tp-overlap tune --tp 8 --model llama-3-70b`" in msg and '"dispatch": "overlap"' in msg
     assert not d.may_use_kernels
     assert Dispatcher.load("overlap", "AMD Instinct MI300X", 8).missing_table_warning("x", 8) is None
 

@@ -1,4 +1,4 @@
-"""The `tp-overlap` command: serve, generate, bench, demo.
+"""The `tp-overlap` command: serve, generate, bench, demo, tune.
 
     tp-overlap generate --prompt "Hello"                          # embedded demo model, nothing downloaded
     tp-overlap generate --model /models/Llama-3.1-8B --tp 2 --prompt "Hi" --chat
@@ -147,6 +147,44 @@ def _bench_serve(args) -> int:
     return bench_serve_main(args)
 
 
+def _tune(args) -> int:
+    """Measure the flag's tables on this machine for this TP size and model (tp_overlap_plugin/tuning/tune.py)."""
+    from tp_overlap_plugin import tables
+
+    from .config import EngineConfig
+
+    try:  # before anything is measured: a cache it cannot write would lose the run
+        tables.writable_or_raise(tables.cache_dir())
+    except PermissionError as e:
+        print(f"tp-overlap tune: {e}", file=sys.stderr)
+        return 1
+
+    try:
+        mcfg = EngineConfig(model=args.model).load_model_config()
+    except (FileNotFoundError, ValueError) as e:
+        print(f"tp-overlap tune: {e}", file=sys.stderr)
+        return 2
+    import torch
+
+    from tp_overlap_plugin.tuning.shapes import ModelDims
+    from tp_overlap_plugin.tuning.tune import run
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and torch.cuda.device_count() < args.tp:
+        print(f"tp-overlap tune: --tp {args.tp} needs {args.tp} GPUs on this machine, found "
+              f"{torch.cuda.device_count()}", file=sys.stderr)
+        return 2
+    dims = ModelDims.of(mcfg)
+    try:
+        dims.check_tp(args.tp)
+    except ValueError as e:
+        print(f"tp-overlap tune: {e}", file=sys.stderr)
+        return 2
+    label = os.path.basename(os.path.normpath(args.model))
+    return run(label, dims, args.tp, device, quick=args.quick, budget_min=args.budget_min, force=args.force,
+               margin=args.margin)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="tp-overlap", description="tensor-parallel serving with overlapped kernels")
     p.add_argument("--debug", action="store_true", help="print the traceback of an error")
@@ -160,6 +198,23 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are killed")
     add_debug_arg(d)
     d.set_defaults(func=_demo)
+
+    t = sub.add_parser("tune", help="measure the --tp-overlap tables for this machine, TP size and model, into the "
+                                    "per-user cache (then `serve --tp-overlap` uses them)")
+    t.add_argument("--tp", type=int, required=True, help="the TP size to measure (starts that many ranks here)")
+    t.add_argument("--model", default="demo",
+                   help="a shipped config name (llama-3-8b, llama-3-70b, qwen2.5-7b), a model directory or "
+                        "'demo': its shard shapes are measured")
+    t.add_argument("--quick", action="store_true", help="fewer sizes and configs (about 3 minutes at TP=8)")
+    t.add_argument("--budget-min", type=float, default=None,
+                   help="stop starting new measurements after this many minutes (default 10, --quick 3); "
+                        "a rerun resumes")
+    t.add_argument("--force", action="store_true", help="measure everything again, ignoring cached rows")
+    t.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present")
+    t.add_argument("--margin", type=float, default=None,
+                   help="ours is chosen where it is at least this many times faster than stock in every repeat "
+                        "(default 1.02; 0 picks ours wherever it ran correctly, for tests of the pipeline)")
+    t.set_defaults(func=_tune)
 
     # The server's and the benchmark's options live next to their code. Those modules import fastapi,
     # prometheus_client and httpx only when serving, so the parser works without the `serve` extra.

@@ -302,19 +302,16 @@ class ModelRunner:
             return TPLayers(tp, self.dtype, self.device)
         from tp_overlap_plugin.dispatch import Dispatcher
         from tp_overlap_plugin.heap import SymmetricHeap
-        from tp_overlap_plugin.overlap import KERNEL_DTYPES
         from tp_overlap_plugin.overlap_layers import OverlapTPLayers, required_heap_bytes
         interpreted = require_triton_interpreter(self.cfg, self.device.type, self.world_size)
         oc = self.cfg.tp_overlap
         max_tokens = max(self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs)
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        dispatcher = Dispatcher.load(oc.dispatch, name, self.world_size, oc.dispatch_table)
+        dispatcher = Dispatcher.load(oc.dispatch, name, self.world_size, oc.dispatch_table, model=self.cfg.model)
         if self.world_size == 1:
             # nothing to communicate, so no heap: the flag's layers run the local matmuls alone (the
             # decode matmul where the table's gemv rows pick it, F.linear elsewhere)
-            no_table = dispatcher.missing_table_warning(name, 1)
-            log.log(logging.WARNING if no_table else logging.INFO, no_table or
-                    f"tp_overlap at TP=1: no heap, dispatch {oc.dispatch} ({dispatcher.source})")
+            self._log_dispatch(dispatcher, name, "no heap at TP=1", interpreted)
             return OverlapTPLayers(tp, self.dtype, self.device, None, max_tokens, dispatcher)
         needed = required_heap_bytes(self.mcfg.hidden_size, max_tokens, self.world_size, self.dtype)
         size = -(-(oc.heap_size or needed) // 256) * 256
@@ -331,22 +328,34 @@ class ModelRunner:
                           f"{max_tokens}; lower those, or free device memory")
             raise RuntimeError(f"tp_overlap: could not allocate a {size / 2**20:.0f} MiB symmetric heap per rank "
                                f"on {self.device} ({e}); {advice}") from e
-        if self.rank == 0:
-            log.info("tp_overlap: heap %d MiB/rank (fused-op and all-reduce buffers for %d tokens per step), "
-                     "dispatch %s (%s)", size >> 20, max_tokens, oc.dispatch, dispatcher.source)
-            if interpreted:
-                log.info("tp_overlap: on the CPU the kernels run under the Triton interpreter "
-                         "(TRITON_INTERPRET=1): correct, and slow")
-            no_table = dispatcher.missing_table_warning(name, self.world_size)
-            if no_table:
-                log.warning(no_table)
-            elif self.dtype not in KERNEL_DTYPES and dispatcher.may_use_kernels:
-                log.warning("tp_overlap: the AG-GEMM and GEMM-RS kernels take %s only, so with dtype %s "
-                            "those ops fall back to the stock path (all-gather / reduce-scatter, then torch "
-                            "matmul); the all-reduce kernel does take it. Use --dtype bfloat16 to run them.",
-                            " and ".join(str(d).replace("torch.", "") for d in KERNEL_DTYPES),
-                            str(self.dtype).replace("torch.", ""))
+        self._log_dispatch(dispatcher, name, f"heap {size >> 20} MiB/rank (fused-op and all-reduce buffers for "
+                           f"{max_tokens} tokens per step)", interpreted)
         return OverlapTPLayers(tp, self.dtype, self.device, self.heap, max_tokens, dispatcher)
+
+    def _log_dispatch(self, dispatcher, device_name: str, heap: str, interpreted: bool) -> None:
+        """Rank 0 says once which tables the flag runs on and what they lack (tp_overlap_plugin/tables.py)."""
+        if self.rank != 0:
+            return
+        from tp_overlap_plugin.gemm_config import table_source
+        from tp_overlap_plugin.overlap import KERNEL_DTYPES
+        from tp_overlap_plugin.tuning.shapes import ModelDims
+        oc = self.cfg.tp_overlap
+        log.info("tp_overlap: %s, dispatch %s (%s); GEMM configs: %s", heap, oc.dispatch, dispatcher.source,
+                 table_source(self.device))
+        if interpreted:
+            log.info("tp_overlap: on the CPU the kernels run under the Triton interpreter "
+                     "(TRITON_INTERPRET=1): correct, and slow")
+        dims = ModelDims.of(self.mcfg)
+        for w in dispatcher.startup_warnings(device_name, self.world_size,
+                                             dims.layers(self.world_size) + [dims.lm_head(self.world_size)],
+                                             model=self.cfg.model):
+            log.warning(w)
+        if dispatcher.missing is None and self.dtype not in KERNEL_DTYPES and dispatcher.may_use_kernels:
+            log.warning("tp_overlap: the AG-GEMM and GEMM-RS kernels take %s only, so with dtype %s "
+                        "those ops fall back to the stock path (all-gather / reduce-scatter, then torch "
+                        "matmul); the all-reduce kernel does take it. Use --dtype bfloat16 to run them.",
+                        " and ".join(str(d).replace("torch.", "") for d in KERNEL_DTYPES),
+                        str(self.dtype).replace("torch.", ""))
 
     # ---- setup -------------------------------------------------------------------------------
     def _load_weights(self) -> None:

@@ -1,29 +1,32 @@
 """Which path runs an op: our overlapped kernel, our IPC all-reduce, GEMM + all-reduce in one kernel,
 or the stock torch/NCCL op.
 
-The choice comes from a table measured on the device (`bench/make_dispatch_table.py` turns a
-`bench/overlap.py` + `bench/foundation.py` run, and optionally a `bench/gemm_ar.py` run, into one;
-the tables ship in `tp_overlap_plugin/dispatch_tables/`). A shape the table has no measurement for goes to the stock
-path: without a measurement we cannot claim "never slower than stock".
+The choice comes from a table measured on the device: `tp-overlap tune` measures one on the user's
+machine (tp_overlap_plugin/tuning/) and caches it; tables for the devices we measured ship in
+`tp_overlap_plugin/dispatch_tables/`; tp_overlap_plugin/tables.py says which one is used. A shape the
+table has no measurement for goes to the stock path: without a measurement we cannot claim "never
+slower than stock".
 
 Modes: "table" (default), "overlap" (always our kernels: tests, and for measuring new shapes),
 "stock" (never).
 
-Tables ship for the devices we measured (H200 at TP=2). Anywhere else, MI300X included, "table"
-means stock everywhere; `missing_table_warning()` says so, for the engines to log at start-up.
+Without any table for the device and world size, "table" means stock everywhere;
+`startup_warnings()` says so, and names the model shapes a table lacks, for the engines to log.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from tp_overlap_plugin import tables
+from tp_overlap_plugin.tables import device_key  # noqa: F401  (the tables' device names)
+
 MODES = ("table", "overlap", "stock")
-TABLE_DIR = Path(__file__).with_name("dispatch_tables")
+TABLE_DIR = tables.SHIPPED["dispatch"]
 
 
 def _remembered(question):
@@ -48,6 +51,7 @@ class Dispatcher:
     source: str = "none"
     margin: float = 1.02  # a layout change must win by this much (the table's own margin when loaded)
     missing: str | None = None  # the table file that was looked for and not found
+    warnings: list[str] = field(default_factory=list)  # from the lookup: stale, corrupt, other device
     _layouts: dict = field(default_factory=dict, repr=False, compare=False)  # ops -> per-M layout rows
     # every question's answer, asked again by every layer of every step: the table never changes, and
     # an eager step of the flag's layers otherwise spends ~10 us per row layer scanning it
@@ -59,19 +63,22 @@ class Dispatcher:
 
     @classmethod
     def load(cls, mode: str = "table", device_name: str | None = None, world: int = 2,
-             path: str | os.PathLike | None = None) -> "Dispatcher":
-        """The table for this device and world size; an empty one (everything stock) if none was
-        measured for it."""
+             path: str | os.PathLike | None = None, model: str | None = None) -> "Dispatcher":
+        """The table for this device and world size (explicit `path`, then the cache, then the shipped
+        tables: tables.find); an empty one (everything stock) if none was measured for it."""
         if mode != "table":
             return cls(mode=mode)
-        path = Path(path) if path is not None else table_path(device_name or "cpu", world)
-        if not path.exists():
-            return cls(mode=mode, source=f"no table at {path}: stock everywhere", missing=str(path))
-        data = json.loads(path.read_text())
+        device_name = device_name or "cpu"
+        found = tables.find("dispatch", device_name, world, explicit=path, required=("all_reduce",),
+                            current=tables.versions("cpu" if device_name == "cpu" else "cuda"), model=model)
+        if found.data is None:
+            looked = tables.cached_path("dispatch", device_name, world)
+            return cls(mode=mode, source=f"no table ({looked} nor the shipped one): stock everywhere",
+                       missing=looked.name, warnings=found.warnings)
+        data = found.data
         return cls(mode=mode, gemm=data.get("gemm", []), all_reduce=data.get("all_reduce", []),
                    gemm_all_reduce_rows=data.get("gemm_all_reduce", []), gemv_rows=data.get("gemv", []),
-                   source=str(path),
-                   margin=data.get("margin", cls.margin))
+                   source=found.describe(), margin=data.get("margin", cls.margin), warnings=found.warnings)
 
     @property
     def may_use_kernels(self) -> bool:
@@ -83,16 +90,45 @@ class Dispatcher:
                 or any("gemm_ar" in (r.get(k) for k in _GEMM_AR_WINNERS) for r in self.gemm_all_reduce_rows)
                 or any(r.get("winner") == "gemv" for r in self.gemv_rows))
 
-    def missing_table_warning(self, device_name: str, world: int) -> str | None:
+    def missing_table_warning(self, device_name: str, world: int, model: str | None = None) -> str | None:
         """The start-up warning for a flag that, for want of a table, changes nothing here."""
         if self.mode != "table" or self.missing is None:
             return None
-        runs = ("bench/gemv.py --tp 1 (a rank's local matmuls: the only ops at TP=1)" if world == 1 else
-                f"bench/overlap.py and bench/foundation.py with --tp {world}")
-        return (f"tp_overlap: no dispatch table for {device_name} at TP={world} ({self.missing} does not "
-                f"exist), so the flag runs the stock path for every op on this device. To measure one, run "
-                f"{runs} on this machine, then bench/make_dispatch_table.py on their results; or set the "
-                f"tp_overlap option \"dispatch\": \"overlap\" to force our kernels.")
+        return (f"tp_overlap: no dispatch table for {device_name} at TP={world} (no {self.missing} in the cache "
+                f"{tables.cache_dir() / 'dispatch'} nor shipped), so the flag runs the stock path for every op on "
+                f"this device. Run `{tables.tune_command(world, model)}` on this machine to measure one; or set "
+                f"the tp_overlap option \"dispatch\": \"overlap\" to force our kernels.")
+
+    def missing_shapes(self, ops: Iterable[tuple[str, int, int]], world: int) -> list[tuple[str, int, int]]:
+        """Which of a model's local matmuls (layer, K, N), as one rank holds them, the table has no row
+        for: they run stock. At TP=1 only the GEMV rows count (nothing to communicate); above, the
+        fused-op rows (column layers: AG-GEMM, row layers: GEMM-RS) and the GEMV rows."""
+        if self.mode != "table" or self.missing is not None:
+            return []
+        gemv = {(r["K"], r["N"]) for r in self.gemv_rows}
+        fused = {(r["op"], r["K"], r["N"]) for r in self.gemm}
+        lacking = []
+        for layer, k, n in ops:
+            op = "rs" if layer in ROW_LAYERS else "ag"
+            has = (k, n) in gemv and (world == 1 or (op, k, n) in fused or layer == "lm_head")
+            if not has:
+                lacking.append((layer, k, n))
+        return lacking
+
+    def startup_warnings(self, device_name: str, world: int, ops: Iterable[tuple[str, int, int]] = (),
+                         model: str | None = None) -> list[str]:
+        """Every warning the start-up logs, each once: the lookup's (stale, corrupt, other device), no
+        table at all, and the model's shapes the table lacks."""
+        out = list(self.warnings)
+        none = self.missing_table_warning(device_name, world, model)
+        if none:
+            out.append(none)
+        lacking = self.missing_shapes(ops, world)
+        if lacking:
+            out.append(f"tp_overlap: the dispatch table ({self.source}) has no rows for this model's "
+                       f"{', '.join(f'{layer} K={k} N={n}' for layer, k, n in lacking)}, so those layers run stock. "
+                       f"Run `{tables.tune_command(world, model)}` to measure them.")
+        return out
 
     @_remembered
     def fused_gemm(self, op: str, m: int, k: int, n: int) -> bool:
@@ -176,15 +212,10 @@ def _wins(rows: list[dict], key: str, value: int, winner_key: str, ours: str) ->
     return all(r[winner_key] == ours for r in near)
 
 
-def device_key(device_name: str) -> str:
-    """The device part of a table's name: "NVIDIA H200" -> "h200", "AMD Instinct MI300X" -> "mi300x".
-    A virtual function (SR-IOV "MI300X VF", as cloud VMs report it) is the same chip, so the same key."""
-    words = [w for w in device_name.lower().split() if w not in ("nvidia", "amd", "instinct")]
-    if len(words) > 1 and words[-1] == "vf":
-        words.pop()
-    return "-".join(words) or "unknown"
+ROW_LAYERS = ("o_proj", "down")  # the row-parallel layers (K divided by W); the others divide N
 
 
 def table_path(device_name: str, world: int) -> Path:
-    """Where the table for this device and world size lives (bench/make_dispatch_table.py writes it)."""
-    return TABLE_DIR / f"{device_key(device_name)}-tp{world}.json"
+    """Where the shipped table for this device and world size lives (`tp-overlap tune` caches its
+    own: tables.cached_path)."""
+    return tables.shipped_path("dispatch", device_name, world)

@@ -1,7 +1,8 @@
 """Tile configs of the GEMM core (kernels/gemm.py) and where they come from.
 
-`pick_config(rows, n, k, device)` reads the table measured on the device
-(`tp_overlap_plugin/gemm_tables/<device>.json`, written by `bench/gemm_configs.py`): per M bucket and
+`pick_config(rows, n, k, device)` reads the table measured on the device (`tp-overlap tune`'s cached
+one, else the shipped `tp_overlap_plugin/gemm_tables/<device>.json`, in tables.find's order; both are
+made by tp_overlap_plugin/tuning/gemm_configs.py): per M bucket and
 (N, K) the fastest measured config. Shapes the table lacks take the bucket's most frequent winner;
 devices without a table take the constants below (CDNA3's are on paper). Deterministic in the shape
 and device, so every rank tiles alike; nothing is autotuned at run time.
@@ -14,13 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-TABLE_DIR = Path(__file__).with_name("gemm_tables")
+from tp_overlap_plugin import tables
+
+log = logging.getLogger(__name__)
+TABLE_DIR = tables.SHIPPED["gemm"]
 
 
 @dataclass(frozen=True)
@@ -72,13 +76,13 @@ SMALL_M = 64  # at or below: the small-M constants
 
 
 def device_slug(name: str) -> str:
-    """The dispatcher's device key ("NVIDIA H200" -> "h200", "AMD Instinct MI300X VF" -> "mi300x")."""
-    from tp_overlap_plugin.dispatch import device_key
-    return device_key(name)
+    """The tables' device key ("NVIDIA H200" -> "h200", "AMD Instinct MI300X VF" -> "mi300x")."""
+    return tables.device_key(name)
 
 
 def table_path(device_name: str) -> Path:
-    return TABLE_DIR / f"{device_slug(device_name)}.json"
+    """The shipped table's path (`tp-overlap tune` caches its own: tables.cached_path)."""
+    return tables.shipped_path("gemm", device_name)
 
 
 @dataclass(frozen=True)
@@ -112,10 +116,39 @@ class GemmTable:
         return below is None or m < below
 
 
+REQUIRED = ("buckets", "configs", "entries", "defaults", "cublas_below", "margin")
+
+
 @functools.lru_cache(maxsize=None)
+def find_table(device_name: str) -> tuple[GemmTable | None, "tables.Found"]:
+    """The table for this device (cache, then shipped) and where it came from; its warnings are
+    logged here, once per process. A table that does not parse falls back like a missing one."""
+    found = tables.find("gemm", device_name, required=REQUIRED, current=tables.versions("cuda"))
+    table = None
+    if found.data is not None:
+        try:
+            table = GemmTable.from_json(found.data)
+        except (KeyError, TypeError, ValueError) as e:
+            found.warnings.append(f"tp_overlap: skipping the gemm table {found.path}: it does not parse "
+                                  f"({type(e).__name__}: {e}); the GEMM core takes its on-paper configs. "
+                                  f"`{tables.tune_command()}` measures a new one.")
+            found = tables.Found("none", warnings=found.warnings)
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_rank() == 0:  # one warning per start, not one per rank
+        for w in found.warnings:
+            log.warning(w)
+    return table, found
+
+
 def load_table(device_name: str) -> GemmTable | None:
-    path = table_path(device_name)
-    return GemmTable.from_json(json.loads(path.read_text())) if path.exists() else None
+    return find_table(device_name)[0]
+
+
+def table_source(device: torch.device) -> str:
+    """For the start-up log: which GEMM config table this device's kernels tile by."""
+    if device.type == "cpu":
+        return "the interpreter's fixed tiles"
+    return find_table(_device_name(device))[1].describe()
 
 
 @functools.lru_cache(maxsize=None)

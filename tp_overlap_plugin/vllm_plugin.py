@@ -283,10 +283,12 @@ def _ensure_all_reduce(opts: Options) -> str:
 
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     dispatcher = Dispatcher.load(opts.dispatch, device_name=device_name, world=tp.world_size,
-                                 path=opts.dispatch_table)
-    no_table = dispatcher.missing_table_warning(device_name, tp.world_size)
-    if no_table and tp.rank_in_group == 0:
-        logger.warning(no_table)
+                                 path=opts.dispatch_table, model=_model_name())
+    if tp.rank_in_group == 0:
+        # only the all-reduce rows matter here (the plugin replaces RowParallelLinear's all-reduce), and
+        # they do not depend on the model's shapes
+        for w in dispatcher.startup_warnings(device_name, tp.world_size, model=_model_name()):
+            logger.warning(w)
     heap = SymmetricHeap(tp.cpu_group, device, heap_size=opts.resolved_heap_size(tp.world_size),
                          backend=opts.backend, timeout_s=opts.heap_timeout_s)
     reducer = HeapAllReduce(heap, max_bytes=opts.max_bytes, device_group=tp.device_group)
@@ -297,6 +299,15 @@ def _ensure_all_reduce(opts: Options) -> str:
                 "dispatch=%s, table: %s); other messages use vLLM's all-reduce",
                 heap, reducer.max_bytes, opts.dispatch, dispatcher.source)
     return key
+
+
+def _model_name() -> str | None:
+    """vLLM's model (for the tune command the warnings name), if its config is reachable here."""
+    try:
+        from vllm.config import get_current_vllm_config
+        return get_current_vllm_config().model_config.model
+    except Exception:
+        return None
 
 
 def _use_triton_interpreter() -> None:

@@ -1,0 +1,206 @@
+"""`tp-overlap tune` on the CPU (2 ranks, the interpreter, the demo model) writes the flag's tables into
+the per-user cache, and a server started with `--tp-overlap` takes them from there and runs our kernels;
+the lookup order (explicit, cache, shipped, none), and a corrupt, stale, other-device or unwritable
+table each get a clear message and never fail a start; two runs at once leave one valid file that
+holds both runs' rows.
+
+Under the interpreter our kernels never beat torch, so the run passes `--margin 0`: every row whose
+kernel ran correctly picks ours, which is what lets the server prove the tables reached it."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tp_overlap_plugin import tables
+from tp_overlap_plugin.dispatch import Dispatcher
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _tune(cache: Path, *args, timeout=240):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TP_OVERLAP_CACHE"] = str(cache)
+    return subprocess.run([sys.executable, "-m", "tp_overlap_plugin.serving.cli", "tune", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=tempfile.gettempdir())
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    proc = _tune(cache, "--tp", "2", "--quick", "--device", "cpu", "--model", "demo", "--margin", "0")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return cache, proc
+
+
+def test_tune_prints_its_estimate_first_and_writes_the_tables(tuned):
+    cache, proc = tuned
+    first = proc.stderr.strip().splitlines()[0]
+    assert first.startswith("tp-overlap tune: demo at TP=2 on cpu (quick)") and "estimated" in first, first
+    table = json.loads((cache / "dispatch" / "cpu-tp2.json").read_text())
+    assert table["models"] == ["demo"] and table["world"] == 2 and table["margin"] == 0
+    assert {k: table[k] for k in tables.VERSION_KEYS} == tables.versions("cpu")
+    # every local matmul of the demo model at TP=2 has its GEMV rows and (column/row layers) fused rows
+    d = Dispatcher.load("table", "cpu", 2, path=cache / "dispatch" / "cpu-tp2.json")
+    layers = [("qkv", 128, 128), ("o_proj", 64, 128), ("gate_up", 128, 256), ("down", 128, 128), ("lm_head", 128, 160)]
+    assert d.missing_shapes(layers, 2) == [] and d.gemv(1, 64, 128) and d.fused_gemm("ag", 4, 128, 256)
+    assert d.missing_shapes([("qkv", 4096, 3072)], 2) == [("qkv", 4096, 3072)]
+    gemm = json.loads((cache / "gemm" / "cpu.json").read_text())
+    assert {(e["M"], e["K"], e["N"]) for e in gemm["entries"]} == {(16, 64, 128), (16, 128, 128), (16, 128, 256)}
+    evidence = (cache / "evidence" / "cpu-tp2.md").read_text()
+    assert "Regenerate: `tp-overlap tune --tp 2 --model demo`" in evidence and "# GEMM core configs" in evidence
+    # a second run resumes: nothing is measured again
+    again = _tune(cache, "--tp", "2", "--quick", "--device", "cpu", "--model", "demo", "--margin", "0")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "every row is measured already" in again.stderr, again.stderr[-3000:]
+    assert json.loads((cache / "dispatch" / "cpu-tp2.json").read_text())["gemv"] == table["gemv"]
+
+
+def test_a_server_with_the_flag_uses_the_cached_tables(tuned):
+    from tp_overlap_plugin.serving.testing import ServerProcess
+
+    cache, _ = tuned
+    args = ["--tp", "2", "--dtype", "float16", "--max-model-len", "64", "--max-num-seqs", "2",
+            "--max-num-batched-tokens", "16", "--no-access-log", "--tp-overlap"]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "TP_OVERLAP_CACHE": str(cache)}
+    with ServerProcess(args, env=env, start_timeout=240) as srv:
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=240) as c:
+            c.completions.create(model="demo", prompt="Hi there", max_tokens=2, temperature=0)
+        metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+        log = srv.log_tail(400)
+    assert f"cache table {cache / 'dispatch' / 'cpu-tp2.json'}" in log, log
+    assert "no dispatch table" not in log and "no rows for this model" not in log, log
+    calls = {line.split('path="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+             for line in metrics.splitlines() if line.startswith("tp_overlap_tp_op_calls_total{")}
+    # prefill (M >= 4 tokens): the sharded layout's fused ops; decode (1 row): our GEMV
+    assert calls.get("ag_gemm.kernel", 0) > 0 and calls.get("gemm_rs.kernel", 0) > 0, calls
+    assert calls.get("gemv.kernel", 0) > 0, calls
+
+
+def _table(device="cpu", world=2, **over):
+    t = {"device": device, "world": world, "date": "2026-11-24", **tables.versions("cpu"), "margin": 1.02,
+         "gemm": [], "all_reduce": [{"bytes": 8192, "graph_winner": "ipc", "eager_winner": "ipc"}]}
+    t.update(over)
+    return t
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TP_OVERLAP_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def _put(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_lookup_order_explicit_then_cache_then_shipped_then_none(cache, tmp_path):
+    explicit = _put(tmp_path / "mine.json", json.dumps(_table(all_reduce=[])))
+    _put(cache / "dispatch" / "cpu-tp2.json", json.dumps(_table()))
+    d = Dispatcher.load("table", "cpu", 2, path=explicit)
+    assert d.source.startswith(f"explicit table {explicit}") and not d.ipc_all_reduce(8192, True)
+    d = Dispatcher.load("table", "cpu", 2)
+    assert d.source.startswith("cache table") and d.ipc_all_reduce(8192, True) and d.warnings == []
+    # H200 at TP=2: the shipped table unless the cache holds one
+    assert Dispatcher.load("table", "NVIDIA H200", 2).source.startswith("shipped table")
+    _put(cache / "dispatch" / "h200-tp2.json", json.dumps(_table("NVIDIA H200")))
+    assert Dispatcher.load("table", "NVIDIA H200", 2).source.startswith("cache table")
+    none = Dispatcher.load("table", "cpu", 4)
+    assert none.missing and not none.may_use_kernels
+    assert "`tp-overlap tune --tp 4 --model MODEL`" in none.startup_warnings("cpu", 4)[0]
+
+
+def test_corrupt_stale_and_other_device_tables_warn_and_never_fail(cache):
+    bad = _put(cache / "dispatch" / "h200-tp2.json", '{"device": "NVIDIA H200", "gem')
+    d = Dispatcher.load("table", "NVIDIA H200", 2, model="llama-3-8b")
+    assert d.source.startswith("shipped table"), d.source       # fell back past the corrupt one
+    (w,) = d.warnings
+    assert str(bad) in w and "not a readable JSON table" in w and "`tp-overlap tune --tp 2 --model llama-3-8b`" in w
+
+    _put(bad, json.dumps(_table("NVIDIA H200", torch="2.0.0", driver="cuda 11.8")))
+    d = Dispatcher.load("table", "NVIDIA H200", 2)
+    assert d.source.startswith("cache table")
+    (w,) = d.warnings
+    assert "may be stale" in w and "torch 2.0.0" in w and "tp-overlap tune --tp 2" in w
+
+    bad.unlink()  # no cache: the shipped H200 table on an H200 NVL (same chip, another device)
+    d = Dispatcher.load("table", "NVIDIA H200 NVL", 2)
+    (w,) = d.warnings
+    assert d.source.startswith("shipped table") and "measured on NVIDIA H200, on a different device" in w
+
+    # the GEMM config table likewise: a corrupt cached one falls back to the shipped one
+    from tp_overlap_plugin import gemm_config
+    _put(cache / "gemm" / "h200.json", "[]")
+    gemm_config.find_table.cache_clear()
+    try:
+        table, found = gemm_config.find_table("NVIDIA H200")
+    finally:
+        gemm_config.find_table.cache_clear()
+    assert table is not None and found.origin == "shipped" and "is not a table" in found.warnings[0]
+
+
+def test_the_engine_names_the_model_shapes_the_table_lacks(cache, caplog):
+    from tp_overlap_plugin.serving import LLM, EngineConfig
+
+    # a table for cpu at TP=2 that measured another model: the demo's layers are named, the start succeeds
+    _put(cache / "dispatch" / "cpu-tp2.json",
+         json.dumps(_table(gemv=[{"M": 1, "K": 4096, "N": 3072, "winner": "stock"}], all_reduce=[])))
+    caplog.set_level(logging.INFO, logger="tp_overlap_plugin.serving.runner")
+    with LLM(EngineConfig(tensor_parallel_size=2, tp_overlap=True, max_model_len=64, max_num_seqs=2,
+                          max_num_batched_tokens=16, num_kv_blocks=16, show_progress=False, dist_timeout_s=60)) as llm:
+        assert llm.generate("Hi", {"max_tokens": 1, "temperature": 0})[0].outputs[0].token_ids
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
+                and r.name == "tp_overlap_plugin.serving.runner"]
+    assert len(warnings) == 1, warnings
+    assert "no rows for this model's qkv K=128 N=128, o_proj K=64 N=128" in warnings[0]
+    assert "`tp-overlap tune --tp 2 --model demo`" in warnings[0]
+
+
+def test_an_unwritable_cache_is_a_clear_error_before_measuring(tmp_path):
+    keep = _put(tmp_path / "ro" / "dispatch" / "cpu-tp2.json", json.dumps(_table()))
+    ro = tmp_path / "ro"
+    os.chmod(ro, 0o555)
+    try:
+        target = ro if os.geteuid() != 0 else keep / "sub"  # root writes anywhere: a path under a file then
+        proc = _tune(target, "--tp", "2", "--device", "cpu", "--model", "demo", timeout=60)
+    finally:
+        os.chmod(ro, 0o755)
+    assert proc.returncode == 1
+    assert f"the tp-overlap cache {target} is not writable" in proc.stderr and "TP_OVERLAP_CACHE" in proc.stderr
+    assert "estimated" not in proc.stderr                      # nothing was started
+    assert json.loads(keep.read_text()) == _table()           # and nothing lost
+
+
+def test_two_runs_at_once_leave_one_valid_file_with_both_runs_rows(tmp_path):
+    """Two `tune` runs at once on one cache (TP=1: the single-GPU phases), of two models: the tables
+    are valid JSON and hold both models' rows; no temporary file is left behind."""
+    tiny = tmp_path / "tiny"
+    _put(tiny / "config.json", json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}))
+    cache = tmp_path / "cache"
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "TP_OVERLAP_CACHE": str(cache)}
+    procs = [subprocess.Popen([sys.executable, "-m", "tp_overlap_plugin.serving.cli", "tune", "--tp", "1", "--quick",
+                               "--device", "cpu", "--model", model], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir()) for model in ("demo", str(tiny))]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outs]
+    from tp_overlap_plugin.serving.demo import demo_hf_config
+    from tp_overlap_plugin.tuning.shapes import ModelDims
+    dims = [ModelDims.from_hf(demo_hf_config()), ModelDims.from_hf(json.loads((tiny / "config.json").read_text()))]
+    layers = {(k, n) for d in dims for _, k, n in d.layers(1)}
+    table = json.loads((cache / "dispatch" / "cpu-tp1.json").read_text())
+    assert {(r["K"], r["N"]) for r in table["gemv"]} == layers | {d.lm_head(1)[1:] for d in dims}
+    assert set(table["models"]) == {"demo", "tiny"}
+    gemm = json.loads((cache / "gemm" / "cpu.json").read_text())
+    assert {(e["K"], e["N"]) for e in gemm["entries"]} == layers
+    assert not [p for p in cache.rglob("*.tmp")]

@@ -1,0 +1,14 @@
+"""What `tp-overlap tune` measures, and the one copy of that code: the bench/ scripts of the same names
+are command lines over these modules.
+
+  timing        timers: device events, CUDA-graph replays, interleaved repeats, wall clock on the CPU
+  results       the environment of a run, JSON + markdown output
+  shapes        a model's local matmuls at TP=W, from its config
+  gemm_configs  the GEMM core's tile configs against cuBLAS -> the GEMM config table
+  gemv          decode-sized matmuls: our GEMV against F.linear
+  allreduce     our all-reduce (one-shot, two-shot) and fused all-reduce + norm against NCCL/RCCL
+  fused_ops     AG-GEMM / GEMM-RS against the sequential collective + GEMM
+  gemm_ar       GEMM + all-reduce in one kernel against F.linear + an all-reduce
+  rules         measurements -> the dispatch table (the "never slower than stock" decisions)
+  tune          the command: phases over W ranks, cache, resume, evidence
+"""
