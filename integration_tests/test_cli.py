@@ -64,7 +64,7 @@ def _leaf_parsers(parser, path=()):
 
 def test_every_subcommand_help_shows_the_defaults():
     leaves = dict(_leaf_parsers(build_parser()))
-    assert set(leaves) == {("demo",), ("generate",), ("serve",), ("bench", "serve"), ("bench", "throughput"),
+    assert set(leaves) == {("demo",), ("generate",), ("serve",), ("tune",), ("bench", "serve"), ("bench", "throughput"),
                            ("bench", "latency")}
     for path, p in leaves.items():
         for a in p._actions:
