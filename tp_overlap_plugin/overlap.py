@@ -266,7 +266,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             out += bias
         return out
     gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, bias if bias is not None else x, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        x_ptr=x, w_ptr=weight, bias_ptr=bias if bias is not None else x, y_ptr=out, M=m, N=n, K=k,
+        stride_xm=x.stride(0), stride_wn=weight.stride(0), stride_ym=out.stride(0),
         M_PAD=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
         EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         # the FMA chain needs contraction; Triton 3.10 turns it off by default (the interpreter takes no options)
