@@ -152,14 +152,16 @@ def start_comparison(kind: str, schema: str, args, on_gpu: bool = True) -> tuple
     """Checks the options, probes the machine and says loudly what would make the ratios mean less
     (too few pairs, no dispatch table). Returns the results' skeleton, the engines in pair order and
     the results' name."""
-    engines = ("stock",) if args.tp == 1 else tuple(args.order.split(","))
-    if args.tp > 1 and sorted(engines) != ["overlap", "stock"]:
+    # At TP=1 too: the flag then builds no heap and its layers take the decode matmul where the
+    # table's rows say so (issue 28).
+    engines = tuple(args.order.split(","))
+    if sorted(engines) != ["overlap", "stock"]:
         raise SystemExit(f"--order must name stock and overlap once each, got {args.order!r}")
     if args.pairs < 1:
         raise SystemExit("--pairs must be >= 1")
     env = environment_probe(args.tp, on_gpu, model=args.model, dispatch=args.dispatch)
     warnings = []
-    if args.tp > 1 and args.pairs < MIN_PAIRS:
+    if args.pairs < MIN_PAIRS:
         warnings.append(f"only {args.pairs} pair(s): fewer than {MIN_PAIRS}, so nothing is called a win or a loss.")
     no_table = dispatch_table_warning(env, args.dispatch)
     if no_table:
@@ -169,7 +171,7 @@ def start_comparison(kind: str, schema: str, args, on_gpu: bool = True) -> tuple
     from tp_overlap_plugin import tables
     found = tables.find("dispatch", env["device"], args.tp)
     config = {"model": args.model, "tp": args.tp, "dispatch": args.dispatch, "engines": list(engines),
-              "dispatch_table": None if no_table or args.tp == 1 or args.dispatch != "table"
+              "dispatch_table": None if no_table or args.dispatch != "table"
               else (found.path.name if found.origin == "shipped" else str(found.path)),
               "pairs": args.pairs, "quick": args.quick}
     # "interleaved": not to overwrite a same-day result of the scripts before them

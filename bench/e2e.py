@@ -2,7 +2,7 @@
 
     python bench/e2e.py --model llama-3-8b --tp 2                      # 3 pairs, >= 15 s per scenario
     python bench/e2e.py --model llama-3-8b --tp 2 --min-seconds 6 --decode-requests 128 --mix-requests 128
-    python bench/e2e.py --model llama-3-8b --tp 1                      # the engine alone (stock only)
+    python bench/e2e.py --model llama-3-8b --tp 1                      # one GPU: the flag is the decode matmul alone
     python bench/e2e.py --model demo --device cpu --quick --min-seconds 0.2   # a logic check on the CPU
     python bench/e2e.py --model llama-3-8b --tp 1 --only decode --no-async-scheduling   # synchronous steps
 
