@@ -4,8 +4,10 @@
     python bench/prefill_profile.py --model demo --device cpu --prompts 2 --prompt-len 24 \
         --max-num-batched-tokens 16 --warmup 1 --rounds 1      # a logic check on the CPU
 
-One engine in this process (dummy weights, prefix caching off, synchronous steps, so a step's wall
-time holds its GPU time). A round submits --prompts prompts of --prompt-len tokens, one output token
+One engine in this process (dummy weights, prefix caching off). Steps are synchronous by default, so a
+step's wall time holds its GPU time; with --async-scheduling the engine builds and launches step i+1
+while step i runs, as it serves, and the profiled round's host-exposed share is 1 - GPU busy / round
+wall (the GPU's idle time while the round ran, the first step's build included). A round submits --prompts prompts of --prompt-len tokens, one output token
 each; the scheduler cuts the round into steps of --max-num-batched-tokens tokens. After --warmup
 rounds, --rounds rounds are timed step by step, and one more runs under torch.profiler (kernel time
 per category, sorted as decode_profile.py sorts a decode step).
@@ -88,7 +90,7 @@ def measure(args, payload: dict) -> None:
         model=args.model, tensor_parallel_size=args.tp, device=args.device, show_progress=False,
         load_format="dummy" if args.model != "demo" else "auto", max_num_seqs=args.prompts,
         max_model_len=args.prompt_len + 8, max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=False, async_scheduling=False, cuda_graph_batch_sizes=[1],
+        enable_prefix_caching=False, async_scheduling=args.async_scheduling, cuda_graph_batch_sizes=[1],
         tp_overlap=overlap_config(args))
     payload["config"]["engine"] = json.loads(cfg.model_dump_json())
     on_gpu = args.device == "cuda"
@@ -107,9 +109,11 @@ def measure(args, payload: dict) -> None:
         before = stats.snapshot()
         with tempfile.TemporaryDirectory() as tmp:
             with profile(activities=activities) as prof:
+                t_round = time.perf_counter()
                 profiled = run_round(eng, args.prompts, args.prompt_len, seed=999)
                 if on_gpu:
                     torch.cuda.synchronize()
+                profiled_ms = (time.perf_counter() - t_round) * 1e3
             path = os.path.join(tmp, "trace.json")
             prof.export_chrome_trace(path)
             breakdown = kernel_breakdown(device_events(path), len(profiled))
@@ -118,7 +122,9 @@ def measure(args, payload: dict) -> None:
     round_ms = [sum(r) for r in rounds]
     res = {"steps_per_round": len(rounds[0]), "step_ms": rounds, "round_ms_median": statistics.median(round_ms),
            "step_ms_median": statistics.median(s for r in rounds for s in r), "flops_per_round": flops,
-           "roofline": roof, "op_paths": op_paths, **breakdown}
+           "roofline": roof, "op_paths": op_paths, "profiled_round_ms": profiled_ms, **breakdown}
+    res["host_exposed_share"] = (max(0.0, 1 - breakdown["gpu_busy_ms_per_step"] * len(profiled) / profiled_ms)
+                                 if on_gpu else None)
     total = flops["linear"] + flops["attention"]
     res["achieved_flops_per_s"] = total / (res["round_ms_median"] / 1e3)
     res["efficiency"] = res["achieved_flops_per_s"] / roof["flops_per_s"] if roof else None
@@ -126,7 +132,8 @@ def measure(args, payload: dict) -> None:
                               / roof["flops_per_s"] if roof and breakdown["ms_per_step"]["GEMM"] else None)
     payload["result"] = res
     log("prefill", f"{res['steps_per_round']} steps per round, round {res['round_ms_median']:.1f} ms, "
-        f"{res['achieved_flops_per_s'] / 1e12:.0f} TFLOP/s" + (f", {res['efficiency']:.2f} of the roofline "
+        f"{res['achieved_flops_per_s'] / 1e12:.0f} TFLOP/s" +
+        (f", host-exposed {100 * res['host_exposed_share']:.1f}%" if on_gpu else "") + (f", {res['efficiency']:.2f} of the roofline "
                                                                f"{roof['flops_per_s'] / 1e12:.0f}" if roof else ""))
 
 
@@ -135,7 +142,7 @@ def markdown(payload: dict) -> str:
     lines = [f"# Prefill step profile: {c['model']}, TP={c['tp']}, {'--tp-overlap' if c['tp_overlap'] else 'stock'}\n",
              f"Command: `{payload['command']}`\n",
              f"A round: {c['prompts']} prompts x {c['prompt_len']} tokens, steps of {c['max_num_batched_tokens']} "
-             f"tokens, synchronous steps.\n"]
+             f"tokens, {'async scheduling' if c.get('async_scheduling') else 'synchronous steps'}.\n"]
     if not r:
         return "\n".join(lines)
     roof = r["roofline"]
@@ -152,8 +159,9 @@ def markdown(payload: dict) -> str:
                      f"{roof['ms']:.3f} ms.\n")
     lines.append("Kernel time per step, ms (profiled round):\n")
     ms = r["ms_per_step"]
-    lines.append(md_table([*CATEGORIES, "GPU busy", "step wall"],
-                          [[*[ms[k] for k in CATEGORIES], r["gpu_busy_ms_per_step"], r["step_ms_median"]]]))
+    lines.append(md_table([*CATEGORIES, "GPU busy", "step wall", "host-exposed share (profiled round)"],
+                          [[*[ms[k] for k in CATEGORIES], r["gpu_busy_ms_per_step"], r["step_ms_median"],
+                            f"{100 * r['host_exposed_share']:.1f}%" if r.get("host_exposed_share") is not None else "-"]]))
     lines.append("\nOp paths in the profiled round (rank 0): " + (", ".join(f"{k} {n}" for k, n in sorted(r["op_paths"].items()))
                                                               or "none recorded") + "\n")
     lines.append("\nTop kernels:\n")
@@ -172,13 +180,16 @@ def main(argv=None):
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="build step i+1 while step i runs, as the server does (default: synchronous steps)")
     add_engine_args(p)
     args = p.parse_args(argv)
     resolve_device(args)
     payload = {"schema": SCHEMA, "environment": environment(args.tp, args.device == "cuda"),
                "command": " ".join(["python", "bench/prefill_profile.py"] + list(argv if argv is not None else sys.argv[1:])),
                "config": {k: getattr(args, k) for k in ("model", "tp", "prompts", "prompt_len", "max_num_batched_tokens",
-                                                        "warmup", "rounds", "tp_overlap", "dispatch")}}
+                                                        "warmup", "rounds", "tp_overlap", "dispatch",
+                                                        "async_scheduling")}}
     measure(args, payload)
     name = f"prefill-profile-{args.model}-tp{args.tp}" + (f"-{args.tag}" if args.tag else "")
     print("\n".join(f"wrote {x}" for x in write_results(args.out, name, payload, markdown(payload))))

@@ -124,6 +124,15 @@ def summarize_steps(steps: list[dict]) -> dict:
             break
     near = [wall.get(s["step"]) for s in dec if abs(s["seqs"] - batch) <= max(4, batch / 8)]
     out["running_batch_p50"] = batch
+    # Output tok/s over a level is set by its slowest request once the lognormal tail runs alone; the
+    # engine's throughput while it is loaded is the decode tokens of the steps that ran at least half
+    # the level's peak batch, over those steps' wall time.
+    peak = max(s["seqs"] for s in steps)
+    loaded = [s for s in steps if s["seqs"] * 2 >= peak and s["step"] in wall]
+    loaded_ms = sum(wall[s["step"]] for s in loaded)
+    out["loaded_batch_min"] = -(-peak // 2)
+    out["loaded_decode_tok_s"] = sum(s["decodes"] for s in loaded) / (loaded_ms / 1e3) if loaded_ms else float("nan")
+    out["loaded_share_of_wall"] = loaded_ms / sum(wall.values()) if wall else float("nan")
     out["decode_step_ms_at_batch"] = _pct(near, 0.5)
     paths: dict = {}
     for s in steps:
@@ -144,6 +153,8 @@ def summarize(payload: dict) -> dict:
         if "base" in per:
             a, b = per["base"]["output_throughput"], per["this"]["output_throughput"]
             per["ratio_tok_s"] = [y / x for x, y in zip(a, b) if x]
+            a, b = ([t.get("loaded_decode_tok_s", float("nan")) for t in per[e]["timeline"]] for e in ("base", "this"))
+            per["ratio_loaded_tok_s"] = [y / x for x, y in zip(a, b) if x and not math.isnan(x) and not math.isnan(y)]
         summary[lv] = per
     return summary
 
@@ -173,7 +184,9 @@ def markdown(payload: dict) -> str:
                             _med([t["running_batch_p50"] for t in tls]), _med([t["gpu_ms_sum"] for t in tls]),
                             _med([t["exposed_ms_sum"] for t in tls]),
                             f"{100 * _med([t['exposed_share'] for t in tls]):.2f}%",
-                            _med([t["decode_step_ms_at_batch"] for t in tls]), _med(s["median_tpot_ms"])])
+                            _med([t["decode_step_ms_at_batch"] for t in tls]), _med(s["median_tpot_ms"]),
+                            _med([t.get("loaded_decode_tok_s") for t in tls]),
+                            _med([t.get("loaded_share_of_wall") for t in tls])])
             for kind in KINDS:
                 ks = [t[kind] for t in tls]
                 kind_rows.append([lv, e, kind, _med([k["steps"] for k in ks]), _med([k["tokens_mean"] for k in ks]),
@@ -183,9 +196,14 @@ def markdown(payload: dict) -> str:
                                   _med([k["graph_share"] for k in ks])])
     head = ["rate", "engine"] + [t for _, t in STATS] + (["tok/s this/base"] if "base" in c["engines"] else [])
     lines.append("HTTP (median over runs; ms):\n\n" + md_table(head, rows))
+    loaded = [f"rate {lv}: {_med(per['ratio_loaded_tok_s']):.3f} {['%.3f' % r for r in per['ratio_loaded_tok_s']]}"
+              for lv, per in payload["summary"].items() if per.get("ratio_loaded_tok_s")]
+    if loaded:
+        lines.append("\nDecode tok/s while the batch is at least half its peak, this/base: " + "; ".join(loaded) + "\n")
     lines.append("\nTimeline per level (median over runs):\n\n" + md_table(
         ["rate", "engine", "steps", "tokens/step", "running batch (p50 over decoded tokens)", "GPU span ms",
-         "host-exposed ms", "host-exposed share", "decode-only step ms at that batch", "TPOT p50 ms"], tl_rows))
+         "host-exposed ms", "host-exposed share", "decode-only step ms at that batch", "TPOT p50 ms",
+         "decode tok/s while >= half the peak batch runs", "share of the level's wall"], tl_rows))
     lines.append("\nSteps by kind (p50 per step unless a sum):\n\n" + md_table(
         ["rate", "engine", "kind", "steps", "tokens", "seqs", "wall ms", "GPU span ms", "build ms", "launch ms",
          "exposed ms (sum)", "graph share"], kind_rows))

@@ -154,6 +154,8 @@ def test_serve_timeline_records_every_step_of_each_level(tmp_path):
         assert sum(s["tokens"] for s in steps) == lv["total_input_tokens"] + lv["total_output_tokens"] - lv["completed"]
         tl = res["summary"][rate]["this"]["timeline"][0]
         assert tl["steps"] == len(steps) == sum(tl[k]["steps"] for k in ("prefill", "mixed", "decode"))
+        assert tl["loaded_batch_min"] * 2 >= max(s["seqs"] for s in steps)
+        assert 0 < tl["loaded_share_of_wall"] <= 1 and tl["loaded_decode_tok_s"] >= 0
     assert "host-exposed share" in js.with_suffix(".md").read_text()
     if _has_matplotlib():
         assert (tmp_path / js.name.replace(".json", "-rateinf.png")).stat().st_size > 0
