@@ -25,6 +25,7 @@ JSON + markdown + PNG in bench/results/ (serve-timeline-<model>-tp<N>[-tag]-<dev
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import math
 import os
@@ -71,10 +72,30 @@ def one_run(args, engine: str, pair: int) -> dict:
             log(tag, f"rate {_key(rate)}: {res['completed']} requests, {res['output_throughput']:.1f} out tok/s, "
                      f"TTFT p50 {res['median_ttft_ms']:.1f} ms, TPOT p50 {res['median_tpot_ms']:.2f} ms, "
                      f"failed {res['failed']}")
+        run["idle"] = idle_probe(args, srv.port, tag)
     steps = read_trace(trace)
     os.unlink(trace)
     run["steps"] = {lv: [s for s in steps if a <= s["t"] <= b] for lv, (a, b) in run["windows"].items()}
     return run
+
+
+def idle_probe(args, port: int, tag: str) -> dict:
+    """The TTFT target's yardstick: the median prompt (--input-len tokens) alone on the idle server, one
+    request at a time, two output tokens: its TTFT is the prefill alone (HTTP included), its TPOT one
+    decode step at batch 1. Runs after the levels, so every kernel is compiled."""
+    from tp_overlap_plugin.serving.bench_serve import add_bench_serve_args, run_benchmark
+    p = argparse.ArgumentParser()
+    add_bench_serve_args(p)
+    ns = p.parse_args(["--port", str(port), "--num-prompts", str(args.idle_requests), "--request-rate", "inf",
+                       "--max-concurrency", "1", "--dataset-name", "random", "--random-input-len", str(args.input_len),
+                       "--random-output-len", "2", "--seed", "7", "--label", f"{tag} idle probe"])
+    res = asyncio.run(run_benchmark(ns))
+    out = {"prompt_len": args.input_len, "requests": res["completed"], "ttft_ms_p50": res["median_ttft_ms"],
+           "tpot_ms_p50": res["median_tpot_ms"]}
+    out["ttft_bound_ms"] = 1.3 * (out["ttft_ms_p50"] + out["tpot_ms_p50"])
+    log(tag, f"idle probe, {args.input_len}-token prompt: TTFT p50 {out['ttft_ms_p50']:.1f} ms, one decode step "
+             f"{out['tpot_ms_p50']:.2f} ms -> TTFT bound 1.3 x their sum = {out['ttft_bound_ms']:.1f} ms")
+    return out
 
 
 def _pct(xs: list, q: float) -> float:
@@ -196,6 +217,13 @@ def markdown(payload: dict) -> str:
                                   _med([k["graph_share"] for k in ks])])
     head = ["rate", "engine"] + [t for _, t in STATS] + (["tok/s this/base"] if "base" in c["engines"] else [])
     lines.append("HTTP (median over runs; ms):\n\n" + md_table(head, rows))
+    idle = [[r["engine"], r["pair"] + 1, r["idle"]["prompt_len"], r["idle"]["ttft_ms_p50"], r["idle"]["tpot_ms_p50"],
+             r["idle"]["ttft_bound_ms"]] for r in payload["runs"] if r.get("idle")]
+    if idle:
+        lines.append("\nIdle probe after the levels (one request at a time; the TTFT target at rate 2 is "
+                     "<= 1.3 x (prefill alone + one decode step)):\n\n" + md_table(
+                         ["engine", "run", "prompt tokens", "TTFT p50 ms (prefill alone)", "TPOT p50 ms (one decode step)",
+                          "TTFT bound ms"], idle))
     loaded = [f"rate {lv}: {_med(per['ratio_loaded_tok_s']):.3f} {['%.3f' % r for r in per['ratio_loaded_tok_s']]}"
               for lv, per in payload["summary"].items() if per.get("ratio_loaded_tok_s")]
     if loaded:
@@ -251,6 +279,8 @@ def main(argv=None):
     p.add_argument("--pairs", type=int, default=1)
     p.add_argument("--base", default=None, help="a folder holding another checkout's install: A/B against it")
     p.add_argument("--tag", default="")
+    p.add_argument("--idle-requests", type=int, default=8,
+                   help="requests of the idle probe after the levels (the TTFT target's yardstick)")
     p.add_argument("--replot", metavar="JSON", help="only recompute the summary, markdown and plot of a results file")
     add_workload_args(p)
     args = p.parse_args(argv)
@@ -265,6 +295,8 @@ def main(argv=None):
         return 0
     args.dispatch = "table"
     apply_quick(args)
+    if args.quick:
+        args.idle_requests = min(args.idle_requests, 2)
     args.rate_list = [float(r) for r in args.rates.split(",")]
     engines = ["base", "this"] if args.base else ["this"]
     import torch

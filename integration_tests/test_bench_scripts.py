@@ -156,6 +156,7 @@ def test_serve_timeline_records_every_step_of_each_level(tmp_path):
         assert tl["steps"] == len(steps) == sum(tl[k]["steps"] for k in ("prefill", "mixed", "decode"))
         assert tl["loaded_batch_min"] * 2 >= max(s["seqs"] for s in steps)
         assert 0 < tl["loaded_share_of_wall"] <= 1 and tl["loaded_decode_tok_s"] >= 0
+    assert run["idle"]["requests"] == 2 and 0 < run["idle"]["ttft_ms_p50"] < run["idle"]["ttft_bound_ms"]
     assert "host-exposed share" in js.with_suffix(".md").read_text()
     if _has_matplotlib():
         assert (tmp_path / js.name.replace(".json", "-rateinf.png")).stat().st_size > 0
