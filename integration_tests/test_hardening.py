@@ -205,3 +205,108 @@ def test_warm_up_covers_every_variant_a_step_can_hit():
             compiled = {variant(view(t)) for t in warm}
             missing = sorted({variant(view(t)) for t in range(1, limit + 1)} - compiled)
             assert not missing, (world, missing)
+
+
+# ---- AG-GEMM: a push of the next call lands while a peer reads (the seqlock) ----------------------
+
+SEQ_SHAPES = [(1, 40, 17), (2, 24, 33), (5, 45, 23)]  # rows per shard (M = 1, M < W, ragged), K, N
+OVERRUN = (3, 40, 17)
+READER, OVERWRITER = 0, 1  # OVERWRITER's slot in READER's heap is 0: slot = (src - me - 1) mod W
+
+
+class _Launches:
+    """Stands in for overlap.ag_gemm_kernel: every launch first fills C with NaN (so every element
+    the kernel fails to write shows), and `before` (if set) runs just before the launch."""
+
+    def __init__(self, kernel):
+        self.kernel, self.before, self.last_c = kernel, None, None
+
+    def __getitem__(self, grid):
+        def launch(**kwargs):
+            kwargs["c_ptr"].fill_(float("nan"))
+            self.last_c = kwargs["c_ptr"]
+            if self.before is not None:
+                self.before()
+            return self.kernel[grid](**kwargs)
+        return launch
+
+
+def _overrun(ctx, seed):
+    """Normal AG-GEMM calls, then one in which READER, with every peer's flag up for the call, sees
+    OVERWRITER's begin word raised to the next call and its rows overwritten before its kernel runs:
+    what a push of a rank whose barrier gave up does on a GPU (the copy engine cannot branch).
+    Returns (the normal calls' outputs, the overrun call's output, what the heap then reported)."""
+    from tp_overlap_plugin import overlap
+    h, r, W, dev = ctx.heap, ctx.rank, ctx.world_size, ctx.device
+    dtype = torch.float16 if dev.type == "cpu" else torch.bfloat16
+    launches = overlap.ag_gemm_kernel = _Launches(overlap.ag_gemm_kernel)
+    ag = {k: overlap.AllGatherGemm(h, max_rows=8, k=k, dtype=dtype) for k in (24, 40, 45)}
+    normal = []
+    for i, (rows, k, n) in enumerate(SEQ_SHAPES):
+        a, b = _seq_operands(seed + i, W, rows, k, n)
+        normal.append(ag[k](a[r].to(dtype).to(dev), b.to(dtype).to(dev)).cpu())
+    rows, k, n = OVERRUN
+    op = ag[k]
+
+    def next_call_pushes():
+        epoch = int(op.calls[1]) + 1
+        deadline = time.monotonic() + 60
+        while True:  # every peer's rows of this call have landed
+            with h.memory_lock():
+                if min(op.flags.tolist()) >= epoch:
+                    break
+            assert time.monotonic() < deadline, "peers' flags never came up"
+            time.sleep(0.005)
+        with h.memory_lock():
+            op.begin[0] = epoch + 1
+        op.gathered[0].fill_(3.0)
+
+    if r == READER:
+        launches.before = next_call_pushes
+    a, b = _seq_operands(seed + 99, W, rows, k, n)
+    reported = None
+    try:
+        op(a[r].to(dtype).to(dev), b.to(dtype).to(dev))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        h.check()
+    except RankTimeoutError as e:
+        reported = str(e)
+    return normal, launches.last_c.cpu(), reported
+
+
+def _seq_operands(seed, world, rows, k, n):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(rows, k, generator=gen) for _ in range(world)], torch.randn(k, n, generator=gen)
+
+
+def _rel_err(x, ref):
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("world", [3])
+def test_rows_overwritten_during_the_read_come_out_nan(world, device):
+    seed = int(torch.randint(0, 2**30, ()))
+    dtype = torch.float16 if device == "cpu" else torch.bfloat16
+    results = run_ranks(_overrun, world, (seed,), device=device, heap_size=1 << 20, timeout=300)
+    for r, (normal, c, reported) in enumerate(results):
+        for i, (rows, k, n) in enumerate(SEQ_SHAPES):
+            a, b = _seq_operands(seed + i, world, rows, k, n)
+            ref = torch.cat(a).to(dtype).double() @ b.to(dtype).double()
+            assert normal[i].shape == ref.shape and _rel_err(normal[i], ref) < 1e-2, (r, i, _rel_err(normal[i], ref))
+        rows, k, n = OVERRUN
+        a, b = _seq_operands(seed + 99, world, rows, k, n)
+        ref = torch.cat(a).to(dtype).double() @ b.to(dtype).double()
+        if r != READER:
+            assert reported is None, (r, reported)
+            assert _rel_err(c, ref) < 1e-2, (r, _rel_err(c, ref))
+            continue
+        bad = slice(OVERWRITER * rows, (OVERWRITER + 1) * rows)
+        assert torch.isnan(c[bad]).all(), c[bad]  # not the overwritten rows' product, not stale memory
+        kept = torch.ones(world * rows, dtype=torch.bool)
+        kept[bad] = False
+        assert _rel_err(c[kept], ref[kept]) < 1e-2, _rel_err(c[kept], ref[kept])  # the other shards stand
+        epoch = 1 + sum(shape[1] == k for shape in SEQ_SHAPES)  # this op's calls so far, this one included
+        assert reported is not None and (f"rank {READER} read rows of rank {OVERWRITER}'s call {epoch} while rank "
+                                         f"{OVERWRITER} was already pushing its call {epoch + 1}") in reported, reported
+        assert "ag_gemm.begin+0B" in reported, reported

@@ -68,12 +68,12 @@ _GEMM_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 M:i32 N:i32 K:i32 stride_am:i
               "stride_bn:i32 stride_cm:i32 stride_cn:i32 c_desc:*bf16 split_ws_ptr:*fp32 split_count_ptr:*i32 "
               "split_k:i32")
 _FUSED_TILES = {**_TILES, "EVEN_K": False, "WORLD": 4, "FLATTEN": True}  # odd K: the masked K loop
-_AG = _FUSED_TILES
+_AG = {**_FUSED_TILES, "PEERS_POW2": 4}
 _RS = {**_FUSED_TILES, "CHUNKS": RS_CHUNKS}
-_ONE = {"rank": 1, "rows": 1, "WORLD": 2}
+_ONE = {"rank": 1, "rows": 1, "WORLD": 2, "PEERS_POW2": 1}
 _FUSED_COMM = "rank:i32 heap_bases:*i64 error_ptr:*i64"
 _AG_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 gathered_ptr:*bf16 rows:i32 N:i32 K:i32 "
-            "stride_bk:i32 stride_bn:i32 slot_stride:i32 flags_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM)
+            "stride_bk:i32 stride_bn:i32 slot_stride:i32 flags_ptr:*i64 begin_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM)
 _RS_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 recv_ptr:*bf16 rows:i32 N:i32 K:i32 stride_am:i32 stride_bk:i32 "
             "stride_bn:i32 slot_stride:i32 counts_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM)
 
@@ -316,3 +316,16 @@ def test_the_wait_clock_reads_the_device_timer(target):
     for name in ("barrier", "one_shot_all_reduce_bf16_w2"):
         code = _compiled(name, target).asm["ptx" if target == "sm90" else "amdgcn"]
         assert ("%globaltimer" if target == "sm90" else "s_memrealtime") in code, name
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles real kernels")
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("name", ["ag_gemm", "ag_gemm_rank1"])
+def test_ag_gemm_rereads_the_begin_words_after_its_loops(name, target):
+    """The seqlock's second look (rma.moved_past): an acq_rel, system-scope atomic on the begin words,
+    after the flattened tile loops (none in them)."""
+    ttgir = _compiled(name, target).asm["ttgir"]
+    rereads = [m.start() for m in re.finditer(r"tt\.atomic_rmw add, acq_rel, sys, .*tensor<\d+x!tt\.ptr<i64>", ttgir)]
+    assert len(rereads) == 1, f"{name}: {len(rereads)} vector acq_rel sys atomics, expected one"
+    last_loop = ttgir.rfind("scf.for")
+    assert last_loop < rereads[0] or "tt.dot" not in ttgir[rereads[0]:], f"{name}: the re-read is not after the tile loops"

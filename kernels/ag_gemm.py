@@ -1,10 +1,11 @@
 """AG-GEMM in one persistent launch: C = all_gather(A_shard) @ B, the gather hidden behind the GEMM.
 
-The copy engine moves the shards (the host enqueues it on a side stream): into each peer's heap, a
-memcpy of my rows, a stream write-value (whose default flags fence the earlier writes system-wide
-first, so a peer that sees what follows also sees the rows), then an 8-byte memcpy of the call
-number into my flag there (a write-value's value is fixed when a graph is captured; the call
-number lives in device memory). No SM is involved, so the GEMM keeps every SM, and nothing the
+The copy engine moves the shards (the host enqueues it on a side stream): into each peer's heap, an
+8-byte memcpy of the call number into my begin word there, a stream write-value (whose default
+flags fence the earlier writes system-wide first, so a peer that sees what follows also sees them),
+a memcpy of my rows, another write-value, then an 8-byte memcpy of the call number into my flag
+there (a write-value's value is fixed when a graph is captured; the call numbers live in device
+memory). No SM is involved, so the GEMM keeps every SM, and nothing the
 GEMM's resident programs wait for needs an SM to become free. (The GEMM's own programs pushing was measured as the other
 producer: no faster, and it costs SMs and a dynamic schedule; bench/notes/ag_gemm.md.)
 A memcpy's destination is fixed when a graph is captured, so the peers' buffers are single, and
@@ -21,7 +22,8 @@ the op is used, my own rows take longer than the copy engine needs to bring all 
 (bench/notes/ag_gemm.md).
 
 Buffers in the heap, per op: `gathered[slot]` holds the rows of the peer whose slot it is
-(slot = (src - me - 1) mod W, so W - 1 slots), `flags[slot]` is written by that peer only.
+(slot = (src - me - 1) mod W, so W - 1 slots); `flags[slot]` and `begin[slot]` are written by that
+peer only: the begin word before the rows (behind a fencing write-value), the flag after them.
 The tiles are the one GEMM core's (kernels/gemm.py), by pointer: rows a peer delivers are read with
 ordinary loads, which the flag's acquire orders (nothing portable orders tensor-copy reads after it).
 """
@@ -36,11 +38,14 @@ from tp_overlap_plugin.kernels.gemm import gemm_tile, store_tile, tile_coords
 @triton.jit
 def copy_engine_begin_kernel(calls_ptr, push_ptr, flags_ptr, rank, world, heap_bases, error_ptr):
     """Before the copy engine pushes call e into the peers' buffers: every rank meets here, after
-    its call e - 1 has read them, and e becomes the value the engine copies into the flags. A rank
-    that has given up leaves it at e - 1, so its peers time out rather than take its rows; the host
+    its call e - 1 has read them, and e becomes the values the engine copies: push_ptr[1], into the
+    begin words, always; push_ptr[0], into the flags, only where the ranks met. A rank that has given
+    up leaves the flag value at e - 1, so its peers time out rather than take its rows. The host
     pushes nothing where it can see that (kernels run in order on the CPU; on a GPU, once the error
-    has reached the host)."""
+    has reached the host); a push that goes out anyway raised the begin word to e first, and a peer
+    still reading call e - 1's rows sees it move (ag_gemm_kernel)."""
     epoch = calls.call_number(calls_ptr)
+    tl.store(push_ptr + 1, epoch)
     if rma.barrier(flags_ptr, epoch, rank, world, heap_bases, error_ptr):
         tl.store(push_ptr, epoch)
 
@@ -63,13 +68,21 @@ def _shard_tile(a_ptr, b_ptr, c_ptr, src, tile, rows, N, K, row_blocks, tiles_n,
 
 @triton.jit
 def ag_gemm_kernel(a_ptr, b_ptr, c_ptr, gathered_ptr, rows, N, K, stride_bk, stride_bn, slot_stride,
-                   flags_ptr, calls_ptr, rank, heap_bases, error_ptr,
-                   WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, FLATTEN: tl.constexpr):
+                   flags_ptr, begin_ptr, calls_ptr, rank, heap_bases, error_ptr,
+                   WORLD: tl.constexpr, PEERS_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr,
+                   FLATTEN: tl.constexpr):
     """c[src * rows + i] = (row i of rank src's shard) @ B for every src; a is my shard [rows, K].
 
     Once this rank has given up on a peer (error slot set, or a wait here fails) the program
-    computes no tile of a peer's rows (they may never have arrived): those rows of C are NaN."""
+    computes no tile of a peer's rows (they may never have arrived): those rows of C are NaN.
+    A program that read a peer's rows then checks that peer's begin word (begin_ptr[slot], a
+    seqlock): if it has moved past this call, a push of a later call (one whose barrier gave up on a
+    GPU, where the copy engine cannot be stopped) may have overwritten the rows during the reads, so
+    the program's tiles of that shard become NaN and the error slot says so. Once per program after
+    the loops, not per tile: the loop stays one flattened pipeline with no atomic in it, and a
+    program pays one round trip for all its peers; the tiles it stored are overwritten before the
+    kernel ends, so no reader of C sees them."""
     epoch, ok = calls.begin_call(calls_ptr, error_ptr)
     P = tl.num_programs(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -92,6 +105,17 @@ def ag_gemm_kernel(a_ptr, b_ptr, c_ptr, gathered_ptr, rows, N, K, stride_bk, str
         _shard_tile(gathered_ptr + tl.cast(slot, tl.int64) * slot_stride, b_ptr, c_ptr, src, item % per_shard, rows,
                     N, K, row_blocks, tiles_n, k_blocks, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                     EVEN_K, INTERPRET)
+    if ok & (calls.items_in(per_shard, WORLD * per_shard, P) > 0):
+        moved, first, seen = rma.moved_past(begin_ptr, epoch, WORLD - 1, PEERS_POW2)
+        if moved != 0:
+            rma.report(begin_ptr + first, epoch, seen, rank, (rank + first + 1) % WORLD, heap_bases, error_ptr,
+                       rma.ERR_OVERWRITTEN)
+            for item in range(calls.first_item(per_shard, P), WORLD * per_shard, P):
+                src = (rank - item // per_shard + WORLD) % WORLD
+                if ((moved >> ((src - rank - 1 + WORLD) % WORLD)) & 1) != 0:
+                    _shard_tile(gathered_ptr, b_ptr, c_ptr, src, item % per_shard, rows, N, K, row_blocks, tiles_n,
+                                k_blocks, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, INTERPRET,
+                                True)
     if not ok:
         for item in range(calls.first_item(per_shard, P), WORLD * per_shard, P):
             _shard_tile(gathered_ptr, b_ptr, c_ptr, (rank - item // per_shard + WORLD) % WORLD, item % per_shard,

@@ -13,6 +13,7 @@ import atexit
 import itertools
 import logging
 import multiprocessing as mp
+import signal
 import socket
 import threading
 import time
@@ -199,10 +200,19 @@ class LLMEngine:
             raise RuntimeError(f"engine start failed: {e}" + (f"; workers: {msg}" if msg else "")) from e
 
     def _worker_errors(self) -> str:
+        """What the workers reported before failing, and which of them are gone and how: a worker
+        killed by a signal reports nothing itself, and rank 0's own error (a closed socket, a
+        wait that gave up) may not say which rank it lost."""
         time.sleep(0.2)
         errs = []
         while self._procs and not self._errq.empty():
             errs.append(self._errq.get_nowait())
+        for rank, p in enumerate(self._procs, start=1):
+            code = p.exitcode
+            if code is not None and code < 0:
+                errs.append(f"rank {rank} was killed by {signal.Signals(-code).name}")
+            elif code is not None:
+                errs.append(f"rank {rank} exited with code {code}")
         return "; ".join(errs)
 
     def _kill_workers(self) -> None:

@@ -316,7 +316,9 @@ class ModelRunner:
         needed = required_heap_bytes(self.mcfg.hidden_size, max_tokens, self.world_size, self.dtype)
         size = -(-(oc.heap_size or needed) // 256) * 256
         try:
-            self.heap = SymmetricHeap(self.ctrl_group, self.device, size, timeout_s=oc.heap_timeout_s)
+            # ranks sharing a GPU map each other's heaps through IPC handles (as multirank.run_ranks)
+            backend = "ipc" if self.device.type == "cuda" and shares_gpus(self.world_size) else None
+            self.heap = SymmetricHeap(self.ctrl_group, self.device, size, backend=backend, timeout_s=oc.heap_timeout_s)
         except Exception as e:
             if oc.heap_size:
                 # The user's own size failed: telling them to set it would be no advice.
@@ -577,6 +579,13 @@ def init_distributed(cfg: EngineConfig, rank: int, world_size: int, store=None,
     dev_kind = default_device(cfg)
     if dev_kind == "cuda":
         lr = rank if local_rank is None else local_rank
+        if shares_gpus(world_size):
+            # correctness checks only (ranks on one GPU are time-sliced): rank r on GPU r % count, as
+            # in multirank.run_ranks. NCCL refuses two ranks of a communicator on one GPU unless they
+            # claim different hosts; then it connects them through its socket transport.
+            lr %= torch.cuda.device_count()
+            if not dist.is_initialized():
+                os.environ["NCCL_HOSTID"] = f"tp-overlap-shared-gpu-rank-{rank}"
         torch.cuda.set_device(lr)
         device = torch.device("cuda", lr)
     else:
@@ -598,6 +607,12 @@ def init_distributed(cfg: EngineConfig, rank: int, world_size: int, store=None,
     group = dist.group.WORLD
     ctrl = group if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
     return device, group, ctrl
+
+
+def shares_gpus(world_size: int) -> bool:
+    """Whether this engine's ranks share GPUs: TP_OVERLAP_SHARE_GPUS=1 and fewer GPUs than ranks."""
+    from tp_overlap_plugin.multirank import sharing_gpus
+    return sharing_gpus() and torch.cuda.device_count() < world_size
 
 
 def destroy_group_bounded(timeout: float = 30.0) -> bool:

@@ -42,7 +42,8 @@ SHM_PREFIX = "tp_overlap-"
 ERR_CODE, ERR_RANK, ERR_PEER, ERR_FLAG_OFFSET, ERR_EXPECTED, ERR_SEEN = range(6)
 ERR_TIMEOUT_NS = 7
 ERR_WORDS = 8
-ERR_TIMEOUT = 1
+ERR_TIMEOUT = 1      # a wait gave up (kernels/rma.py ERR_STUCK)
+ERR_OVERWRITTEN = 2  # a peer began overwriting rows this rank was reading (rma.ERR_OVERWRITTEN)
 
 
 class HeapExhaustedError(MemoryError):
@@ -50,7 +51,8 @@ class HeapExhaustedError(MemoryError):
 
 
 class RankTimeoutError(RuntimeError):
-    """A bounded spin-wait gave up: a peer never set the flag it was waiting for."""
+    """A bounded spin-wait gave up: a peer never set the flag it was waiting for (or, at AG-GEMM, a
+    peer whose wait gave up overwrote rows this rank was reading)."""
 
 
 def default_backend(device: torch.device) -> str:
@@ -216,6 +218,12 @@ class SymmetricHeap:
         err = self.error.tolist()
         if err[ERR_CODE] == 0:
             return
+        if err[ERR_CODE] == ERR_OVERWRITTEN:
+            raise RankTimeoutError(
+                f"rank {err[ERR_RANK]} read rows of rank {err[ERR_PEER]}'s call {err[ERR_EXPECTED]} while rank "
+                f"{err[ERR_PEER]} was already pushing its call {err[ERR_SEEN]} over them (begin word "
+                f"{self.describe_offset(err[ERR_FLAG_OFFSET])}): a wait of rank {err[ERR_PEER]} had given up and its "
+                f"copy engine pushed anyway; those rows are NaN. The heap is unusable now; restart the group.")
         raise RankTimeoutError(
             f"rank {err[ERR_RANK]} gave up after {self.timeout_s:g} s waiting for rank "
             f"{err[ERR_PEER]} to set flag {self.describe_offset(err[ERR_FLAG_OFFSET])} to epoch "

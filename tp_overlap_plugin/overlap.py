@@ -282,9 +282,10 @@ def _fused_config(rows: int, n: int, k: int, device: torch.device, config: TileC
 class AllGatherGemm:
     """c = all_gather(a_shard) @ b, the gather hidden behind the GEMM, in one persistent GEMM launch
     (kernels/ag_gemm.py) that multiplies my rows first and the peers' rows once their flags are up,
-    while the copy engine moves the shards on a side stream (a memcpy of my rows into each peer's
-    heap, a fencing stream write-value, then a memcpy of the call number into my flag there, after
-    a tiny kernel where the ranks meet). The rows a peer delivered stay in `gathered[slot]`
+    while the copy engine moves the shards on a side stream (into each peer's heap: a memcpy of the
+    call number into my begin word there, a fencing stream write-value, a memcpy of my rows,
+    another write-value, then a memcpy of the call number into my flag there, after a tiny kernel
+    where the ranks meet). The rows a peer delivered stay in `gathered[slot]`
     (slot = (src - me - 1) mod W) until the next call.
 
     Capacity is fixed at construction (heap space is symmetric): `max_rows` rows per shard, `k`
@@ -302,19 +303,24 @@ class AllGatherGemm:
         self.gathered = heap.alloc((slots, max_rows, k), dtype, name="ag_gemm.gathered")
         self.flags = heap.alloc((slots,), torch.int64, name="ag_gemm.flags")
         self.flags.zero_()
+        # a seqlock's words: each peer raises its own to the call number before it pushes rows
+        self.begin = heap.alloc((slots,), torch.int64, name="ag_gemm.begin")
+        self.begin.zero_()
         self.meet = heap.alloc((W,), torch.int64, name="ag_gemm.meet")
         self.meet.zero_()
         self.calls = torch.zeros(2, dtype=torch.int64, device=heap.device)  # kernels/calls.py
-        self.push_value = torch.zeros(1, dtype=torch.int64, device=heap.device)
+        # [0] the flags' value (the call number once the ranks met), [1] the begin words' (the call number)
+        self.push_value = torch.zeros(2, dtype=torch.int64, device=heap.device)
         self.stream = torch.cuda.Stream(heap.device) if heap.device.type == "cuda" else None
         # written by a stream write-value after each peer's rows, for its fence (see _push)
         self.fence = torch.zeros(1, dtype=torch.int32, device=heap.device)
         self.stream_order = runtime.StreamOrder()
-        # my slot and my flags in each peer's heap, in push order (rank + 1 first)
+        # my slot, flag and begin word in each peer's heap, in push order (rank + 1 first)
         self._at_peer = []
         for q in [(heap.rank + i) % W for i in range(1, W)]:
             slot = (heap.rank - q - 1) % W
-            self._at_peer.append((heap.peer_view(self.gathered[slot], q), heap.peer_view(self.flags[slot:slot + 1], q)))
+            self._at_peer.append((heap.peer_view(self.gathered[slot], q), heap.peer_view(self.flags[slot:slot + 1], q),
+                                  heap.peer_view(self.begin[slot:slot + 1], q)))
         heap.publish()
 
     def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
@@ -331,8 +337,10 @@ class AllGatherGemm:
         # A rank that has given up must not push: a peer still in the previous call may be reading
         # the rows it would overwrite. The device decides at its barrier and the copy engine cannot
         # branch, so the host pushes nothing once it has seen the error: on the CPU at once (the
-        # barrier kernel has run), on a GPU once the error word has reached the host (poll). Known
-        # gap: on a GPU the pushes of the calls queued before that still go out.
+        # barrier kernel has run), on a GPU once the error word has reached the host (poll). On a GPU
+        # the pushes of the calls queued before that still go out: each raises the peer's begin word
+        # first, and a reader whose rows it overwrote turns them into NaN and reports (the seqlock,
+        # kernels/ag_gemm.py).
         h.poll()
         stats.record("ag_gemm.kernel")
         cfg = _fused_config(rows, n, k, h.device, config)
@@ -348,8 +356,9 @@ class AllGatherGemm:
             met.record(torch.cuda.current_stream(h.device))
         ag_gemm_kernel[(num_programs(h.device),)](
             a_ptr=a_shard, b_ptr=b, c_ptr=c, gathered_ptr=self.gathered, rows=rows, N=n, K=k, stride_bk=b.stride(0),
-            stride_bn=b.stride(1), slot_stride=self.max_rows * k, flags_ptr=self.flags, calls_ptr=self.calls,
-            rank=h.rank, heap_bases=h.heap_bases, error_ptr=h.error, WORLD=W, BLOCK_M=cfg.block_m,
+            stride_bn=b.stride(1), slot_stride=self.max_rows * k, flags_ptr=self.flags, begin_ptr=self.begin,
+            calls_ptr=self.calls, rank=h.rank, heap_bases=h.heap_bases, error_ptr=h.error, WORLD=W,
+            PEERS_POW2=peers_pow2(W), BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0,
             INTERPRET=h.device.type == "cpu", FLATTEN=cfg.flatten, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
@@ -365,20 +374,26 @@ class AllGatherGemm:
         return c
 
     def _push(self, a_shard: torch.Tensor) -> None:
-        """Into each peer's heap: my rows, then my flag (the call number). Stream order alone says the
-        rows' copy has completed before the flag's starts, not that a peer that sees the flag sees
-        the rows: a stream write-value in between fences the earlier writes system-wide first (its
-        own value is fixed when a graph is captured, so the call number goes by memcpy after it).
-        On the CPU the flag is stored under the lock the interpreter's loads take (heap.py), after
-        the rows."""
-        for there, flag in self._at_peer:
-            there[:a_shard.shape[0]].copy_(a_shard, non_blocking=True)
+        """Into each peer's heap: my begin word (the call number), my rows, then my flag (the call
+        number where the ranks met). Stream order alone says one copy has completed before the next
+        starts, not that a peer that sees the later write sees the earlier one: a stream write-value
+        after the begin word and after the rows fences the earlier writes system-wide first (its own
+        value is fixed when a graph is captured, so the call numbers go by memcpy from device
+        memory). On the CPU the words are stored under the lock the interpreter's loads take
+        (heap.py), the begin word before the rows and the flag after them."""
+        for there, flag, begin in self._at_peer:
             if self.stream is not None:
+                begin.copy_(self.push_value[1:], non_blocking=True)
                 stream_write_value32(self.fence, 1)
-                flag.copy_(self.push_value, non_blocking=True)
+                there[:a_shard.shape[0]].copy_(a_shard, non_blocking=True)
+                stream_write_value32(self.fence, 1)
+                flag.copy_(self.push_value[:1], non_blocking=True)
             else:
                 with self.heap.memory_lock():
-                    flag.copy_(self.push_value)
+                    begin.copy_(self.push_value[1:])
+                there[:a_shard.shape[0]].copy_(a_shard)
+                with self.heap.memory_lock():
+                    flag.copy_(self.push_value[:1])
 
 
 class GemmReduceScatter:
