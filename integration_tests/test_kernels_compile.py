@@ -70,7 +70,7 @@ _GEMM_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 M:i32 N:i32 K:i32 stride_am:i
 _FUSED_TILES = {**_TILES, "EVEN_K": False, "WORLD": 4, "FLATTEN": True}  # odd K: the masked K loop
 _AG = {**_FUSED_TILES, "PEERS_POW2": 4}
 _RS = {**_FUSED_TILES, "CHUNKS": RS_CHUNKS}
-_ONE = {"rank": 1, "rows": 1, "WORLD": 2, "PEERS_POW2": 1}
+_ONE = {"rank": 1, "rows": 1, "WORLD": 2}
 _FUSED_COMM = "rank:i32 heap_bases:*i64 error_ptr:*i64"
 _AG_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 gathered_ptr:*bf16 rows:i32 N:i32 K:i32 "
             "stride_bk:i32 stride_bn:i32 slot_stride:i32 flags_ptr:*i64 begin_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM)
@@ -100,7 +100,8 @@ KERNELS = {
     "ag_gemm": (ag_gemm_kernel, _sig(_AG_ARGS, None, _AG), _AG),
     "gemm_rs": (gemm_rs_kernel, _sig(_RS_ARGS, None, _RS), _RS),
     # what the JIT compiles on rank 1 for one-row shards: Triton makes integer arguments equal to 1 constants
-    "ag_gemm_rank1": (ag_gemm_kernel, _sig(_AG_ARGS, None, {**_AG, **_ONE}), {**_AG, **_ONE}),
+    "ag_gemm_rank1": (ag_gemm_kernel, _sig(_AG_ARGS, None, {**_AG, **_ONE, "PEERS_POW2": 1}),
+                      {**_AG, **_ONE, "PEERS_POW2": 1}),
     "gemm_rs_rank1": (gemm_rs_kernel, _sig(_RS_ARGS, None, {**_RS, **_ONE}), {**_RS, **_ONE}),
     # decode GEMV at one row (the JIT makes M == 1 a constant) with a bias and a K tail, as the layers launch it
     "gemv": (gemv_kernel, _sig("x_ptr:*bf16 w_ptr:*bf16 bias_ptr:*bf16 y_ptr:*bf16 M:i32 N:i32 K:i32 stride_xm:i32 "
