@@ -48,6 +48,7 @@ def runner(request):
         r.piecewise = r._piecewise(capture=False)
     else:
         assert r.piecewise.capture and sorted(r.piecewise.graphs) == [16, 17, 32]
+        assert len(r.piecewise.graphs[16]) == r.model.num_segments == 3
     _prepare(r)
     yield r
     eng.shutdown()
@@ -146,15 +147,15 @@ def test_gpu_tp2_flag_piecewise_matches_eager():
 
 
 def test_bucket_choice():
-    assert default_token_counts(2048) == [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 768,
-                                          1024, 1280, 1536, 1792, 2048]
+    assert default_token_counts(2048) == [1, 2, 4, 8, 16, 32, 64, *range(128, 1025, 64), *range(1152, 2049, 128)]
     assert default_token_counts(100) == [1, 2, 4, 8, 16, 32, 64, 100]
     assert default_token_counts(1) == [1]
-    assert default_token_counts(600)[-3:] == [448, 512, 600]
+    assert default_token_counts(600)[-3:] == [512, 576, 600]
     counts = default_token_counts(8192)
-    assert counts[-1] == 8192 and len(counts) == 44
-    assert [bucket_for(counts, n) for n in (1, 3, 64, 65, 129, 513, 8191, 8192, 8193)] == \
-        [1, 4, 64, 128, 192, 768, 8192, 8192, None]
+    assert counts[-1] == 8192 and len(counts) == 54 and counts[-2] == 7936
+    assert [bucket_for(counts, n) for n in (1, 3, 64, 65, 129, 547, 1025, 2049, 8191, 8192, 8193)] == \
+        [1, 4, 64, 128, 192, 576, 1152, 2304, 8192, 8192, None]
+    assert [bucket_for([5, 9], n) for n in (1, 5, 6, 9, 10)] == [5, 5, 9, 9, None]
 
 
 def test_bad_bucket_lists_are_refused():

@@ -19,7 +19,7 @@ segment's outputs that only the next segment reads (the residual) are referenced
 until that next segment is captured, so later captures reuse their memory; that is safe because
 graphs replay in the order they were captured and never at the same time. What Python must reach
 at replay lives in static buffers outside the pool (inputs, q, attention output), sized for the
-largest bucket, or is the last segment's output (the final hidden rows, one per bucket).
+largest bucket.
 
 With the `tp_overlap` flag, each op's path (fused kernel or the NCCL pair, layout, decode matmul) is
 the dispatch table's choice for the bucket's token count, taken once at capture; replay costs no
@@ -39,13 +39,13 @@ from .attention import AttnMeta
 
 
 def default_token_counts(max_tokens: int) -> list[int]:
-    """Buckets up to `max_tokens`: powers of two to 64, then multiples of 64 to 512, then of 256, and
-    `max_tokens` itself. Small steps are the launch-bound ones, where a graph saves the most, and
-    padding a large step to a power of two would waste up to half its GEMM time; these steps keep
-    the padding under ~15% above 64 tokens for ~20 buckets at the 2048-token default budget."""
+    """Buckets up to `max_tokens`: powers of two to 64, then multiples of 64 to 1024, of 128 to 2048,
+    of 256 beyond, and `max_tokens` itself. Padding a step to a power of two would waste up to half
+    its GEMM time; these keep it under 12.5% above 64 tokens (30 buckets at the 2048-token default
+    budget, 54 at 8192). Below 64 tokens a step is launch-bound, and padding costs little."""
     counts = {c for c in (1, 2, 4, 8, 16, 32, 64) if c <= max_tokens}
-    counts.update(range(128, min(512, max_tokens) + 1, 64))
-    counts.update(range(768, max_tokens + 1, 256))
+    for lo, hi, step in ((64, 1024, 64), (1024, 2048, 128), (2048, max_tokens, 256)):
+        counts.update(range(lo + step, min(hi, max_tokens) + 1, step))
     counts.add(max_tokens)
     return sorted(counts)
 
@@ -91,7 +91,8 @@ class PiecewiseGraphs:
         self.inputs[2].fill_(scratch_slot)
         self.q = torch.zeros((mt, attn.heads, attn.head_dim), dtype=dtype, device=device)
         self.attn_out = torch.zeros((mt, attn.heads * attn.head_dim), dtype=dtype, device=device)
-        self.graphs: dict[int, tuple[list, torch.Tensor]] = {}   # bucket -> (segment graphs, final hidden)
+        self.hidden = torch.zeros((mt, model.cfg.hidden_size), dtype=dtype, device=device)  # the final rows
+        self.graphs: dict[int, list] = {}   # bucket -> its segments' graphs
         self.capture_s = 0.0
         self.pool_bytes = 0
 
@@ -99,8 +100,8 @@ class PiecewiseGraphs:
         return bucket_for(self.counts, n)
 
     def _segment(self, i: int, b: int, residual: Optional[torch.Tensor]):
-        """Segment i over the static buffers of bucket b -> the residual for segment i + 1 (q goes
-        into self.q), or the final hidden rows for the last segment."""
+        """Segment i over the static buffers of bucket b -> the residual for segment i + 1; q goes
+        into self.q, the last segment's final hidden rows into self.hidden."""
         ids, positions, slots = self.inputs[0, :b], self.inputs[1, :b], self.inputs[2, :b]
         if i == 0:
             self.resolve_refs(ids)
@@ -108,10 +109,11 @@ class PiecewiseGraphs:
         else:
             x = self.attn_out[:b]
         out, residual = self.model.segment(i, x, residual, positions, slots, self.kv_caches)
+        # Copied out of the segment's own output (for q, a view into qkv), so that no reference held
+        # for replay pins pool memory: held, every layer's qkv of every bucket would stay allocated.
         if i == self.model.num_segments - 1:
-            return out
-        # q is a view into the segment's own output; copying it out keeps that memory free for later
-        # captures (a reference held for replay would pin every layer's qkv of every bucket).
+            self.hidden[:b].copy_(out)
+            return None
         self.q[:b].copy_(out)
         return residual
 
@@ -125,12 +127,12 @@ class PiecewiseGraphs:
                                                 dtype=torch.int32, device=dev),
                         max_q_len=1, q_lens_list=[1] * b, context_lens_list=[1] * b, use_triton=dev.type == "cuda")
 
-    def _eager(self, n: int, b: int, meta: AttnMeta) -> torch.Tensor:
+    def _eager(self, n: int, b: int, meta: AttnMeta) -> None:
         residual = None
         for i in range(self.model.num_segments - 1):
             residual = self._segment(i, b, residual)
             self.model.attend(i, self.q[:n], meta, self.kv_caches, out=self.attn_out[:n])
-        return self._segment(self.model.num_segments - 1, b, residual)
+        self._segment(self.model.num_segments - 1, b, residual)
 
     def capture_all(self) -> None:
         """Per bucket, largest first: one eager pass (compiles the kernels for its shapes; on every
@@ -152,7 +154,7 @@ class PiecewiseGraphs:
                         # the previous residual is dropped once this capture has read it
                         residual = self._segment(i, b, residual)
                     graphs.append(g)
-                self.graphs[b] = (graphs, residual)
+                self.graphs[b] = graphs
         torch.cuda.synchronize(dev)
         self.capture_s = time.perf_counter() - t0
         self.pool_bytes = torch.cuda.memory_reserved(dev) - before
@@ -161,14 +163,14 @@ class PiecewiseGraphs:
         """A step of n tokens in bucket b: inputs [3, b] (ids | positions | slots, padded with the
         scratch slot) -> the final hidden rows of its n tokens."""
         self.inputs[:, :b].copy_(inputs)
-        if not self.capture:
-            with torch.inference_mode():
-                return self._eager(n, b, meta)[:n]
-        graphs, hidden = self.graphs[b]
-        last = len(graphs) - 1
         with torch.inference_mode():
+            if not self.capture:
+                self._eager(n, b, meta)
+                return self.hidden[:n]
+            graphs = self.graphs[b]
+            last = len(graphs) - 1
             for i, g in enumerate(graphs):
                 g.replay()
                 if i < last:
                     self.model.attend(i, self.q[:n], meta, self.kv_caches, out=self.attn_out[:n])
-        return hidden[:n]
+        return self.hidden[:n]
