@@ -61,6 +61,7 @@ def build_steps(args, block_size: int, vocab: int, num_blocks: int) -> dict:
     if args.budget:
         per = args.budget // 4
         steps[f"prefill {args.budget} (4 x {per})"] = step([], [per] * 4)
+        steps[f"prefill 2048 (4 x 512)"] = step([], [512] * 4)
     return steps
 
 
@@ -72,6 +73,8 @@ def measure(args, payload: dict) -> None:
     cfg = EngineConfig(model=args.model, load_format="dummy" if args.model != "demo" else "auto", device=args.device,
                        dtype="bfloat16" if cuda else "float32", max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.budget, enable_prefix_caching=False, show_progress=False,
+                       piecewise_graph_token_counts=([int(c) for c in args.token_counts.split(",")]
+                                                     if args.token_counts else None),
                        **({"max_model_len": args.max_model_len} if args.max_model_len else {}))
     free0 = torch.cuda.mem_get_info()[0] if cuda else 0
     t0 = time.perf_counter()
@@ -94,9 +97,10 @@ def measure(args, payload: dict) -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def call(mode, step):
-        if mode == "eager":
+        bucket = pw.bucket(len(step.input_ids))
+        if mode == "eager" or bucket is None:   # beyond the buckets the engine runs the step eagerly too
             return r._forward(step, r.kv_caches)
-        return r._forward_piecewise(step, pw.bucket(len(step.input_ids)))
+        return r._forward_piecewise(step, bucket)
 
     rows = []
     for name, step in steps.items():
@@ -169,13 +173,16 @@ def main(argv=None):
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--burst", type=int, default=5)
+    p.add_argument("--token-counts", default=None, help="comma-separated buckets (default: the engine's)")
+    p.add_argument("--tag", default="")
     p.add_argument("--out", default=RESULTS_DIR)
     args = p.parse_args(argv)
     payload = {"schema": SCHEMA, "environment": environment(1, args.device == "cuda"),
                "command": " ".join(["python", "bench/piecewise_steps.py"] + list(argv if argv is not None else sys.argv[1:])),
                "config": vars(args).copy()}
     measure(args, payload)
-    publish(args.out, f"piecewise-steps-{args.model}-tp1", payload, markdown(payload))
+    publish(args.out, f"piecewise-steps-{args.model}-tp1" + (f"-{args.tag}" if args.tag else ""), payload,
+            markdown(payload))
 
 
 if __name__ == "__main__":

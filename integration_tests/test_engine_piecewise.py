@@ -54,7 +54,10 @@ def runner(request):
     eng.shutdown()
 
 
-def _eager_then_piecewise(runner, step, bucket, exact=True):
+def _eager_then_piecewise(runner, step, bucket, exact=None):
+    """(eager logits, piecewise logits) of one step from the same cache; checks the cache writes.
+    Exact by default where the bucket is the step's size (the same kernels see the same rows)."""
+    exact = bucket == len(step.input_ids) if exact is None else exact
     snapshot = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     eager = runner._forward(step, runner.kv_caches)
     cache_eager = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
@@ -72,9 +75,10 @@ def _eager_then_piecewise(runner, step, bucket, exact=True):
         # the padded rows wrote the scratch block only
         if exact:
             assert torch.equal(k[:scratch], ke[:scratch]) and torch.equal(v[:scratch], ve[:scratch])
-        else:
-            torch.testing.assert_close(k[:scratch], ke[:scratch], atol=3e-2, rtol=3e-2)
-            torch.testing.assert_close(v[:scratch], ve[:scratch], atol=3e-2, rtol=3e-2)
+        else:   # more rows may change cuBLAS's kernel, and the rounding of a real row's k and v
+            tol = 3e-2 if k.dtype == torch.bfloat16 else 1e-5
+            torch.testing.assert_close(k[:scratch], ke[:scratch], atol=tol, rtol=tol)
+            torch.testing.assert_close(v[:scratch], ve[:scratch], atol=tol, rtol=tol)
     return eager, piecewise
 
 
@@ -147,14 +151,14 @@ def test_gpu_tp2_flag_piecewise_matches_eager():
 
 
 def test_bucket_choice():
-    assert default_token_counts(2048) == [1, 2, 4, 8, 16, 32, 64, *range(128, 1025, 64), *range(1152, 2049, 128)]
+    counts = default_token_counts(2048)
+    assert counts == [1, 2, 4, 8, 16, 32, 64, *range(128, 1025, 64), *range(1152, 2049, 128)]
     assert default_token_counts(100) == [1, 2, 4, 8, 16, 32, 64, 100]
     assert default_token_counts(1) == [1]
     assert default_token_counts(600)[-3:] == [512, 576, 600]
-    counts = default_token_counts(8192)
-    assert counts[-1] == 8192 and len(counts) == 54 and counts[-2] == 7936
-    assert [bucket_for(counts, n) for n in (1, 3, 64, 65, 129, 547, 1025, 2049, 8191, 8192, 8193)] == \
-        [1, 4, 64, 128, 192, 576, 1152, 2304, 8192, 8192, None]
+    assert default_token_counts(8192) == counts, "larger steps run eagerly unless configured"
+    assert [bucket_for(counts, n) for n in (1, 3, 64, 65, 129, 547, 1025, 2047, 2048, 2049)] == \
+        [1, 4, 64, 128, 192, 576, 1152, 2048, 2048, None]
     assert [bucket_for([5, 9], n) for n in (1, 5, 6, 9, 10)] == [5, 5, 9, 9, None]
 
 

@@ -38,15 +38,22 @@ import torch
 from .attention import AttnMeta
 
 
+# Steps of more tokens run eagerly by default: there the GPU takes longer than the host's launches
+# (H100, llama-3-8b: an eager 8192-token step launches in 24 ms and runs 203 ms), so a graph saves
+# nothing and its copies cost 0.7% (bench/notes/serving.md section 6).
+DEFAULT_MAX_GRAPH_TOKENS = 2048
+
+
 def default_token_counts(max_tokens: int) -> list[int]:
-    """Buckets up to `max_tokens`: powers of two to 64, then multiples of 64 to 1024, of 128 to 2048,
-    of 256 beyond, and `max_tokens` itself. Padding a step to a power of two would waste up to half
-    its GEMM time; these keep it under 12.5% above 64 tokens (30 buckets at the 2048-token default
-    budget, 54 at 8192). Below 64 tokens a step is launch-bound, and padding costs little."""
-    counts = {c for c in (1, 2, 4, 8, 16, 32, 64) if c <= max_tokens}
-    for lo, hi, step in ((64, 1024, 64), (1024, 2048, 128), (2048, max_tokens, 256)):
-        counts.update(range(lo + step, min(hi, max_tokens) + 1, step))
-    counts.add(max_tokens)
+    """Buckets up to min(max_tokens, DEFAULT_MAX_GRAPH_TOKENS): powers of two to 64, then multiples
+    of 64 to 1024 and of 128 beyond, and the limit itself. Padding a step to a power of two would
+    waste up to half its GEMM time; these keep it under 12.5% above 64 tokens (30 buckets). Below 64
+    tokens a step is launch-bound, and padding costs little."""
+    limit = min(max_tokens, DEFAULT_MAX_GRAPH_TOKENS)
+    counts = {c for c in (1, 2, 4, 8, 16, 32, 64) if c <= limit}
+    for lo, hi, step in ((64, 1024, 64), (1024, limit, 128)):
+        counts.update(range(lo + step, min(hi, limit) + 1, step))
+    counts.add(limit)
     return sorted(counts)
 
 
@@ -139,6 +146,9 @@ class PiecewiseGraphs:
         rank alike), then one graph per segment."""
         dev = self.inputs.device
         t0 = time.perf_counter()
+        # torch.cuda.graph empties the allocator's cache itself; measured from empty to empty, the
+        # growth is the pool's (the eager warm-up passes' blocks go back at the end)
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(dev)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
@@ -156,6 +166,7 @@ class PiecewiseGraphs:
                     graphs.append(g)
                 self.graphs[b] = graphs
         torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
         self.capture_s = time.perf_counter() - t0
         self.pool_bytes = torch.cuda.memory_reserved(dev) - before
 
