@@ -270,7 +270,7 @@ class ModelRunner:
             self.heap.check()
         self.errors = ErrorWatch(self.heap) if self.heap is not None else None
         self.last_error_slot = -1     # the ErrorWatch slot of the latest step (see `execute`)
-        self.last_graph = False       # whether the latest step replayed a CUDA graph
+        self.last_graph = False       # whether the latest step replayed CUDA graphs (whole or piecewise)
         self.graphs: dict[int, tuple] = {}
         self.max_graph_bs = 0
         self.piecewise: Optional[PiecewiseGraphs] = None
@@ -499,8 +499,8 @@ class ModelRunner:
             free0 = torch.cuda.mem_get_info(self.device)[0]
             pw.capture_all()
             if self.rank == 0:
-                log.info("piecewise CUDA graphs: %d buckets of %d segments (%s tokens) in %.1f s, %.0f MiB "
-                         "(pool and static buffers: %.0f MiB of device memory)", len(pw.counts),
+                log.info("piecewise CUDA graphs: %d buckets of %d segments (%s tokens) captured in %.1f s; pool "
+                         "%.0f MiB, device memory taken with the static buffers %.0f MiB", len(pw.counts),
                          self.model.num_segments, ",".join(map(str, pw.counts)), pw.capture_s,
                          pw.pool_bytes / 2**20, (free0 - torch.cuda.mem_get_info(self.device)[0]) / 2**20)
         return pw
