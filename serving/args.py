@@ -96,6 +96,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV-cache blocks (default: as many as the memory budget holds)")
     g.add_argument("--seed", type=int, default=d.seed, help="seed of the engine's sampler")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--piecewise-cuda-graphs", action=argparse.BooleanOptionalAction, default=d.piecewise_cuda_graphs,
+                   help="prefill and mixed steps replay all but attention from CUDA graphs per token-count bucket")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                    help="launch step i+1 before step i's tokens reach the host (the host works while the GPU does)")
     g.add_argument("--tp-overlap", action="store_true",
@@ -110,7 +112,8 @@ _FLAGS = {"model": "--model", "tokenizer": "--tokenizer", "tensor_parallel_size"
           "max_model_len": "--max-model-len", "max_num_seqs": "--max-num-seqs",
           "max_num_batched_tokens": "--max-num-batched-tokens", "block_size": "--block-size",
           "gpu_memory_utilization": "--gpu-memory-utilization", "kv_cache_bytes": "--kv-cache-bytes",
-          "num_kv_blocks": "--num-kv-blocks", "seed": "--seed", "tp_overlap": "--tp-overlap-config"}
+          "num_kv_blocks": "--num-kv-blocks", "seed": "--seed", "tp_overlap": "--tp-overlap-config",
+          "piecewise_cuda_graphs": "--piecewise-cuda-graphs"}
 
 
 def describe_validation_error(e: ValidationError, flags: Optional[dict[str, str]] = None) -> str:
@@ -148,6 +151,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                             max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
                             gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_bytes=a.kv_cache_bytes,
                             num_kv_blocks=a.num_kv_blocks, seed=a.seed, enforce_eager=a.enforce_eager,
+                            piecewise_cuda_graphs=a.piecewise_cuda_graphs,
                             async_scheduling=a.async_scheduling)
     except ValidationError as e:
         raise CliError(describe_validation_error(e), hint="--help lists the options and their defaults") from None

@@ -61,9 +61,9 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, n_blocks: int) ->
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttnMeta, scale: float) -> torch.Tensor:
+                        meta: AttnMeta, scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [T, H, D] -> [T, H, D]; causal within each sequence, keys from the paged cache."""
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     bs = k_cache.shape[1]
     q_lens = meta.q_lens_list if meta.q_lens_list is not None else meta.cu_seqlens_q.diff().tolist()
     ctx = meta.context_lens_list if meta.context_lens_list is not None else meta.context_lens.tolist()
@@ -90,11 +90,13 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttnMeta, scale: float) -> torch.Tensor:
+                    meta: AttnMeta, scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """q [T, H, D] -> [T, H, D], into `out` when given (a CUDA graph's static input that the next
+    graph piece reads: serving/piecewise.py)."""
     if not meta.use_triton:
-        return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, out)
     from tp_overlap_plugin.kernels.attention import paged_decode_attention, paged_prefill_attention
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     nd = meta.num_decodes
     if nd:
         paged_decode_attention(q[:nd], k_cache, v_cache, meta.context_lens[:nd], meta.block_tables[:nd],

@@ -225,6 +225,11 @@ class EngineConfig(BaseModel):
                                    "the host; sampled ids feed the next step on the device")
     enable_prefix_caching: bool = True
     cuda_graph_batch_sizes: Optional[list[int]] = None
+    # Prefill and mixed steps replay every part but attention from graphs per token-count bucket
+    # (serving/piecewise.py); off: those steps run eagerly. enforce_eager turns these off too.
+    piecewise_cuda_graphs: bool = True
+    piecewise_graph_token_counts: Optional[list[int]] = Field(
+        None, description="buckets of the piecewise graphs; default: piecewise.default_token_counts")
     dist_timeout_s: float = Field(600.0, gt=0)
     show_progress: bool = True
     tp_overlap: Optional[TPOverlapConfig] = Field(default_factory=_tp_overlap_from_env,
@@ -245,6 +250,9 @@ class EngineConfig(BaseModel):
     def _check(self) -> "EngineConfig":
         if self.cuda_graph_batch_sizes is not None and any(b < 1 for b in self.cuda_graph_batch_sizes):
             raise ValueError("cuda_graph_batch_sizes must be positive")
+        if self.piecewise_graph_token_counts is not None:
+            from .piecewise import check_token_counts
+            check_token_counts(self.piecewise_graph_token_counts, self.max_num_batched_tokens)
         return self
 
     def load_model_config(self) -> ModelConfig:

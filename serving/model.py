@@ -105,7 +105,10 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, positions, x, meta: AttnMeta, kv_cache: tuple[torch.Tensor, torch.Tensor]):
+    def project(self, positions, x, slot_mapping: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]):
+        """x [T, hidden] -> rotated q [T, heads, head_dim]; k and v of the T tokens go into the cache.
+        Everything of the attention block before attention itself: it depends on no per-step host
+        value, so a CUDA graph may hold it (serving/piecewise.py)."""
         qkv = self.qkv_proj(x)
         t = qkv.shape[0]
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -121,13 +124,20 @@ class Attention(nn.Module):
                 qkv[:, :q_size].copy_(q.reshape(t, q_size))
                 qkv[:, q_size:q_size + kv_size].copy_(k.reshape(t, kv_size))
             layer_ops.rope_and_cache(qkv, self.heads, self.kv_heads, self.head_dim, positions, self.rotary.cos,
-                                     self.rotary.sin, k_cache, v_cache, meta.slot_mapping)
-            q = qkv[:, :q_size].reshape(t, self.heads, self.head_dim)
-        else:
-            q, k = self.rotary(positions, q), self.rotary(positions, k)
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, q_size))
+                                     self.rotary.sin, k_cache, v_cache, slot_mapping)
+            return qkv[:, :q_size].reshape(t, self.heads, self.head_dim)
+        q, k = self.rotary(positions, q), self.rotary(positions, k)
+        write_kv(k_cache, v_cache, k, v, slot_mapping)
+        return q
+
+    def attend(self, q, meta: AttnMeta, kv_cache: tuple[torch.Tensor, torch.Tensor],
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """q [T, heads, head_dim] -> [T, heads * head_dim] (into `out` when given). Reads the step's
+        per-sequence layout (meta): the part of a layer that runs eagerly between graph pieces."""
+        t = q.shape[0]
+        if out is not None:
+            out = out.view(t, self.heads, self.head_dim)
+        return paged_attention(q, *kv_cache, meta, self.scale, out=out).reshape(t, self.heads * self.head_dim)
 
 
 class MLP(nn.Module):
@@ -152,14 +162,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp.dtype, tp.device)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, positions, hidden, residual, meta, kv_cache):
-        """(hidden, residual) in and out: each norm also adds the previous block's output into the
-        residual stream, so the add costs no kernel of its own."""
+    def before_attention(self, positions, hidden, residual, slot_mapping, kv_cache):
+        """(hidden, residual) -> (q, residual): the input norm, which also adds the previous block's
+        output into the residual stream (so the add costs no kernel of its own), and the projection."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta, kv_cache)
+        return self.self_attn.project(positions, hidden, slot_mapping, kv_cache), residual
+
+    def after_attention(self, attn_out, residual):
+        """Attention's output [T, heads * head_dim] -> (this block's output, residual)."""
+        hidden = self.self_attn.o_proj(attn_out)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -176,15 +190,44 @@ class CausalLM(nn.Module):
         self.lm_head = tp.lm_head(cfg.vocab_size, cfg.hidden_size,
                                   tied_to=self.embed_tokens if cfg.tie_word_embeddings else None)
 
+    # The forward is split at attention into num_segments pieces, so that a runner can hold every
+    # piece but attention in a CUDA graph per token count (serving/piecewise.py): attention alone
+    # depends on per-step host values (how many decodes, the longest chunk, the sequence split).
+    # Segment 0 is the embedding and layer 0 up to attention; segment i (0 < i < L) layer i - 1 after
+    # attention (o_proj, norm, MLP) and layer i up to attention; segment L the last layer after
+    # attention, the final norm, and the LM head's gather of every token's row.
+    @property
+    def num_segments(self) -> int:
+        return len(self.layers) + 1
+
+    def segment(self, i: int, x: torch.Tensor, residual: Optional[torch.Tensor], positions: torch.Tensor,
+                slot_mapping: torch.Tensor, kv_caches: list):
+        """Segment i. x: the input ids for i = 0, else layer i - 1's attention output [T, heads * head_dim];
+        residual: segment i - 1's. Returns (q of layer i, residual), or (final hidden, None) for the last."""
+        if i == 0:
+            hidden, residual = self.embed_tokens(x), None
+        else:
+            hidden, residual = self.layers[i - 1].after_attention(x, residual)
+        if i == len(self.layers):
+            return self.lm_head.token_rows(self.norm(hidden, residual)[0]), None
+        return self.layers[i].before_attention(positions, hidden, residual, slot_mapping, kv_caches[i])
+
+    def attend(self, i: int, q: torch.Tensor, meta: AttnMeta, kv_caches: list,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Layer i's attention between segments i and i + 1."""
+        return self.layers[i].self_attn.attend(q, meta, kv_caches[i], out)
+
     def forward(self, input_ids, positions, meta: AttnMeta, kv_caches: list) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        residual = None
-        for layer, cache in zip(self.layers, kv_caches):
-            h, residual = layer(positions, h, residual, meta, cache)
-        return self.norm(h, residual)[0]
+        """-> every token's final hidden row (compute_logits picks the rows to project)."""
+        x, residual = input_ids, None
+        for i in range(len(self.layers)):
+            q, residual = self.segment(i, x, residual, positions, meta.slot_mapping, kv_caches)
+            x = self.attend(i, q, meta, kv_caches)
+        return self.segment(len(self.layers), x, residual, positions, meta.slot_mapping, kv_caches)[0]
 
     def compute_logits(self, hidden: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
-        return self.lm_head(hidden, rows)
+        """hidden: forward's (or the last segment's) output."""
+        return self.lm_head.logits(hidden, rows)
 
     def checkpoint_params(self) -> dict[str, tuple[nn.Module, Optional[int], bool, tuple[int, ...]]]:
         """HF checkpoint name -> (module, shard id within a merged matrix, is_bias, full shape)."""

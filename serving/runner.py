@@ -25,6 +25,7 @@ from tp_overlap_plugin import runtime
 from tp_overlap_plugin.layers import TPGroup, TPLayers
 
 from .attention import AttnMeta
+from .piecewise import PiecewiseGraphs, default_token_counts
 from .step_layout import Staging, layout
 from .config import EngineConfig, ModelConfig, default_device, resolve_model_dir
 from .model import CausalLM
@@ -269,9 +270,10 @@ class ModelRunner:
             self.heap.check()
         self.errors = ErrorWatch(self.heap) if self.heap is not None else None
         self.last_error_slot = -1     # the ErrorWatch slot of the latest step (see `execute`)
-        self.last_graph = False       # whether the latest step replayed a CUDA graph
+        self.last_graph = False       # whether the latest step replayed CUDA graphs (whole or piecewise)
         self.graphs: dict[int, tuple] = {}
         self.max_graph_bs = 0
+        self.piecewise: Optional[PiecewiseGraphs] = None
         self.messages = StepMessage(ctrl_group, rank) if world_size > 1 else None
         self.sampled = torch.zeros(cfg.max_num_seqs, dtype=torch.int64, device=device)
 
@@ -285,12 +287,18 @@ class ModelRunner:
                           for _ in range(self.mcfg.num_layers)]
         if self.heap is not None and device.type == "cuda":
             self._warm_overlap_shapes()
-        if device.type == "cuda" and not cfg.enforce_eager:
+        graphs = device.type == "cuda" and not cfg.enforce_eager
+        # One pool for every graph, the largest piecewise bucket first: a replay never overlaps another.
+        self.graph_pool = torch.cuda.graph_pool_handle() if graphs else None
+        if graphs and cfg.piecewise_cuda_graphs:
+            self.piecewise = self._piecewise(capture=True)
+        if graphs:
             self._capture_graphs()
 
     def release(self) -> None:
         """Drop the KV cache and graphs (the big allocations) once the engine is shut down."""
         self.graphs.clear()
+        self.piecewise = None
         self.kv_caches = []
         if self.heap is not None:
             self.heap.close()
@@ -431,23 +439,27 @@ class ModelRunner:
         return n_blocks
 
     # ---- step --------------------------------------------------------------------------------
-    def _step_tensors(self, step: StepInput):
-        """(ids, positions, logit rows, meta) on the device, and whether any id stands for a token
-        still on the device: the per-token layout in whole-array numpy, then two asynchronous copies
-        from pinned memory (step_layout.Staging)."""
+    def _step_tensors(self, step: StepInput, pad_to: Optional[int] = None):
+        """(ids | positions | slots [3, T], logit rows, meta) on the device, and whether any id stands
+        for a token still on the device: the per-token layout in whole-array numpy, then two
+        asynchronous copies from pinned memory (step_layout.Staging). With `pad_to`, T is that
+        (a piecewise-graph bucket): padded rows are token 0 at position 0 writing the scratch slot."""
         lay = layout(step.q_lens, step.context_lens, step.block_tables, self.block_size, self.scratch_block)
-        ids = np.asarray(step.input_ids, dtype=np.int64)
+        n = len(step.input_ids)
+        tokens = np.zeros((3, pad_to or n), dtype=np.int64)
+        tokens[0, :n], tokens[1, :n], tokens[2, :n] = step.input_ids, lay.positions, lay.slots
+        tokens[2, n:] = self.scratch_block * self.block_size
         rows = np.asarray(step.logit_rows, dtype=np.int64)
         ctx = np.asarray(step.context_lens, dtype=np.int32)
-        parts64, parts32 = [ids, lay.positions, lay.slots, rows], [lay.cu_seqlens, ctx, lay.block_tables]
+        parts64, parts32 = [tokens, rows], [lay.cu_seqlens, ctx, lay.block_tables]
         if self.staging is not None:
-            (d_ids, d_pos, d_slots, d_rows), (d_cu, d_ctx, d_bt) = self.staging.to_device(parts64, parts32)
+            (d_tokens, d_rows), (d_cu, d_ctx, d_bt) = self.staging.to_device(parts64, parts32)
         else:
-            d_ids, d_pos, d_slots, d_rows, d_cu, d_ctx, d_bt = map(torch.from_numpy, parts64 + parts32)
-        meta = AttnMeta(slot_mapping=d_slots, num_decodes=step.num_decodes, cu_seqlens_q=d_cu, context_lens=d_ctx,
-                        block_tables=d_bt, max_q_len=max(step.q_lens), q_lens_list=step.q_lens,
+            d_tokens, d_rows, d_cu, d_ctx, d_bt = map(torch.from_numpy, parts64 + parts32)
+        meta = AttnMeta(slot_mapping=d_tokens[2, :n], num_decodes=step.num_decodes, cu_seqlens_q=d_cu,
+                        context_lens=d_ctx, block_tables=d_bt, max_q_len=max(step.q_lens), q_lens_list=step.q_lens,
                         context_lens_list=step.context_lens, use_triton=self.use_triton)
-        return d_ids, d_pos, d_rows, meta, bool(ids.size and ids.min() < 0)
+        return d_tokens, d_rows, meta, bool(n and tokens[0, :n].min() < 0)
 
     def _resolve_refs(self, ids: torch.Tensor) -> None:
         """Replace in place the ids that stand for tokens sampled by the previous step (see StepInput)."""
@@ -467,21 +479,47 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward(self, step: StepInput, kv_caches) -> torch.Tensor:
-        ids, pos, rows, meta, has_refs = self._step_tensors(step)
+        tokens, rows, meta, has_refs = self._step_tensors(step)
+        ids, pos = tokens[0], tokens[1]
         if has_refs:
             self._resolve_refs(ids)
         hidden = self.model(ids, pos, meta, kv_caches)
         return self.model.compute_logits(hidden, rows)
+
+    @torch.inference_mode()
+    def _forward_piecewise(self, step: StepInput, bucket: int) -> torch.Tensor:
+        tokens, rows, meta, _ = self._step_tensors(step, pad_to=bucket)
+        hidden = self.piecewise.run(len(step.input_ids), bucket, tokens, meta)
+        # the LM head on the rows asked for, eagerly: how many there are varies per step
+        return self.model.compute_logits(hidden, rows)
+
+    def _piecewise(self, capture: bool) -> PiecewiseGraphs:
+        counts = self.cfg.piecewise_graph_token_counts or default_token_counts(self.cfg.max_num_batched_tokens)
+        pw = PiecewiseGraphs(self.model, self.kv_caches, counts,
+                             self.scratch_block * self.block_size, self._resolve_refs, capture, self.graph_pool)
+        if capture:
+            free0 = torch.cuda.mem_get_info(self.device)[0]
+            pw.capture_all()
+            if self.rank == 0:
+                log.info("piecewise CUDA graphs: %d buckets of %d segments (%s tokens) captured in %.1f s; pool "
+                         "%.0f MiB, device memory taken with the static buffers %.0f MiB", len(pw.counts),
+                         self.model.num_segments, ",".join(map(str, pw.counts)), pw.capture_s,
+                         pw.pool_bytes / 2**20, (free0 - torch.cuda.mem_get_info(self.device)[0]) / 2**20)
+        return pw
 
     def execute(self, step: StepInput) -> torch.Tensor:
         """Run one step on this rank; on rank 0 also ships it to the workers first."""
         if self.rank == 0 and self.messages is not None:
             self.messages.send(step)
         n = len(step.input_ids)
-        self.last_graph = bool(self.graphs and step.num_decodes == n and n <= self.max_graph_bs
-                               and step.logit_rows == list(range(n)))
-        if self.last_graph:
+        whole = bool(self.graphs and step.num_decodes == n and n <= self.max_graph_bs
+                     and step.logit_rows == list(range(n)))
+        bucket = self.piecewise.bucket(n) if self.piecewise is not None and not whole else None
+        self.last_graph = whole or (bucket is not None and self.piecewise.capture)
+        if whole:
             logits = self._replay(step)
+        elif bucket is not None:
+            logits = self._forward_piecewise(step, bucket)
         else:
             logits = self._forward(step, self.kv_caches)
         if self.errors is not None:
@@ -529,7 +567,7 @@ class ModelRunner:
         self.inputs_copied = torch.cuda.Event()
         self.inputs_copied.record()
         self.g_cu = torch.arange(mb + 1, dtype=torch.int32, device=dev)
-        pool = None
+        pool = self.graph_pool
         for bs in sorted(sizes, reverse=True):
             meta = AttnMeta(slot_mapping=self.g_slots[:bs], num_decodes=bs, cu_seqlens_q=self.g_cu[:bs + 1],
                             context_lens=self.g_ctx[:bs], block_tables=self.g_bt[:bs], max_q_len=1,

@@ -29,7 +29,8 @@ row(input_size, output_size, bias,      [T, input / W] -> residual layout [T_loc
                                          hand back a PendingAllReduce instead (see below)
 lm_head(vocab_size, hidden, tied_to)     (residual layout, rows: LongTensor of token indices in [0, T), or
                                          None for all T) -> logits [len(rows), vocab_size], full vocabulary,
-                                         every rank
+                                         every rank; in two parts: token_rows(residual layout) ->
+                                         [T, hidden] (the step's layout only), then logits(that, rows)
 
 A row layer's all-reduce and the residual add + RMSNorm after it can be one kernel. A factory that
 has one returns, from a row layer built with reduce_into_norm=True, a `PendingAllReduce` (the
@@ -249,6 +250,16 @@ class ParallelLMHead(nn.Module):
             _copy_into(self.weight[: end - start], loaded[start:end])
 
     def forward(self, hidden: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
+        return self.logits(self.token_rows(hidden), rows)
+
+    def token_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The residual layout's hidden rows -> every token's row on this rank. The stock layout is
+        replicated already. Apart from `logits` because it depends on the step's layout, not on the
+        rows asked for: a CUDA graph of the step's body may hold it (serving/piecewise.py)."""
+        return hidden
+
+    def logits(self, hidden: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
+        """Every token's rows (token_rows) -> the logits of `rows` (all of them for None)."""
         picked = hidden if rows is None else hidden.index_select(0, rows)
         return self.tp.all_gather_cat(self.local_logits(picked), dim=-1)[:, : self.vocab_size]
 

@@ -260,11 +260,11 @@ class OverlapLMHead(ParallelLMHead):
         super().__init__(layers.tp, vocab_size, hidden, layers.dtype, layers.device, tied_to)
         self.layers = layers
 
-    def forward(self, hidden: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
+    def token_rows(self, hidden: torch.Tensor) -> torch.Tensor:
         L = self.layers
         if L.sequence_parallel:
-            hidden = runtime.all_gather(hidden, self.tp.group)[:L.tokens]
-        return super().forward(hidden, rows)
+            return runtime.all_gather(hidden, self.tp.group)[:L.tokens]
+        return hidden
 
     def local_logits(self, picked: torch.Tensor) -> torch.Tensor:
         return self.layers.linear(picked, self.weight)
