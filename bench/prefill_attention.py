@@ -3,7 +3,9 @@ kernel (paged, reads keys from the cache) beside torch's SDPA on the step's own 
 fresh prompt's context is the chunk itself; its own backend choice, then cuDNN and FA2 forced), FA2's
 varlen call over the packed prompts, and flex_attention with a packed-causal block mask.
 
-    python bench/prefill_attention.py --model llama-3-8b --tp 1 [--prompts 4 --prompt-len 2048]
+    python bench/prefill_attention.py --model llama-3-8b --tp 1 [--shapes 1x8192,4x2048,16x512]
+        [--configs "128,32,4,3,4;128,64,8,3,1"]   # more rows of our kernel: bm,bn,warps,stages,heads
+        [--ours-only]                             # our kernel alone, e.g. under an older install
 
 Work: causal attention, 4 x heads x head_dim x L(L+1)/2 per prompt (QK^T and PV). Peak: torch.matmul
 bf16 [T, hidden] x [hidden, 2 x intermediate] at the step's token count, timed in the same run.

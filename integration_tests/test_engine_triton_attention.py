@@ -174,7 +174,10 @@ def test_attention_kernels_compile_for_gpu_targets(kernel, target):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from tp_overlap_plugin.kernels.attention import _decode_kernel, _decode_reduce_kernel, _prefill_kernel
+    import torch
+
+    from tp_overlap_plugin.kernels.attention import (_decode_kernel, _decode_reduce_kernel, _prefill_kernel,
+                                                     prefill_config)
 
     tgt = {"sm90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64)}[target]
     ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16"}
@@ -184,8 +187,10 @@ def test_attention_kernels_compile_for_gpu_targets(kernel, target):
         fn = _prefill_kernel
         sig = {**ptrs, "cu_seqlens_q": "*i32", "context_lens": "*i32", "block_tables": "*i32", **strides,
                "scale": "fp32"}
-        consts = {"GROUP": 4, "PAGE": 16, "HEAD_DIM": 128, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 128,
-                  "PRECISION": "tf32", "UPCAST": False}
+        cfg = prefill_config({"sm90": "cuda", "gfx942": "hip"}[target], torch.bfloat16, 4)
+        consts = {"GROUP": 4, "PAGE": 16, "HEAD_DIM": 128, "BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["block_n"],
+                  "BLOCK_D": 128, "HEADS": cfg["heads"], "PRECISION": "tf32", "UPCAST": False}
+        options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     elif kernel == "decode":
         fn = _decode_kernel
         sig = {**ptrs, "PartAcc": "*fp32", "PartML": "*fp32", "context_lens": "*i32", "block_tables": "*i32",
@@ -197,8 +202,14 @@ def test_attention_kernels_compile_for_gpu_targets(kernel, target):
         sig = {"PartAcc": "*fp32", "PartML": "*fp32", "Out": "*bf16", "stride_ot": "i32", "stride_oh": "i32"}
         consts = {"HEAD_DIM": 128, "NUM_SPLITS": 4, "BLOCK_S": 4, "BLOCK_D": 128}
     sig.update({c: "constexpr" for c in consts})
-    compiled = triton.compile(ASTSource(fn, signature=sig, constexprs=consts), target=tgt)
+    # Launches specialise 16-divisible pointers and strides; without that the pipeliner keeps
+    # unaligned loads synchronous and the shared-memory figure below would be the unpipelined one.
+    aligned = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t != "constexpr" and t != "fp32"}
+    compiled = triton.compile(ASTSource(fn, signature=sig, constexprs=consts, attrs=aligned), target=tgt,
+                              options=options if kernel == "prefill" else None)
     assert compiled.asm.get("cubin" if target == "sm90" else "hsaco")
+    # The chosen tiles must fit the target's shared memory (CDNA3: one 64 KiB LDS per workgroup).
+    assert compiled.metadata.shared <= {"sm90": 232448, "gfx942": 65536}[target], compiled.metadata.shared
 
 
 @pytest.mark.gpu
