@@ -3,7 +3,9 @@ kernel (paged, reads keys from the cache) beside torch's SDPA on the step's own 
 fresh prompt's context is the chunk itself; its own backend choice, then cuDNN and FA2 forced), FA2's
 varlen call over the packed prompts, and flex_attention with a packed-causal block mask.
 
-    python bench/prefill_attention.py --model llama-3-8b --tp 1 [--prompts 4 --prompt-len 2048]
+    python bench/prefill_attention.py --model llama-3-8b --tp 1 [--shapes 1x8192,4x2048,16x512]
+        [--configs "128,32,4,3,4;128,64,8,3,1"]   # more rows of our kernel: bm,bn,warps,stages,heads
+        [--ours-only]                             # our kernel alone, e.g. under an older install
 
 Work: causal attention, 4 x heads x head_dim x L(L+1)/2 per prompt (QK^T and PV). Peak: torch.matmul
 bf16 [T, hidden] x [hidden, 2 x intermediate] at the step's token count, timed in the same run.
@@ -28,6 +30,9 @@ def main(argv=None):
     p.add_argument("--model", default="llama-3-8b")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--shapes", default="1x8192,4x2048,16x512", help="prompts x length per step")
+    p.add_argument("--configs", default="",
+                   help="extra rows for our kernel, ';'-separated block_m,block_n,num_warps,num_stages,heads_per_tile")
+    p.add_argument("--ours-only", action="store_true", help="time our kernel alone (e.g. under an older install)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args(argv)
     from tp_overlap_plugin.kernels.attention import paged_prefill_attention
@@ -66,24 +71,33 @@ def main(argv=None):
         # name -> (the call timed, its output as [T, heads, head_dim])
         impls = {"triton (ours, paged)": (lambda: paged_prefill_attention(q, kc, vc, cu, ctx, bt, L, scale, out=out),
                                           lambda o: o)}
+        for c in filter(None, args.configs.split(";")):
+            bm_, bn_, w_, st_, hp_ = map(int, c.split(","))
+            impls[f"triton (ours, paged) {bm_}x{bn_} w{w_} s{st_} heads{hp_}"] = (
+                lambda bm_=bm_, bn_=bn_, w_=w_, st_=st_, hp_=hp_: paged_prefill_attention(
+                    q, kc, vc, cu, ctx, bt, L, scale, out=out, block_m=bm_, block_n=bn_, num_warps=w_,
+                    num_stages=st_, heads_per_tile=hp_), lambda o: o)
         qb, kb, vb = (x.view(b, L, -1, d).transpose(1, 2) for x in (q, k, v))
 
         def sdpa():
             return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale,
                                                                     enable_gqa=True)
         as_thd = lambda o: o.transpose(1, 2).reshape(T, h, d)   # noqa: E731
-        impls["torch SDPA (dense per prompt, its own choice)"] = (sdpa, as_thd)
+        ref = sdpa().transpose(1, 2).reshape(T, h, d).float()
+        if not args.ours_only:
+            impls["torch SDPA (dense per prompt, its own choice)"] = (sdpa, as_thd)
         # which backend makes SDPA fast: the engine's flash-attention varlen call below is FA2
-        for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
+        for backend in () if args.ours_only else ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
             def forced(backend=backend):
                 with sdpa_kernel(getattr(SDPBackend, backend)):
                     return sdpa()
             impls[f"torch SDPA ({backend.lower()})"] = (forced, as_thd)
         # packed sequences over their own keys, as the engine would call it: FA2 varlen, GQA native
-        impls["aten._flash_attention_forward (varlen)"] = (
-            lambda: torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, L, L, 0.0, True, False, scale=scale)[0],
-            lambda o: o)
-        if flex is not None:
+        if not args.ours_only:
+            impls["aten._flash_attention_forward (varlen)"] = (
+                lambda: torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, L, L, 0.0, True, False,
+                                                                scale=scale)[0], lambda o: o)
+        if flex is not None and not args.ours_only:
             doc = torch.arange(T, device=dev) // L
 
             def packed_causal(bi, hi, qi, ki):
@@ -92,7 +106,6 @@ def main(argv=None):
             q1, k1, v1 = (x.transpose(0, 1)[None] for x in (q, k, v))
             impls["flex_attention (packed varlen)"] = (
                 lambda: flex(q1, k1, v1, block_mask=bm, scale=scale, enable_gqa=True), lambda o: o[0].transpose(0, 1))
-        ref = sdpa().transpose(1, 2).reshape(T, h, d).float()
         for name, (fn, as_out) in impls.items():
             try:
                 err = (as_out(fn()).float() - ref).abs().max().item()
@@ -110,7 +123,7 @@ def main(argv=None):
     md = (f"# Prefill attention vs the bf16 peak: {args.model}, TP={args.tp} ({h} heads, {hkv} kv heads, d={d})\n\n"
           + md_table(["prompts x len", "implementation", "ms", "TFLOP/s", "of matmul peak", "peak TFLOP/s",
                       "max |err| vs SDPA"], rows))
-    if flex is None:
+    if flex is None and not args.ours_only:
         md += f"\n\nflex_attention unavailable: {flex_err}\n"
     publish(args.out, f"prefill-attention-{args.model}-tp{args.tp}", payload, md)
 

@@ -10,7 +10,8 @@ import os
 import pytest
 
 
-def _case(seed, q_lens, ctx_lens, heads, kv_heads, head_dim, page, dtype, dev="cpu", decode_splits=(None,)):
+def _case(seed, q_lens, ctx_lens, heads, kv_heads, head_dim, page, dtype, dev="cpu", decode_splits=(None,),
+          prefill_kws=({},)):
     import torch
 
     from tp_overlap_plugin.kernels.attention import paged_decode_attention, paged_prefill_attention
@@ -44,15 +45,73 @@ def _case(seed, q_lens, ctx_lens, heads, kv_heads, head_dim, page, dtype, dev="c
                     context_lens_list=list(ctx_lens))
     ref = paged_attention_ref(q, k_cache, v_cache, meta, scale).float()
     tol = 2e-5 if dtype == torch.float32 else 2e-2
-    got = paged_prefill_attention(q, k_cache, v_cache, cu, ctx, bt, max(q_lens), scale).float()
-    err = (got - ref).abs().max().item()
-    assert err < tol, f"prefill max error {err} (q_lens={q_lens}, ctx={ctx_lens}, {dtype})"
+    for kw in prefill_kws:
+        got = paged_prefill_attention(q, k_cache, v_cache, cu, ctx, bt, max(q_lens), scale, **kw).float()
+        err = (got - ref).abs().max().item()
+        assert err < tol, f"prefill max error {err} (q_lens={q_lens}, ctx={ctx_lens}, {dtype}, {kw})"
     if nd:
         for splits in decode_splits:
             got = paged_decode_attention(q[:nd], k_cache, v_cache, ctx[:nd], bt[:nd], scale,
                                          num_splits=splits).float()
             err = (got - ref[:nd]).abs().max().item()
             assert err < tol, f"decode max error {err} (ctx={ctx_lens[:nd]}, {dtype}, {splits} splits)"
+
+
+def _f64_case(seed, q_lens, ctx_lens, heads, kv_heads, head_dim, page, dtype, prefill_kws=({},), dev="cuda"):
+    """GPU-sized prefill against a float64 reference, into NaN-poisoned outputs (rows the kernel
+    skips stay NaN and fail). Sequence s's keys are the first ctx_lens[s] slots of its blocks."""
+    import torch
+
+    from tp_overlap_plugin.kernels.attention import paged_prefill_attention
+
+    g = torch.Generator(device=dev).manual_seed(seed)
+    nbs = [-(-c // page) for c in ctx_lens]
+    n_blocks = sum(nbs) + 1
+    kc = torch.randn(n_blocks, page, kv_heads, head_dim, generator=g, device=dev).to(dtype)
+    vc = torch.randn(n_blocks, page, kv_heads, head_dim, generator=g, device=dev).to(dtype)
+    perm = torch.randperm(n_blocks, generator=g, device=dev).to(torch.int32)
+    bt = torch.zeros(len(ctx_lens), max(nbs), dtype=torch.int32, device=dev)
+    at = 0
+    for i, nb in enumerate(nbs):
+        bt[i, :nb] = perm[at:at + nb]
+        at += nb
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=g, device=dev).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
+    scale = head_dim ** -0.5
+    ref = torch.empty(q.shape, dtype=torch.float64, device=dev)
+    grp = heads // kv_heads
+    for i, (ql, cl) in enumerate(zip(q_lens, ctx_lens)):
+        rows = bt[i, :nbs[i]].long()
+        k = kc[rows].reshape(-1, kv_heads, head_dim)[:cl].double()
+        v = vc[rows].reshape(-1, kv_heads, head_dim)[:cl].double()
+        qs = q[cu[i]:cu[i] + ql].double()
+        visible = torch.arange(cl, device=dev)[None, :] <= torch.arange(cl - ql, cl, device=dev)[:, None]
+        for kh in range(kv_heads):
+            sc = torch.einsum("qgd,kd->gqk", qs[:, kh * grp:(kh + 1) * grp], k[:, kh]) * scale
+            p = torch.softmax(sc.masked_fill(~visible, float("-inf")), -1)
+            ref[cu[i]:cu[i] + ql, kh * grp:(kh + 1) * grp] = torch.einsum("gqk,kd->qgd", p, v[:, kh])
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for kw in prefill_kws:
+        out = torch.full_like(q, float("nan"))
+        paged_prefill_attention(q, kc, vc, cu, ctx, bt, max(q_lens), scale, out=out, **kw)
+        err = (out.double() - ref).abs().max().item()
+        assert err < tol, f"prefill max error {err} vs float64 (q_lens {q_lens[:4]}.., ctx {ctx_lens[:4]}.., {kw})"
+
+
+def gpu_prefill_checks(prefill_kws=({},)):
+    """The benchmark's shapes (llama-3-8b heads) and chunked / mixed / odd cases, against float64."""
+    import torch
+
+    bf = torch.bfloat16
+    for seed, (b, L) in enumerate([(1, 8192), (4, 2048), (16, 512)]):
+        _f64_case(20 + seed, [L] * b, [L] * b, 32, 8, 128, 16, bf, prefill_kws)
+    # chunks continuing cached prefixes, one-token rows among them, lengths no tile divides
+    _f64_case(30, [1000, 300, 1, 77, 1, 513], [3000, 300, 1500, 77, 1, 2049], 32, 8, 128, 16, bf, prefill_kws)
+    _f64_case(31, [129, 1, 700], [4097, 9, 1400], 32, 4, 128, 32, bf, prefill_kws)       # GQA 8, page 32
+    _f64_case(32, [257, 64, 1], [257, 1000, 63], 8, 8, 64, 7, bf, prefill_kws)           # GQA 1, d 64, page 7
+    _f64_case(33, [300, 1, 45], [900, 50, 45], 32, 8, 128, 16, torch.float32)            # float32 tiles
+    _f64_case(34, [200, 1], [500, 33], 16, 2, 64, 16, torch.float32)
 
 
 def main(dev="cpu"):
@@ -63,6 +122,15 @@ def main(dev="cpu"):
           dtype=torch.float32, dev=dev)
     _case(1, [1, 1, 37], [70, 3, 37], heads=6, kv_heads=2, head_dim=24, page=16, dtype=torch.float32, dev=dev)
     _case(2, [1, 17], [20, 50], heads=2, kv_heads=1, head_dim=32, page=8, dtype=torch.bfloat16, dev=dev)
+    # Prefill tiles: a GQA group of 4 packed into one program (heads_per_tile), key tiles wider and
+    # narrower than the query tile, so chunks continuing a cached prefix cross several unmasked
+    # tiles before the diagonal ones; one-token rows and lengths that are no multiple of anything.
+    tiles = ({}, {"heads_per_tile": 4, "block_m": 32}, {"heads_per_tile": 2, "block_m": 16, "block_n": 32},
+             {"block_m": 32, "block_n": 16})
+    _case(9, [1, 45, 3, 20], [9, 45, 70, 83], heads=8, kv_heads=2, head_dim=32, page=5, dtype=torch.float32,
+          dev=dev, prefill_kws=tiles)
+    _case(10, [33, 1], [100, 64], heads=8, kv_heads=2, head_dim=16, page=16, dtype=torch.bfloat16, dev=dev,
+          prefill_kws=tiles)
     # Decode alone, flash-decoding: GQA ratios 1, 4 and 8, contexts of 1 and of lengths that are no
     # multiple of the page or the key tile (16 on the CPU), one split, a few (some empty for the
     # short contexts) and the automatic choice.
@@ -74,6 +142,7 @@ def main(dev="cpu"):
     _case(6, [1] * 3, [50, 2, 129], heads=16, kv_heads=2, head_dim=16, page=16, dtype=torch.bfloat16,
           dev=dev, decode_splits=splits)
     if dev != "cpu":   # GPU-sized tiles: several key tiles, long decode contexts, head_dim 128
+        gpu_prefill_checks()
         _case(3, [1] * 8 + [300, 129], [1, 64, 65, 500, 1000, 7, 2048, 3000, 300, 700], heads=32, kv_heads=8,
               head_dim=128, page=16, dtype=torch.bfloat16, dev=dev, decode_splits=(1, 2, 7, 16, None))
         _case(7, [1] * 6, [1, 127, 129, 640, 4097, 33], heads=32, kv_heads=4, head_dim=128, page=16,
@@ -105,7 +174,10 @@ def test_attention_kernels_compile_for_gpu_targets(kernel, target):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from tp_overlap_plugin.kernels.attention import _decode_kernel, _decode_reduce_kernel, _prefill_kernel
+    import torch
+
+    from tp_overlap_plugin.kernels.attention import (_decode_kernel, _decode_reduce_kernel, _prefill_kernel,
+                                                     prefill_config)
 
     tgt = {"sm90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64)}[target]
     ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16"}
@@ -115,8 +187,10 @@ def test_attention_kernels_compile_for_gpu_targets(kernel, target):
         fn = _prefill_kernel
         sig = {**ptrs, "cu_seqlens_q": "*i32", "context_lens": "*i32", "block_tables": "*i32", **strides,
                "scale": "fp32"}
-        consts = {"GROUP": 4, "PAGE": 16, "HEAD_DIM": 128, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 128,
-                  "PRECISION": "tf32", "UPCAST": False}
+        cfg = prefill_config({"sm90": "cuda", "gfx942": "hip"}[target], torch.bfloat16, 4)
+        consts = {"GROUP": 4, "PAGE": 16, "HEAD_DIM": 128, "BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["block_n"],
+                  "BLOCK_D": 128, "HEADS": cfg["heads"], "PRECISION": "tf32", "UPCAST": False}
+        options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     elif kernel == "decode":
         fn = _decode_kernel
         sig = {**ptrs, "PartAcc": "*fp32", "PartML": "*fp32", "context_lens": "*i32", "block_tables": "*i32",
@@ -128,8 +202,14 @@ def test_attention_kernels_compile_for_gpu_targets(kernel, target):
         sig = {"PartAcc": "*fp32", "PartML": "*fp32", "Out": "*bf16", "stride_ot": "i32", "stride_oh": "i32"}
         consts = {"HEAD_DIM": 128, "NUM_SPLITS": 4, "BLOCK_S": 4, "BLOCK_D": 128}
     sig.update({c: "constexpr" for c in consts})
-    compiled = triton.compile(ASTSource(fn, signature=sig, constexprs=consts), target=tgt)
+    # Launches specialise 16-divisible pointers and strides; without that the pipeliner keeps
+    # unaligned loads synchronous and the shared-memory figure below would be the unpipelined one.
+    aligned = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t != "constexpr" and t != "fp32"}
+    compiled = triton.compile(ASTSource(fn, signature=sig, constexprs=consts, attrs=aligned), target=tgt,
+                              options=options if kernel == "prefill" else None)
     assert compiled.asm.get("cubin" if target == "sm90" else "hsaco")
+    # The chosen tiles must fit the target's shared memory (CDNA3: one 64 KiB LDS per workgroup).
+    assert compiled.metadata.shared <= {"sm90": 232448, "gfx942": 65536}[target], compiled.metadata.shared
 
 
 @pytest.mark.gpu

@@ -26,59 +26,94 @@ import triton.language as tl
 
 
 @triton.jit
+def _prefill_keys(acc, l_i, m_i, q, q_pos, K, V, bt_row, kv_head_off, stride_kb, stride_kp, lo, hi, qk_scale,
+                  offs_d, d_mask, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                  UPCAST: tl.constexpr, DIAGONAL: tl.constexpr):
+    """Keys [lo, hi) of one sequence into a tile's running softmax (log2 domain). Off the diagonal
+    (DIAGONAL False) every key is visible to every row and [lo, hi) is whole tiles, so no mask is
+    built; on it, the causal bound and the context end are applied per element."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if DIAGONAL:
+            n_mask = offs_n < hi
+            blk = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0)
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+        else:
+            blk = tl.load(bt_row + offs_n // PAGE)
+            kv_mask = d_mask[None, :]
+        kv_off = blk.to(tl.int64) * stride_kb + (offs_n % PAGE) * stride_kp + kv_head_off
+        k = tl.load(K + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if DIAGONAL:
+            qk = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :], qk, float("-inf"))
+        # The caller's first tile starts at or before every row's position, so key `lo` is visible
+        # to all rows: after it every running max is finite and exp2(-inf - m) = 0 drops masked keys.
+        # The scale is applied to the row max and inside one fused multiply-add per score.
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _prefill_kernel(Q, K, V, Out, cu_seqlens_q, context_lens, block_tables,
                     stride_qt, stride_qh, stride_kb, stride_kp, stride_kh,
                     stride_ot, stride_oh, stride_bt, scale,
                     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    pid_m = tl.program_id(0)
+                    HEADS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One program per (HEADS query heads of one kv head, sequence, tile of BLOCK_M // HEADS query
+    tokens). Its BLOCK_M rows are (token, head) pairs, token-major, so with HEADS = GROUP each key
+    and value tile is read once for the whole GQA group. The tile axis is the grid's last and is
+    walked backwards: the tiles at the end of a prompt see the most keys and are launched first,
+    so the short ones fill the tail of the launch."""
+    hb = tl.program_id(0)
     s = tl.program_id(1)
-    h = tl.program_id(2)
+    pid_m = tl.num_programs(2) - 1 - tl.program_id(2)
+    TOK_M: tl.constexpr = BLOCK_M // HEADS
     q_start = tl.load(cu_seqlens_q + s)
     q_len = tl.load(cu_seqlens_q + s + 1) - q_start
-    if pid_m * BLOCK_M >= q_len:
+    if pid_m * TOK_M >= q_len:
         return
     ctx = tl.load(context_lens + s)
-    kvh = h // GROUP
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_M)
+    tok = pid_m * TOK_M + offs_r // HEADS
+    head = hb * HEADS + offs_r % HEADS
     offs_d = tl.arange(0, BLOCK_D)
-    m_mask = offs_m < q_len
+    m_mask = tok < q_len
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+    q = tl.load(Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    q_pos = ctx - q_len + offs_m
+    q_pos = ctx - q_len + tok
+    # exp2 with log2(e) folded into the scale: one multiply per score, and exp2 is the native op.
+    qk_scale = scale * 1.4426950408889634
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Keys past the last query of this tile are invisible to all its rows.
-    end = tl.minimum(ctx, ctx - q_len + (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        blk = tl.load(block_tables + s * stride_bt + offs_n // PAGE, mask=n_mask, other=0)
-        kv_off = blk.to(tl.int64) * stride_kb + (offs_n % PAGE) * stride_kp + kvh * stride_kh
-        k = tl.load(K + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        qk = tl.where(visible, qk, float("-inf"))
-        # Key 0 is visible to every row, so after the first tile every running max is finite.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp(qk - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    bt_row = block_tables + s * stride_bt
+    kv_head_off = (hb * HEADS // GROUP) * stride_kh
+    first = ctx - q_len + pid_m * TOK_M
+    # Keys before the key tile holding the tile's first query are visible to all its rows; keys
+    # from there to the tile's last query need the causal mask; later keys are seen by no row.
+    diag = first // BLOCK_N * BLOCK_N
+    end = tl.minimum(ctx, first + TOK_M)
+    acc, l_i, m_i = _prefill_keys(acc, l_i, m_i, q, q_pos, K, V, bt_row, kv_head_off, stride_kb, stride_kp,
+                                  0, diag, qk_scale, offs_d, d_mask, PAGE, BLOCK_N, PRECISION, UPCAST, False)
+    acc, l_i, m_i = _prefill_keys(acc, l_i, m_i, q, q_pos, K, V, bt_row, kv_head_off, stride_kb, stride_kp,
+                                  diag, end, qk_scale, offs_d, d_mask, PAGE, BLOCK_N, PRECISION, UPCAST, True)
     out = acc / l_i[:, None]
-    tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+    tl.store(Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
@@ -188,11 +223,36 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
         raise ValueError("q, caches and block tables must be on one device")
 
 
+@functools.lru_cache(maxsize=None)
+def prefill_config(backend: str, dtype: torch.dtype, group: int) -> dict:
+    """Tile sizes and launch settings of `_prefill_kernel`: backend "cuda", "hip" or "cpu" (the
+    interpreter). CUDA's were measured on H100 at head_dim 128 (bench/notes/attention.md) and serve
+    head_dim 64 too; ROCm's are the CDNA3 habit (one 64 KiB LDS: two stages of a 128 x 64 key tile),
+    not measured here."""
+    if backend == "cpu":
+        return dict(block_m=16, block_n=16, heads=1, num_warps=None, num_stages=None)
+    if dtype == torch.float32:   # 4-byte tiles: the old kernel's 64 x 64, within shared memory
+        return dict(block_m=64, block_n=64, heads=1, num_warps=4, num_stages=2)
+    if backend == "hip":
+        return dict(block_m=128, block_n=64, heads=1, num_warps=4, num_stages=2)
+    # H100, head_dim 128: 4 warps (one warpgroup) beat 8 at every tile shape, and 32-key tiles beat
+    # 64 and 128 (fewer masked keys on the diagonal, smaller live score tile). Packing 4 query heads
+    # of a GQA group into a tile's rows was 1-12% faster than one head per program (measured at
+    # group 4 only, so larger groups pack 4 heads too).
+    heads = 4 if group % 4 == 0 else (2 if group % 2 == 0 else 1)
+    return dict(block_m=128, block_n=32, heads=heads, num_warps=4, num_stages=3)
+
+
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                             max_q_len: int, scale: float, out: Optional[torch.Tensor] = None,
-                            block_m: Optional[int] = None, block_n: Optional[int] = None) -> torch.Tensor:
-    """q [T, H, D] (sequences packed by cu_seqlens_q [S+1]) -> [T, H, D]."""
+                            block_m: Optional[int] = None, block_n: Optional[int] = None,
+                            heads_per_tile: Optional[int] = None, num_warps: Optional[int] = None,
+                            num_stages: Optional[int] = None) -> torch.Tensor:
+    """q [T, H, D] (sequences packed by cu_seqlens_q [S+1]) -> [T, H, D].
+
+    heads_per_tile: query heads of one kv head that share a program (1, or a power-of-two divisor
+    of the GQA group); the rest default to `prefill_config`."""
     _check(q, k_cache, v_cache, block_tables)
     out = torch.empty_like(q) if out is None else out
     s = cu_seqlens_q.numel() - 1
@@ -201,19 +261,27 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     h, d = q.shape[1], q.shape[2]
     group = h // k_cache.shape[2]
     interp = q.device.type == "cpu"
-    bm = block_m or (16 if interp else 64)
-    bn = block_n or (16 if interp else 64)
+    backend = "cpu" if interp else ("hip" if torch.version.hip else "cuda")
+    cfg = prefill_config(backend, q.dtype, group)
+    bm = block_m or cfg["block_m"]
+    bn = block_n or cfg["block_n"]
+    heads = heads_per_tile or cfg["heads"]
+    if group % heads or heads & (heads - 1) or bm % heads:
+        raise ValueError(f"heads_per_tile {heads} must be a power of two dividing the GQA group {group} "
+                         f"and the tile's {bm} rows")
     bd = max(16, triton.next_power_of_2(d))
-    grid = (triton.cdiv(max_q_len, bm), s, h)
+    grid = (h // heads, s, triton.cdiv(max_q_len, bm // heads))
+    launch = {k: v for k, v in (("num_warps", num_warps or cfg["num_warps"]),
+                                ("num_stages", num_stages or cfg["num_stages"])) if v}
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), block_tables.stride(0), scale,
-        GROUP=group, PAGE=k_cache.shape[1], HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
+        GROUP=group, PAGE=k_cache.shape[1], HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, HEADS=heads,
         # tf32 would cost float32 models their bit-level agreement with the reference.
         PRECISION="ieee" if q.dtype == torch.float32 or interp else "tf32",
         # The interpreter keeps bf16 as raw uint16 and its tl.dot multiplies those integers.
-        UPCAST=interp and q.dtype != torch.float32,
+        UPCAST=interp and q.dtype != torch.float32, **launch,
     )
     return out
 
