@@ -7,6 +7,7 @@ import pytest
 
 from tp_overlap_plugin.serving import LLM, AsyncLLM, EngineConfig, LLMEngine, SamplingParams
 from tp_overlap_plugin.serving.config import SHIPPED_CONFIGS
+from tp_overlap_plugin.serving.testing import process_running
 
 
 def _cfg(**kw):
@@ -163,7 +164,7 @@ def test_async_streaming_and_abort():
         await agen.__anext__()
         await agen.aclose()
         for _ in range(200):
-            if not eng.engine.has_unfinished():
+            if _drained(eng.stats()):
                 break
             await asyncio.sleep(0.01)
         return r
@@ -173,10 +174,16 @@ def test_async_streaming_and_abort():
         assert la.outputs[0].token_ids == ref[0].outputs[0].token_ids and ta == la.outputs[0].text
         assert lb.outputs[0].token_ids == ref[1].outputs[0].token_ids and tb == lb.outputs[0].text
         assert lc.finished and lc.outputs[0].finish_reason == "abort" and len(lc.outputs[0].token_ids) < 20
-        bm = eng.engine.block_manager
-        assert not eng.engine.has_unfinished() and bm.num_free == bm.num_blocks
+        assert _drained(eng.stats()), eng.stats()
     finally:
         eng.shutdown()
+    # The engine core process is gone with the shutdown, not left behind.
+    assert not process_running(eng.core.pid)
+
+
+def _drained(stats: dict) -> bool:
+    return (stats["num_requests_running"] == stats["num_requests_waiting"] == 0
+            and stats["kv_cache_free_blocks"] == stats["kv_cache_total_blocks"])
 
 
 def test_config_errors_are_clear():
@@ -284,15 +291,16 @@ def test_dummy_weights_without_tokenizer_files_stream_every_token(tmp_path):
         f.unlink()   # config only
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
+    # The core loop on a thread of this process (the debugging option) runs the same code over the same pipes.
     eng = AsyncLLM(EngineConfig(model=str(d), load_format="dummy", max_model_len=64, num_kv_blocks=32,
-                                block_size=8, show_progress=False))
+                                block_size=8, show_progress=False), in_thread=True)
 
     async def stream():
         return [o async for o in eng.generate("hello", params)]
 
     try:
-        assert isinstance(eng.engine.tokenizer, ByteTokenizer)
-        assert tok.eos_token_id not in eng.engine.eos_ids, "the stand-in's eos is not the model's"
+        assert isinstance(eng.tokenizer, ByteTokenizer)
+        assert tok.eos_token_id not in eng.eos_ids, "the stand-in's eos is not the model's"
         outs = asyncio.run(stream())
     finally:
         eng.shutdown()
@@ -301,6 +309,49 @@ def test_dummy_weights_without_tokenizer_files_stream_every_token(tmp_path):
     assert len(ids) == 6 and outs[-1].outputs[0].text == tok.decode(ids)
     # every token past the byte range is its own non-empty delta
     assert sum(1 for t in ids if t >= tok.vocab_size) <= sum(1 for x in deltas if x)
+
+
+@pytest.mark.timeout(90)
+def test_killed_engine_core_fails_every_stream_and_stops_its_ranks():
+    """The engine-core process (TP=2: it and the rank it spawned) dies under a running stream: the stream
+    ends with an error that says so within seconds, the health check turns, nothing is left running,
+    and new requests fail at once instead of hanging."""
+    import os
+    import signal
+    import time
+
+    eng = AsyncLLM(_cfg(tensor_parallel_size=2, dist_timeout_s=30))
+    core, ranks = eng.core.pid, eng.core.info["worker_pids"]
+    assert len(ranks) == 1 and process_running(core) and process_running(ranks[0])
+
+    async def main():
+        agen = eng.generate("doomed", SamplingParams(max_tokens=60, ignore_eos=True), "k")
+        await agen.__anext__()
+        assert eng.alive()
+        os.kill(core, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"the engine loop died: .*engine core process .* died: killed by SIGKILL"):
+            async for _ in agen:
+                pass
+        waited = time.monotonic() - t0
+        with pytest.raises(RuntimeError, match="engine loop died"):
+            await eng.generate("after", GREEDY).__anext__()
+        return waited
+
+    try:
+        waited = asyncio.run(asyncio.wait_for(main(), 30))
+        assert waited < 5, waited
+        assert not eng.alive()
+        with pytest.raises(RuntimeError, match="must be restarted"):
+            eng.check_request("x", GREEDY)
+        deadline = time.monotonic() + 10
+        while process_running(ranks[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not process_running(ranks[0]), "the killed core's TP rank outlived it"
+    finally:
+        t0 = time.monotonic()
+        eng.shutdown()
+        assert time.monotonic() - t0 < 5, "shutting down a dead core must not wait for it"
 
 
 @pytest.mark.timeout(60)

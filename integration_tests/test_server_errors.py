@@ -2,8 +2,10 @@
 server keeps answering: hand-written cases (text that is not valid Unicode, empty bodies, wrong content
 types included), then fuzzing from the server's own OpenAPI schema. An engine that fails turns into a 500
 for the request and a 503 on /health, and an unexpected exception into a JSON 500 on a connection that
-stays open, while the server stays up."""
+stays open, while the server stays up. Bad input fails in the server's process, before it reaches the
+engine-core process."""
 
+import functools
 import json
 import threading
 import time
@@ -14,7 +16,7 @@ import pytest
 
 from tp_overlap_plugin.serving import AsyncLLM, EngineConfig
 from tp_overlap_plugin.serving.api_server import build_app
-from tp_overlap_plugin.serving.testing import ServerProcess, free_port
+from tp_overlap_plugin.serving.testing import ServerProcess, fail_steps_once_flagged, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -346,11 +348,15 @@ def test_fuzz_other_routes(fuzz_schemas, server):
 
 # ---- engine failure (in-process server, so the test can break the engine) ---------------------------
 @pytest.fixture(scope="module")
-def inproc_server():
-    """An AsyncLLM behind uvicorn in this process. Shared by the tests below; the last one breaks the engine."""
+def inproc_server(tmp_path_factory):
+    """An AsyncLLM behind uvicorn in this process. Shared by the tests below; the last one breaks the engine
+    (its core process fails every step once the file `engine.fault_flag` exists)."""
     import uvicorn
 
-    engine = AsyncLLM(EngineConfig(model="demo", max_model_len=MAX_LEN, show_progress=False))
+    flag = tmp_path_factory.mktemp("fault") / "flag"
+    engine = AsyncLLM(EngineConfig(model="demo", max_model_len=MAX_LEN, show_progress=False),
+                      core_setup=functools.partial(fail_steps_once_flagged, str(flag)))
+    engine.fault_flag = flag
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(build_app(engine, "demo"), host="127.0.0.1", port=port,
                                         log_level="warning", lifespan="off"))
@@ -409,16 +415,32 @@ def test_unexpected_exception_is_a_json_500_and_the_connection_stays_open(inproc
         conn.close()
 
 
+def test_bad_requests_never_reach_the_engine_core(inproc_server, monkeypatch):
+    engine, url = inproc_server
+    sent = []
+    real_send = engine.core.send
+    monkeypatch.setattr(engine.core, "send", lambda msg: (sent.append(msg[0]), real_send(msg)))
+    bad = [({"prompt": [5, 10 ** 6]}, "outside the vocabulary"),
+           ({"prompt": "x" * (MAX_LEN + 5)}, "max_model_len"),
+           ({"prompt": "hi", "logit_bias": {"999999": 1}}, "logit_bias"),
+           ({"prompt": "hi", "response_format": {"type": "json_schema",
+                                                 "json_schema": {"name": "s", "schema": {"type": "nonsense"}}}},
+            "schema")]
+    for extra, fragment in bad:
+        r = httpx.post(url + "/v1/completions", json={"model": "demo", "max_tokens": 2, **extra}, timeout=30)
+        assert r.status_code == 400 and fragment in r.text, (extra, r.text)
+    assert sent == [], "a rejected request travelled to the engine core"
+    r = httpx.post(url + "/v1/completions", json={"model": "demo", "prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200 and sent == ["add"], (r.text, sent)
+
+
 def test_engine_failure_is_500_and_health_turns_503(inproc_server):
     engine, url = inproc_server
     body = {"model": "demo", "prompt": "hello", "max_tokens": 4}
     assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
     assert httpx.get(url + "/health").status_code == 200
 
-    def broken_step(step):
-        raise RuntimeError("injected device fault")
-
-    engine.engine.runner.execute = broken_step
+    engine.fault_flag.touch()
     _assert_error(httpx.post(url + "/v1/completions", json=body, timeout=30), 500, "injected device fault")
     _assert_error(httpx.get(url + "/health"), 503)
     # The server itself is up: other routes answer, and new requests get a clear 500, not a hang.
