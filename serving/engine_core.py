@@ -151,8 +151,13 @@ class EngineCoreClient:
             out_w.close()
         try:
             self.info = self._wait_ready()
-        except BaseException:
+        except RuntimeError:   # the core failed and is on its way out
             self._stop_core(grace_s=30)
+            raise
+        except BaseException:
+            # Interrupted (Ctrl-C, the server's SIGTERM handler) while the core loads the model and reads
+            # no messages: SIGTERM unwinds its start, which stops any ranks it spawned.
+            self._stop_core(grace_s=0)
             raise
         self.stats = self.info["stats"]
         self._reader = threading.Thread(target=self._read, name="engine-core-reader", daemon=True)
