@@ -208,25 +208,27 @@ class EngineCoreClient:
                 msg = pickle.loads(self._out.recv_bytes())
             except (EOFError, OSError):
                 if not self._stopping:
-                    self._fail(RuntimeError(f"the engine core process (pid {self.pid}) died: {self._exit_text()}"))
+                    self._failed = True
+                    self._kill_ranks()
+                    self._on_error(RuntimeError(f"the engine core process (pid {self.pid}) died: {self._exit_text()}"))
                 return
             if msg[0] == "step":
                 self.stats = msg[3]
                 self._on_step(msg[1], msg[2])
-            elif msg[0] == "error":
-                self._fail(msg[1])
+            elif msg[0] == "error":   # the core stops its ranks itself, then exits
+                self._failed = True
+                self._on_error(msg[1])
                 return
 
-    def _fail(self, e: BaseException) -> None:
-        self._failed = True
-        if not self.in_thread:
-            # The ranks the core started would wait for it until their timeout: end them now.
-            for pid in self.info.get("worker_pids", []):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        self._on_error(e)
+    def _kill_ranks(self) -> None:
+        """The TP ranks of a core that died would wait for it until their timeout: end them now."""
+        if self.in_thread:
+            return
+        for pid in self.info.get("worker_pids", []):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def _stop_core(self, grace_s: float) -> None:
         self._stopping = True
