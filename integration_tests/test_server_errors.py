@@ -449,3 +449,53 @@ def test_engine_failure_is_500_and_health_turns_503(inproc_server):
     _assert_error(httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                                  "stream": True}, timeout=30), 500, "engine")
     assert "tp_overlap_num_requests_running" in httpx.get(url + "/metrics").text
+
+
+# ---- a dead engine-core process ---------------------------------------------------------------------
+@pytest.mark.timeout(90)
+def test_killed_engine_core_fails_every_stream_and_the_health_check():
+    """The engine-core process (TP=2: it and the rank it spawned) dies under a running stream: the stream
+    ends with an error that says so within seconds, /health turns 503, new requests are a clear 500
+    rather than a hang, and no process is left running."""
+    import asyncio
+    import os
+    import signal
+
+    from tp_overlap_plugin.serving import SamplingParams
+    from tp_overlap_plugin.serving.testing import process_running
+
+    eng = AsyncLLM(EngineConfig(model="demo", block_size=4, max_model_len=MAX_LEN, num_kv_blocks=64,
+                                show_progress=False, tensor_parallel_size=2, dist_timeout_s=30))
+    core, ranks = eng.core.pid, eng.core.info["worker_pids"]
+    assert len(ranks) == 1 and process_running(core) and process_running(ranks[0])
+    app = build_app(eng, "demo")
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://core") as http:
+            assert (await http.get("/health")).status_code == 200
+            agen = eng.generate("doomed", SamplingParams(max_tokens=50, ignore_eos=True), "k")
+            await agen.__anext__()
+            os.kill(core, signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(RuntimeError, match=r"the engine loop died: .*engine core process .* died: "
+                                                   r"killed by SIGKILL"):
+                async for _ in agen:
+                    pass
+            waited = time.monotonic() - t0
+            _assert_error(await http.get("/health"), 503)
+            r = await http.post("/v1/completions", json={"model": "demo", "prompt": "after", "max_tokens": 2})
+            _assert_error(r, 500, "engine", "killed by SIGKILL")
+            return waited
+
+    try:
+        waited = asyncio.run(asyncio.wait_for(main(), 30))
+        print(f"the stream failed {waited * 1e3:.1f} ms after the kill")
+        assert waited < 5, waited
+        deadline = time.monotonic() + 10
+        while process_running(ranks[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not process_running(ranks[0]), "the killed core's TP rank outlived it"
+    finally:
+        t0 = time.monotonic()
+        eng.shutdown()
+        assert time.monotonic() - t0 < 5, "shutting down a dead core must not wait for it"
