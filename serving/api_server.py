@@ -203,7 +203,6 @@ def package_version() -> str:
         return "unknown"
 
 
-# ---- engine state ---------------------------------------------------------------------------------
 @dataclass
 class _Choice:
     """One engine request: choice `index` of the response."""
