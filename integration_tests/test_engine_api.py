@@ -1,13 +1,15 @@
 """Offline and streaming APIs, sampling options, input validation, process launch modes."""
 
 import asyncio
+import functools
+import time
 
 import pydantic
 import pytest
 
 from tp_overlap_plugin.serving import LLM, AsyncLLM, EngineConfig, LLMEngine, SamplingParams
 from tp_overlap_plugin.serving.config import SHIPPED_CONFIGS
-from tp_overlap_plugin.serving.testing import process_running
+from tp_overlap_plugin.serving.testing import process_running, slow_grammar_compiles
 
 
 def _cfg(**kw):
@@ -141,7 +143,8 @@ def test_async_streaming_and_abort():
     prompts = ["stream one", "stream two"]
     with LLM(_cfg()) as offline:
         ref = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    eng = AsyncLLM(_cfg())
+    # Every grammar compile in the core takes half a second longer, to look at what happens meanwhile.
+    eng = AsyncLLM(_cfg(), core_setup=functools.partial(slow_grammar_compiles, 0.5))
 
     async def consume(prompt, rid, stop_after=None):
         deltas, last = [], None
@@ -163,6 +166,27 @@ def test_async_streaming_and_abort():
         agen = eng.generate("walk away", SamplingParams(max_tokens=50, ignore_eos=True), "d")
         await agen.__anext__()
         await agen.aclose()
+        # A grammar compiles on a thread of the core: other requests step meanwhile, and one aborted
+        # before its grammar is ready ends at once, as an abort.
+        first: dict = {}
+
+        async def timed(prompt, rid, params):
+            outs = []
+            async for out in eng.generate(prompt, params, rid):
+                first.setdefault(rid, time.monotonic())
+                outs.append(out)
+            return outs
+
+        schema = SamplingParams(temperature=0, max_tokens=8, structured_output={"json_schema": {"type": "object"}})
+        tasks = [asyncio.create_task(timed("{", "json", schema)), asyncio.create_task(timed("no", "gone", schema))]
+        await asyncio.sleep(0.1)
+        eng.abort("gone")
+        plain = await asyncio.wait_for(timed("plain", "plain", GREEDY), 30)
+        js, gone = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        assert first["plain"] < first["json"], "a step waited for a grammar to compile"
+        assert plain[-1].finished and js[-1].finished and js[-1].outputs[0].finish_reason != "abort"
+        assert len(gone) == 1 and gone[0].finished and gone[0].outputs[0].finish_reason == "abort"
+        assert gone[0].outputs[0].token_ids == [] and gone[0].prompt == "no"
         for _ in range(200):
             if _drained(eng.stats()):
                 break

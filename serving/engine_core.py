@@ -9,7 +9,8 @@ rank 0 of the TP group (it spawns the other ranks itself, as an offline engine d
 The channel is two one-way pipes:
 - server -> core: ("add", request id, prompt text, prompt ids, SamplingParams), ("abort", request id),
   ("stop",); the core drains every waiting message before each step.
-- core -> server: one message per step, ("step", deltas, rejected, stats), where the deltas are
+- core -> server: one message per step (or per batch of requests handled while no step runs),
+  ("step", deltas, rejected, stats), where the deltas are
   `engine.output_delta` tuples of all requests that step advanced, `rejected` the (request id, message)
   of adds that failed in the core, and `stats` the engine's `stats()` after the step. Before the first:
   ("ready", info) or ("failed", message); at a failed step: ("error", exception) as the last message.
@@ -91,9 +92,26 @@ def run_core(cfg_json: str, requests, outputs, setup: Optional[Callable] = None,
 
 
 def _serve(eng, requests, outputs) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .engine import output_delta
+    from .scheduler import Status
+
+    # Grammars are compiled on a thread: a new JSON schema takes tens of ms, and xgrammar releases the
+    # GIL meanwhile, so steps go on. The server compiled it already (its errors are its 400s) but
+    # compiled grammars do not pickle; xgrammar caches them, so a repeated schema costs ~0.1 ms here.
+    compiler = None
+    compiling: dict = {}   # request id -> (future, text, ids, params)
     while True:
-        # Idle: block until a request (or the end of the pipe). Busy: take what is there, then step.
-        msgs = [requests.recv()] if not eng.has_unfinished() else []
+        if eng.has_unfinished():
+            wait = 0.0          # busy: take what is there, then step
+        elif compiling:
+            wait = 0.002        # only grammars in progress: look at them again soon
+        else:
+            wait = None         # idle: block until a request (or the end of the pipe)
+        msgs = []
+        if wait is None or requests.poll(wait):
+            msgs.append(requests.recv())
         while requests.poll(0):
             msgs.append(requests.recv())
         outs, rejected = [], []
@@ -101,27 +119,47 @@ def _serve(eng, requests, outputs) -> None:
             kind = msg[0]
             if kind == "add":
                 _, rid, text, ids, params = msg
+                if params.structured_output is not None:
+                    if compiler is None:
+                        compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+                    compiling[rid] = (compiler.submit(eng.structured.compile, params.structured_output),
+                                      text, ids, params)
+                    continue
                 try:
-                    so = params.structured_output
-                    # The server compiled this grammar already (its errors are its 400s); compiled
-                    # grammars do not pickle, so the core compiles its own (xgrammar caches them).
-                    compiled = eng.structured.compile(so) if so is not None else None
-                    eng.add_sequence(eng.sequence_of(rid, text, ids, params, compiled))
+                    eng.add_sequence(eng.sequence_of(rid, text, ids, params))
                 except Exception as e:
                     rejected.append((rid, f"{e}"))
             elif kind == "abort":
-                out = eng.abort_request(msg[1])
+                rid = msg[1]
+                if rid in compiling:   # never scheduled: it ends here, as an abort would
+                    fut, text, ids, params = compiling.pop(rid)
+                    fut.cancel()
+                    seq = eng.sequence_of(rid, text, ids, params)
+                    seq.status, seq.finish_reason = Status.FINISHED, "abort"
+                    outs.append(output_delta(seq, "", []))
+                    continue
+                out = eng.abort_request(rid)
                 if out is not None:
                     outs.append(out)
             elif kind == "stop":
+                if compiler is not None:
+                    compiler.shutdown(wait=False, cancel_futures=True)
                 return
-        if eng.has_unfinished():
+        for rid in [r for r, (fut, *_) in compiling.items() if fut.done()]:
+            fut, text, ids, params = compiling.pop(rid)
+            try:
+                eng.add_sequence(eng.sequence_of(rid, text, ids, params, fut.result()))
+            except Exception as e:
+                rejected.append((rid, f"{e}"))
+        stepped = eng.has_unfinished()
+        if stepped:
             try:
                 outs += eng.step()
             except BaseException as e:   # a broken engine fails every open stream, never silently
                 _send(outputs, ("error", _portable(e)))
                 return
-        _send(outputs, ("step", outs, rejected, eng.stats()))
+        if stepped or msgs or rejected:   # not while only waiting for a grammar
+            _send(outputs, ("step", outs, rejected, eng.stats()))
 
 
 class EngineCoreClient:

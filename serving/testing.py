@@ -242,3 +242,15 @@ def process_running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def slow_grammar_compiles(delay_s: float, engine) -> None:
+    """An AsyncLLM `core_setup` (with functools.partial): every grammar compile in the engine core takes
+    `delay_s` longer, so that a test can act while one is in progress."""
+    compile_ = engine.structured.compile
+
+    def slow(so):
+        time.sleep(delay_s)
+        return compile_(so)
+
+    engine.structured.compile = slow
