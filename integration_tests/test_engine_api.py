@@ -1,12 +1,15 @@
 """Offline and streaming APIs, sampling options, input validation, process launch modes."""
 
 import asyncio
+import functools
+import time
 
 import pydantic
 import pytest
 
 from tp_overlap_plugin.serving import LLM, AsyncLLM, EngineConfig, LLMEngine, SamplingParams
 from tp_overlap_plugin.serving.config import SHIPPED_CONFIGS
+from tp_overlap_plugin.serving.testing import process_running, slow_grammar_compiles
 
 
 def _cfg(**kw):
@@ -140,7 +143,8 @@ def test_async_streaming_and_abort():
     prompts = ["stream one", "stream two"]
     with LLM(_cfg()) as offline:
         ref = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    eng = AsyncLLM(_cfg())
+    # Every grammar compile in the core takes half a second longer, to look at what happens meanwhile.
+    eng = AsyncLLM(_cfg(), core_setup=functools.partial(slow_grammar_compiles, 0.5))
 
     async def consume(prompt, rid, stop_after=None):
         deltas, last = [], None
@@ -162,8 +166,29 @@ def test_async_streaming_and_abort():
         agen = eng.generate("walk away", SamplingParams(max_tokens=50, ignore_eos=True), "d")
         await agen.__anext__()
         await agen.aclose()
+        # A grammar compiles on a thread of the core: other requests step meanwhile, and one aborted
+        # before its grammar is ready ends at once, as an abort.
+        first: dict = {}
+
+        async def timed(prompt, rid, params):
+            outs = []
+            async for out in eng.generate(prompt, params, rid):
+                first.setdefault(rid, time.monotonic())
+                outs.append(out)
+            return outs
+
+        schema = SamplingParams(temperature=0, max_tokens=8, structured_output={"json_schema": {"type": "object"}})
+        tasks = [asyncio.create_task(timed("{", "json", schema)), asyncio.create_task(timed("no", "gone", schema))]
+        await asyncio.sleep(0.1)
+        eng.abort("gone")
+        plain = await asyncio.wait_for(timed("plain", "plain", GREEDY), 30)
+        js, gone = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        assert first["plain"] < first["json"], "a step waited for a grammar to compile"
+        assert plain[-1].finished and js[-1].finished and js[-1].outputs[0].finish_reason != "abort"
+        assert len(gone) == 1 and gone[0].finished and gone[0].outputs[0].finish_reason == "abort"
+        assert gone[0].outputs[0].token_ids == [] and gone[0].prompt == "no"
         for _ in range(200):
-            if not eng.engine.has_unfinished():
+            if _drained(eng.stats()):
                 break
             await asyncio.sleep(0.01)
         return r
@@ -173,10 +198,16 @@ def test_async_streaming_and_abort():
         assert la.outputs[0].token_ids == ref[0].outputs[0].token_ids and ta == la.outputs[0].text
         assert lb.outputs[0].token_ids == ref[1].outputs[0].token_ids and tb == lb.outputs[0].text
         assert lc.finished and lc.outputs[0].finish_reason == "abort" and len(lc.outputs[0].token_ids) < 20
-        bm = eng.engine.block_manager
-        assert not eng.engine.has_unfinished() and bm.num_free == bm.num_blocks
+        assert _drained(eng.stats()), eng.stats()
     finally:
         eng.shutdown()
+    # The engine core process is gone with the shutdown, not left behind.
+    assert not process_running(eng.core.pid)
+
+
+def _drained(stats: dict) -> bool:
+    return (stats["num_requests_running"] == stats["num_requests_waiting"] == 0
+            and stats["kv_cache_free_blocks"] == stats["kv_cache_total_blocks"])
 
 
 def test_config_errors_are_clear():
@@ -284,15 +315,16 @@ def test_dummy_weights_without_tokenizer_files_stream_every_token(tmp_path):
         f.unlink()   # config only
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
+    # The core loop on a thread of this process (the debugging option) runs the same code over the same pipes.
     eng = AsyncLLM(EngineConfig(model=str(d), load_format="dummy", max_model_len=64, num_kv_blocks=32,
-                                block_size=8, show_progress=False))
+                                block_size=8, show_progress=False), in_thread=True)
 
     async def stream():
         return [o async for o in eng.generate("hello", params)]
 
     try:
-        assert isinstance(eng.engine.tokenizer, ByteTokenizer)
-        assert tok.eos_token_id not in eng.engine.eos_ids, "the stand-in's eos is not the model's"
+        assert isinstance(eng.tokenizer, ByteTokenizer)
+        assert tok.eos_token_id not in eng.eos_ids, "the stand-in's eos is not the model's"
         outs = asyncio.run(stream())
     finally:
         eng.shutdown()

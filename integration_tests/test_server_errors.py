@@ -2,8 +2,10 @@
 server keeps answering: hand-written cases (text that is not valid Unicode, empty bodies, wrong content
 types included), then fuzzing from the server's own OpenAPI schema. An engine that fails turns into a 500
 for the request and a 503 on /health, and an unexpected exception into a JSON 500 on a connection that
-stays open, while the server stays up."""
+stays open, while the server stays up. Bad input fails in the server's process, before it reaches the
+engine-core process."""
 
+import functools
 import json
 import threading
 import time
@@ -14,7 +16,7 @@ import pytest
 
 from tp_overlap_plugin.serving import AsyncLLM, EngineConfig
 from tp_overlap_plugin.serving.api_server import build_app
-from tp_overlap_plugin.serving.testing import ServerProcess, free_port
+from tp_overlap_plugin.serving.testing import ServerProcess, fail_steps_once_flagged, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -346,11 +348,15 @@ def test_fuzz_other_routes(fuzz_schemas, server):
 
 # ---- engine failure (in-process server, so the test can break the engine) ---------------------------
 @pytest.fixture(scope="module")
-def inproc_server():
-    """An AsyncLLM behind uvicorn in this process. Shared by the tests below; the last one breaks the engine."""
+def inproc_server(tmp_path_factory):
+    """An AsyncLLM behind uvicorn in this process. Shared by the tests below; the last one breaks the engine
+    (its core process fails every step once the file `engine.fault_flag` exists)."""
     import uvicorn
 
-    engine = AsyncLLM(EngineConfig(model="demo", max_model_len=MAX_LEN, show_progress=False))
+    flag = tmp_path_factory.mktemp("fault") / "flag"
+    engine = AsyncLLM(EngineConfig(model="demo", max_model_len=MAX_LEN, show_progress=False),
+                      core_setup=functools.partial(fail_steps_once_flagged, str(flag)))
+    engine.fault_flag = flag
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(build_app(engine, "demo"), host="127.0.0.1", port=port,
                                         log_level="warning", lifespan="off"))
@@ -409,16 +415,32 @@ def test_unexpected_exception_is_a_json_500_and_the_connection_stays_open(inproc
         conn.close()
 
 
+def test_bad_requests_never_reach_the_engine_core(inproc_server, monkeypatch):
+    engine, url = inproc_server
+    sent = []
+    real_send = engine.core.send
+    monkeypatch.setattr(engine.core, "send", lambda msg: (sent.append(msg[0]), real_send(msg)))
+    bad = [({"prompt": [5, 10 ** 6]}, "outside the vocabulary"),
+           ({"prompt": "x" * (MAX_LEN + 5)}, "max_model_len"),
+           ({"prompt": "hi", "logit_bias": {"999999": 1}}, "logit_bias"),
+           ({"prompt": "hi", "response_format": {"type": "json_schema",
+                                                 "json_schema": {"name": "s", "schema": {"type": "nonsense"}}}},
+            "schema")]
+    for extra, fragment in bad:
+        r = httpx.post(url + "/v1/completions", json={"model": "demo", "max_tokens": 2, **extra}, timeout=30)
+        assert r.status_code == 400 and fragment in r.text, (extra, r.text)
+    assert sent == [], "a rejected request travelled to the engine core"
+    r = httpx.post(url + "/v1/completions", json={"model": "demo", "prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200 and sent == ["add"], (r.text, sent)
+
+
 def test_engine_failure_is_500_and_health_turns_503(inproc_server):
     engine, url = inproc_server
     body = {"model": "demo", "prompt": "hello", "max_tokens": 4}
     assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
     assert httpx.get(url + "/health").status_code == 200
 
-    def broken_step(step):
-        raise RuntimeError("injected device fault")
-
-    engine.engine.runner.execute = broken_step
+    engine.fault_flag.touch()
     _assert_error(httpx.post(url + "/v1/completions", json=body, timeout=30), 500, "injected device fault")
     _assert_error(httpx.get(url + "/health"), 503)
     # The server itself is up: other routes answer, and new requests get a clear 500, not a hang.
@@ -427,3 +449,53 @@ def test_engine_failure_is_500_and_health_turns_503(inproc_server):
     _assert_error(httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                                  "stream": True}, timeout=30), 500, "engine")
     assert "tp_overlap_num_requests_running" in httpx.get(url + "/metrics").text
+
+
+# ---- a dead engine-core process ---------------------------------------------------------------------
+@pytest.mark.timeout(90)
+def test_killed_engine_core_fails_every_stream_and_the_health_check():
+    """The engine-core process (TP=2: it and the rank it spawned) dies under a running stream: the stream
+    ends with an error that says so within seconds, /health turns 503, new requests are a clear 500
+    rather than a hang, and no process is left running."""
+    import asyncio
+    import os
+    import signal
+
+    from tp_overlap_plugin.serving import SamplingParams
+    from tp_overlap_plugin.serving.testing import process_running
+
+    eng = AsyncLLM(EngineConfig(model="demo", block_size=4, max_model_len=MAX_LEN, num_kv_blocks=64,
+                                show_progress=False, tensor_parallel_size=2, dist_timeout_s=30))
+    core, ranks = eng.core.pid, eng.core.info["worker_pids"]
+    assert len(ranks) == 1 and process_running(core) and process_running(ranks[0])
+    app = build_app(eng, "demo")
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://core") as http:
+            assert (await http.get("/health")).status_code == 200
+            agen = eng.generate("doomed", SamplingParams(max_tokens=50, ignore_eos=True), "k")
+            await agen.__anext__()
+            os.kill(core, signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(RuntimeError, match=r"the engine loop died: .*engine core process .* died: "
+                                                   r"killed by SIGKILL"):
+                async for _ in agen:
+                    pass
+            waited = time.monotonic() - t0
+            _assert_error(await http.get("/health"), 503)
+            r = await http.post("/v1/completions", json={"model": "demo", "prompt": "after", "max_tokens": 2})
+            _assert_error(r, 500, "engine", "killed by SIGKILL")
+            return waited
+
+    try:
+        waited = asyncio.run(asyncio.wait_for(main(), 30))
+        print(f"the stream failed {waited * 1e3:.1f} ms after the kill")
+        assert waited < 5, waited
+        deadline = time.monotonic() + 10
+        while process_running(ranks[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not process_running(ranks[0]), "the killed core's TP rank outlived it"
+    finally:
+        t0 = time.monotonic()
+        eng.shutdown()
+        assert time.monotonic() - t0 < 5, "shutting down a dead core must not wait for it"

@@ -359,6 +359,20 @@ def test_sigterm_finishes_in_flight_stream_then_stops_workers(server_tp2):
     assert _group_members(pgid) == [], "TP worker processes outlived the server"
 
 
+def test_a_killed_server_takes_its_engine_core_and_ranks_along():
+    # SIGKILL gives the server no chance to stop anything: its engine-core process sees its request
+    # pipe close, stops its engine (and the TP rank it spawned) and exits; nothing holds the device.
+    with ServerProcess(ARGS + ["--tp", "2"]) as srv:
+        pgid = srv.proc.pid
+        assert len(_group_members(pgid)) >= 3, "server, engine core, one TP rank (and a resource tracker)"
+        srv.proc.send_signal(signal.SIGKILL)
+        srv.proc.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while _group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _group_members(pgid) == [], "the engine core or its rank outlived the killed server"
+
+
 def test_sigint_past_shutdown_timeout_aborts_the_stream_and_exits():
     # A stream far longer than --shutdown-timeout: the server cuts it off (aborting it in the engine),
     # shuts the engine down and exits cleanly instead of waiting for the generation to end.

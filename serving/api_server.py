@@ -44,7 +44,7 @@ try:
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from .metrics import ServerMetrics, engine_stats
+    from .metrics import ServerMetrics
     _MISSING_EXTRA: Optional[ImportError] = None
 except ImportError as _e:   # the `serve` extra is not installed: the CLI parser still works, serving does not
     _MISSING_EXTRA = _e
@@ -203,21 +203,6 @@ def package_version() -> str:
         return "unknown"
 
 
-# ---- engine state ---------------------------------------------------------------------------------
-def engine_alive(engine) -> bool:
-    """True while the engine can serve. AsyncLLM has no public health accessor yet: this reads the state
-    its loop thread and core keep (loop error, stop flag, broken step, closed, worker processes)."""
-    if getattr(engine, "_error", None) is not None or getattr(engine, "_stopped", False):
-        return False
-    thread = getattr(engine, "_thread", None)
-    if thread is not None and not thread.is_alive():
-        return False
-    core = engine.engine
-    if getattr(core, "_broken", None) is not None or getattr(core, "_closed", False):
-        return False
-    return all(p.is_alive() for p in getattr(core, "_procs", []))
-
-
 @dataclass
 class _Choice:
     """One engine request: choice `index` of the response."""
@@ -274,14 +259,14 @@ class OpenAIServer:
         self.model_root = model_root
         self.api_key = api_key
         self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
+        self.max_model_len = engine.max_model_len
         self.metrics = ServerMetrics(served_model_name, self._stats)
         self.app = self._build_app()
 
     def _stats(self) -> Optional[dict]:
         try:
-            return engine_stats(self.engine)
-        except Exception:   # a shut-down engine has no scheduler to read
+            return self.engine.stats()
+        except Exception:   # a shut-down engine has no stats to read
             return None
 
     # ---- request plumbing ----------------------------------------------------------------------
@@ -332,12 +317,12 @@ class OpenAIServer:
                     raise ApiError(400, msg, param=param) from None
                 idx = pi * n + j
                 choices.append(_Choice(idx, f"{base_id}-{idx}", pi, ids, text, sp, now))
-        core = self.engine.engine
         for c in choices:
-            # The engine's own checks (vocabulary, length, tokenizer needs) before any stream starts, so
-            # that a bad request is a 400 and not an error halfway through an SSE stream.
+            # The engine's own checks (vocabulary, length, tokenizer needs, grammar) here, before any
+            # stream starts and before anything reaches the engine-core process, so that a bad request
+            # is a 400 and not an error halfway through an SSE stream.
             try:
-                core.make_sequence(c.request_id, c.prompt_ids, c.params)
+                self.engine.check_request(c.prompt_ids, c.params)
             except RequestError as e:   # a sampling parameter, the same for every choice
                 raise ApiError(400, str(e), param=_API_PARAM.get(e.param, e.param)) from None
             except (ValueError, TypeError) as e:
@@ -674,7 +659,7 @@ class OpenAIServer:
         self._check_model(req.model)
         if self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer", param="tokens")
-        vocab = self.engine.engine.mcfg.vocab_size
+        vocab = self.engine.vocab_size
         bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < vocab), None)
         if bad is not None:
             raise ApiError(400, f"tokens[{bad}] = {req.tokens[bad]} is outside the vocabulary [0, {vocab})",
@@ -743,7 +728,7 @@ class OpenAIServer:
 
         @app.get("/health", responses={503: {"description": "the engine is dead"}})
         async def health():
-            if engine_alive(server.engine):
+            if server.engine.alive():
                 return Response(status_code=200)
             return error_response(503, "the engine is not running; restart the server")
 
@@ -925,8 +910,8 @@ def serve_main(a: argparse.Namespace) -> int:
         name = a.served_model_name or cfg.model
         app = build_app(engine, name, a.api_key or os.environ.get("TP_OVERLAP_API_KEY"), model_root=cfg.model)
         logger.info("engine ready in %.1f s: model %s, tp=%d, max_model_len=%d, %d KV blocks of %d tokens",
-                    time.perf_counter() - t0, cfg.model, cfg.tensor_parallel_size, engine.engine.max_model_len,
-                    engine.engine.block_manager.num_blocks, cfg.block_size)
+                    time.perf_counter() - t0, cfg.model, cfg.tensor_parallel_size, engine.max_model_len,
+                    engine.num_blocks, cfg.block_size)
         config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=not a.no_access_log,
                                 timeout_graceful_shutdown=a.shutdown_timeout, lifespan="off")
         # uvicorn handles SIGINT/SIGTERM: stop accepting, let in-flight requests finish (or cancel them after

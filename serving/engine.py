@@ -15,7 +15,6 @@ import logging
 import multiprocessing as mp
 import signal
 import socket
-import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -104,6 +103,121 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def engine_tokenizer(cfg: EngineConfig, mcfg) -> tuple:
+    """(tokenizer or None, end-of-sequence ids) of an engine's model: the engine and the server process
+    that validates its requests load the same one."""
+    tokenizer = load_tokenizer(resolve_model_dir(cfg.model, weights=False), cfg.tokenizer)
+    eos_ids = set(mcfg.eos_token_ids)
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    elif tokenizer is None and cfg.effective_load_format() == "dummy":
+        # A shipped config benchmarked with dummy weights has no tokenizer files: the byte
+        # tokenizer stands in (its ids past 255 show as placeholders), so text and streams work
+        # as with a real model. Its end-of-sequence id is not the model's and is not used.
+        tokenizer = ByteTokenizer()
+    return tokenizer, eos_ids
+
+
+class RequestValidator:
+    """Every check of a request that needs no engine state: the engine runs it, and so does the HTTP
+    server's process before a request travels to the engine-core process, so bad input fails there."""
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, structured: StructuredOutputs):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.structured = structured
+
+    def validate(self, prompt: Prompt, params: Optional[Union[SamplingParams, dict]] = None) -> tuple:
+        """(prompt text or None, token ids, SamplingParams, compiled grammar or None); ValueError,
+        TypeError or RequestError (a sampling parameter) naming what is wrong."""
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, dict):
+            params = SamplingParams(**params)
+        elif not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams or dict, not {type(params).__name__}")
+        text: Optional[str] = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer; pass the prompt as token ids")
+            text = prompt
+            ids = self.tokenizer.encode(prompt) if prompt else []
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise TypeError("a prompt is a string or a list of token ids")
+        if not ids:
+            raise ValueError("the prompt is empty; at least one token is required")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
+                             f"it must be at most {self.max_model_len - 1} to leave room for one output token")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
+        if bad:
+            raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                               "logit_bias")
+        compiled = None
+        if params.structured_output is not None:
+            try:
+                compiled = self.structured.compile(params.structured_output)
+            except ValueError as e:
+                raise RequestError(str(e), "structured_output") from None
+        return text, ids, params, compiled
+
+
+def output_delta(seq: Sequence, delta: str, delta_ids: list[int]) -> tuple:
+    """What one step added to a request, as a plain tuple (cheap to pickle): (request id, delta text,
+    delta ids, their logprobs or None, their top logprobs or None, finish reason, preemptions, final).
+    `final` is None while the request runs; once it finished, (text, token ids, logprobs, top logprobs,
+    prompt logits) in full, since a stop string may cut text that an earlier delta carried.
+    `RequestStream.output` turns the deltas of one request back into RequestOutputs."""
+    p, n = seq.params, len(delta_ids)
+    final = None
+    if seq.status is Status.FINISHED:
+        pl = torch.cat(seq.prompt_logits) if p.prompt_logits and seq.prompt_logits else None
+        final = (seq.text, seq.output_ids, list(seq.logprobs) if p.logprobs else None,
+                 list(seq.top_logprobs) if p.top_logprobs else None, pl)
+    return (seq.request_id, delta, delta_ids, seq.logprobs[-n:] if p.logprobs and n else None,
+            seq.top_logprobs[-n:] if p.top_logprobs and n else None, seq.finish_reason, seq.num_preemptions,
+            final)
+
+
+class RequestStream:
+    """One request's outputs rebuilt from its `output_delta`s, on the receiving side: the same
+    RequestOutputs that LLMEngine returns without deltas."""
+
+    def __init__(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams):
+        self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list = []
+
+    def output(self, d: tuple) -> RequestOutput:
+        _, delta, delta_ids, lps, tops, reason, preemptions, final = d
+        pl = None
+        if final is not None:
+            self.text, self.token_ids, all_lps, all_tops, pl = final
+            self.logprobs, self.top_logprobs = all_lps or [], all_tops or []
+        else:
+            self.text += delta
+            self.token_ids += delta_ids
+            if lps:
+                self.logprobs += lps
+            if tops:
+                self.top_logprobs += tops
+        p = self.params
+        comp = CompletionOutput(0, self.text, list(self.token_ids), list(self.logprobs) if p.logprobs else None,
+                                reason, list(self.top_logprobs) if p.top_logprobs else None)
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), [comp], final is not None, delta,
+                             delta_ids, pl, preemptions)
+
+
 class LLMEngine:
     """Single-threaded core: add_request / abort_request / step. Not thread-safe; AsyncLLM serialises."""
 
@@ -141,21 +255,17 @@ class LLMEngine:
 
         self.device = self.runner.device
         self.max_model_len = self.runner.max_model_len
-        self.tokenizer = load_tokenizer(resolve_model_dir(cfg.model, weights=False), cfg.tokenizer)
-        self.eos_ids = set(self.mcfg.eos_token_ids)
-        if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
-            self.eos_ids.add(self.tokenizer.eos_token_id)
-        elif self.tokenizer is None and cfg.effective_load_format() == "dummy":
-            # A shipped config benchmarked with dummy weights has no tokenizer files: the byte
-            # tokenizer stands in (its ids past 255 show as placeholders), so text and streams work
-            # as with a real model. Its end-of-sequence id is not the model's and is not used.
-            self.tokenizer = ByteTokenizer()
+        self.tokenizer, self.eos_ids = engine_tokenizer(cfg, self.mcfg)
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    on_leave=self._release_state)
         # Rows for the penalties and logit_bias: only running sequences sample, at most max_num_seqs.
         self.token_state = TokenState(cfg.max_num_seqs, self.mcfg.vocab_size, self.device)
         self.structured = StructuredOutputs(self.tokenizer, self.mcfg.vocab_size, self.eos_ids)
+        self.validator = RequestValidator(self.tokenizer, self.mcfg.vocab_size, self.max_model_len, self.structured)
+        # The engine-core process asks for compact per-step deltas (see `output_delta`) instead of
+        # RequestOutputs: no full-text copies on the step path, and a small message to pickle.
+        self.emit_deltas = False
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self._pending: Optional[_Launched] = None   # async scheduling: the step launched but not finalised
         self._trace = StepTrace.from_env(self.device)   # None unless TP_OVERLAP_STEP_TRACE names a file
@@ -256,45 +366,16 @@ class LLMEngine:
                       params: Optional[Union[SamplingParams, dict]] = None) -> Sequence:
         """Validate a request without touching engine state (safe from any thread)."""
         self._require_driver()
-        if params is None:
-            params = SamplingParams()
-        elif isinstance(params, dict):
-            params = SamplingParams(**params)
-        elif not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be SamplingParams or dict, not {type(params).__name__}")
-        text: Optional[str] = None
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model directory has no tokenizer; pass the prompt as token ids")
-            text = prompt
-            ids = self.tokenizer.encode(prompt) if prompt else []
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
-        else:
-            raise TypeError("a prompt is a string or a list of token ids")
-        if not ids:
-            raise ValueError("the prompt is empty; at least one token is required")
-        bad = [t for t in ids if not 0 <= t < self.mcfg.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.mcfg.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
-                             f"it must be at most {self.max_model_len - 1} to leave room for one output token")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
-        bad = [t for t in (params.logit_bias or {}) if t >= self.mcfg.vocab_size]
-        if bad:
-            raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.mcfg.vocab_size})",
-                               "logit_bias")
-        grammar = None
-        if params.structured_output is not None:
-            try:
-                grammar = self.structured.matcher(self.structured.compile(params.structured_output))
-            except ValueError as e:
-                raise RequestError(str(e), "structured_output") from None
+        text, ids, params, compiled = self.validator.validate(prompt, params)
+        return self.sequence_of(request_id, text, ids, params, compiled)
+
+    def sequence_of(self, request_id: Optional[str], text: Optional[str], ids: list[int], params: SamplingParams,
+                    compiled=None) -> Sequence:
+        """The Sequence of a request that `RequestValidator.validate` accepted (`compiled`: its grammar)."""
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         seq = Sequence(rid, text, ids, params)
-        seq.grammar = grammar
+        if compiled is not None:
+            seq.grammar = self.structured.matcher(compiled)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if self.tokenizer is not None:
@@ -324,6 +405,23 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def stats(self) -> dict:
+        """Scheduler and KV-pool state, and which path each TP op took on this rank (for /metrics)."""
+        from tp_overlap_plugin import stats as tp_stats
+
+        sched, bm = self.scheduler, self.block_manager
+        total, free = bm.num_blocks, bm.num_free
+        return {
+            "num_requests_running": len(sched.running),
+            "num_requests_waiting": len(sched.waiting),
+            "kv_cache_total_blocks": total,
+            "kv_cache_free_blocks": free,
+            "kv_cache_usage_perc": (total - free) / total if total else 0.0,
+            "num_preemptions": sched.num_preemptions,
+            "prefix_cache_hit_blocks": bm.num_cache_hits,
+            "tp_op_calls": tp_stats.snapshot(),
+        }
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -534,6 +632,8 @@ class LLMEngine:
         return self._output(seq, delta, [tok])
 
     def _output(self, seq: Sequence, delta: str, delta_ids: list[int]) -> RequestOutput:
+        if self.emit_deltas:
+            return output_delta(seq, delta, delta_ids)
         done = seq.status is Status.FINISHED
         pl = None
         if done and seq.params.prompt_logits and seq.prompt_logits:
@@ -613,76 +713,101 @@ class LLM:
 
 
 class AsyncLLM:
-    """Streaming API for servers. The engine loop runs on a background thread; requests and aborts are
-    handed to it through a queue, so no coroutine ever blocks for the length of a model step.
+    """Streaming API for servers. The step loop runs in an engine-core process of its own
+    (serving/engine_core.py says why and how); this process validates requests, keeps one asyncio
+    queue per stream and fans each step's outputs out to them. No coroutine waits for a model step.
 
         engine = AsyncLLM(EngineConfig(...))
         async for out in engine.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
             print(out.delta_text)
         engine.abort("req-1")
+
+    `in_thread=True` runs the same core loop on a thread of this process instead (debugging).
+    `core_setup(engine)` runs in the core once its LLMEngine is built; it must pickle (a module-level
+    function), and tests use it to inject faults. Under torchrun, ranks > 0 serve rank 0's steps in
+    this constructor (`is_driver` False); rank 0's core process inherits the launch environment.
     """
 
-    def __init__(self, config: Optional[EngineConfig] = None, **kwargs):
-        self.engine = LLMEngine(config, **kwargs)
-        if not self.engine.is_driver:
+    def __init__(self, config: Optional[EngineConfig] = None, *, in_thread: bool = False, core_setup=None,
+                 **kwargs):
+        from .engine_core import EngineCoreClient
+
+        cfg = config if config is not None else EngineConfig(**kwargs)
+        self.engine: Optional[LLMEngine] = None
+        launched = env_rank_world()
+        self.is_driver = launched is None or launched[0] == 0
+        if not self.is_driver:
+            self.engine = LLMEngine(cfg)   # serves rank 0's steps until it shuts down
             return
-        self._cmds: "list[tuple[str, object]]" = []
-        self._cmd_lock = threading.Lock()
-        self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stopped = False
+        self.cfg = cfg
+        self.mcfg = cfg.load_model_config()
+        self.mcfg.check_tp(cfg.tensor_parallel_size)   # fail before any process is spawned
+        self.tokenizer, eos_ids = engine_tokenizer(cfg, self.mcfg)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, RequestStream]] = {}
         self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
-        self._thread.start()
+        self._stopped = False
+        self._ids = itertools.count()
+        self.core = EngineCoreClient(cfg, self._on_step, self._on_error, in_thread=in_thread, setup=core_setup)
+        info = self.core.info
+        self.max_model_len: int = info["max_model_len"]
+        self.vocab_size: int = info["vocab_size"]
+        self.num_blocks: int = info["num_blocks"]
+        self.eos_ids = set(info["eos_ids"])
+        self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len,
+                                          StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_ids))
+        ref = weakref.ref(self)
+        # Before multiprocessing's own exit hook, which would wait for the core forever.
+        atexit.register(lambda: ref() is not None and ref().shutdown())
 
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def is_driver(self) -> bool:
-        return self.engine.is_driver
-
-    def _post(self, cmd: str, arg) -> None:
-        with self._cmd_lock:
-            self._cmds.append((cmd, arg))
-        self._wake.set()
-
-    def _deliver(self, out) -> None:
-        rid = out.request_id if isinstance(out, RequestOutput) else None
-        targets = [self._streams.get(rid)] if rid is not None else list(self._streams.values())
-        for t in targets:
+    # ---- the core's side (its reader thread) -------------------------------------------------
+    def _on_step(self, deltas: list, rejected: list) -> None:
+        """One message per step: group its items by the event loop of their stream, one wake-up each."""
+        by_loop: dict = {}
+        for d in deltas:
+            t = self._streams.get(d[0])
             if t is not None:
-                loop, q = t
-                try:
-                    loop.call_soon_threadsafe(q.put_nowait, out)
-                except RuntimeError:   # the consumer's event loop is gone
-                    pass
-
-    def _loop(self) -> None:
-        eng = self.engine
-        while not self._stopped:
-            with self._cmd_lock:
-                cmds, self._cmds = self._cmds, []
-            for cmd, arg in cmds:
-                if cmd == "add":
-                    eng.add_sequence(arg)
-                elif cmd == "abort":
-                    out = eng.abort_request(arg)
-                    if out is not None:
-                        self._deliver(out)
-            if not eng.has_unfinished():
-                self._wake.wait(timeout=0.1)
-                self._wake.clear()
-                continue
+                by_loop.setdefault(t[0], []).append((t[1], d))
+        for rid, msg in rejected:
+            t = self._streams.get(rid)
+            if t is not None:
+                by_loop.setdefault(t[0], []).append((t[1], RuntimeError(f"the engine rejected the request: {msg}")))
+        for loop, items in by_loop.items():
             try:
-                outs = eng.step()
-            except BaseException as e:   # a broken engine fails every open stream, never silently
-                self._error = e
-                self._deliver(e)
-                return
-            for out in outs:
-                self._deliver(out)
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:   # the consumer's event loop is gone
+                pass
+
+    def _on_error(self, e: BaseException) -> None:
+        self._error = e
+        self._fail_streams(e)
+
+    def _fail_streams(self, e: BaseException) -> None:
+        for loop, q, _ in list(self._streams.values()):
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, e)
+            except RuntimeError:
+                pass
+
+    # ---- requests ----------------------------------------------------------------------------
+    def alive(self) -> bool:
+        """True while the engine can serve (the health check)."""
+        return self._error is None and not self._stopped and self.core.alive()
+
+    def stats(self) -> dict:
+        """The engine's `LLMEngine.stats()` after its latest step."""
+        return self.core.stats
+
+    def _require_running(self) -> None:
+        if self._stopped:
+            raise RuntimeError("the engine has been shut down")
+        if self._error is not None:
+            raise RuntimeError(f"the engine failed earlier and must be restarted: {self._error}")
+
+    def check_request(self, prompt: Prompt, params: Optional[Union[SamplingParams, dict]] = None) -> tuple:
+        """Validate a request here, before it reaches the core: `RequestValidator.validate`'s result or
+        its errors; RuntimeError when the engine cannot serve."""
+        self._require_running()
+        return self.validator.validate(prompt, params)
 
     async def generate(self, prompt: Prompt, params: Optional[Union[SamplingParams, dict]] = None,
                        request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
@@ -692,35 +817,48 @@ class AsyncLLM:
             raise RuntimeError("the engine has been shut down")
         if request_id is not None and str(request_id) in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = self.engine.make_sequence(request_id, prompt, params)   # raises on bad input, here
-        rid = seq.request_id
+        text, ids, params, _ = self.validator.validate(prompt, params)   # raises on bad input, here
+        rid = f"async-{next(self._ids)}" if request_id is None else str(request_id)
         q: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = (asyncio.get_running_loop(), q)
-        self._post("add", seq)
+        stream = RequestStream(rid, text, ids, params)
+        self._streams[rid] = (asyncio.get_running_loop(), q, stream)
         finished = False
         try:
+            if self._error is not None:   # failed while this stream registered: no one would tell it
+                raise RuntimeError(f"the engine loop died: {self._error!r}")
+            self.core.send(("add", rid, text, ids, params))
             while True:
-                out = await q.get()
-                if isinstance(out, BaseException):
-                    raise RuntimeError(f"the engine loop died: {out!r}") from out
+                d = await q.get()
+                if isinstance(d, BaseException):
+                    if d is self._error:
+                        raise RuntimeError(f"the engine loop died: {d!r}") from d
+                    raise d
+                out = stream.output(d)
                 finished = out.finished
                 yield out
                 if finished:
                     return
         finally:
             self._streams.pop(rid, None)
-            if not finished:
+            if not finished and self._error is None and not self._stopped:
                 # The consumer went away (client disconnect, cancellation): free the blocks.
-                self._post("abort", rid)
+                self.abort(rid)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request; the engine loop frees its blocks before its next step."""
-        self._post("abort", str(request_id))
+        """Abort a request; the core frees its blocks before its next step."""
+        try:
+            self.core.send(("abort", str(request_id)))
+        except RuntimeError:
+            pass   # no core, no request to abort
 
     def shutdown(self) -> None:
-        if not self.engine.is_driver:
+        if not self.is_driver or self._stopped:
             return
         self._stopped = True
-        self._wake.set()
-        self._thread.join(timeout=60)
-        self.engine.shutdown()
+        self.core.shutdown()
+        self._fail_streams(RuntimeError("the engine has been shut down"))
+
+
+def _put_all(items: list) -> None:
+    for q, d in items:
+        q.put_nowait(d)

@@ -1,8 +1,9 @@
 """Prometheus metrics of the OpenAI-compatible server.
 
 Two kinds: counters and histograms that the request handlers update as tokens stream out, and gauges
-that are read from the engine at scrape time (running / waiting requests, KV-cache blocks), so a scrape
-always shows the engine's present state rather than the last value someone remembered to set.
+that are read at scrape time from the stats the engine core sends with every step (running / waiting
+requests, KV-cache blocks, TP op paths), so a scrape shows the engine's state after its latest step
+rather than the last value someone remembered to set.
 
 Each server owns its own registry, so several servers (or tests) in one process do not collide.
 """
@@ -23,28 +24,6 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                  0.5, 0.75, 1.0, 2.5)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
-
-
-def engine_stats(async_engine) -> dict[str, float]:
-    """Scheduler and KV-pool state of an AsyncLLM.
-
-    The engine has no public stats accessor yet, so this reads the scheduler's queues and the block
-    manager's free pool directly. Those are mutated by the engine thread; reading a length is atomic
-    under the GIL, and a scrape that is one step stale is fine.
-    """
-    eng = async_engine.engine
-    sched, bm = eng.scheduler, eng.block_manager
-    total = bm.num_blocks
-    free = bm.num_free
-    return {
-        "num_requests_running": len(sched.running),
-        "num_requests_waiting": len(sched.waiting),
-        "kv_cache_total_blocks": total,
-        "kv_cache_free_blocks": free,
-        "kv_cache_usage_perc": (total - free) / total if total else 0.0,
-        "num_preemptions": sched.num_preemptions,
-        "prefix_cache_hit_blocks": bm.num_cache_hits,
-    }
 
 
 class _EngineCollector:
@@ -74,10 +53,9 @@ class _EngineCollector:
             yield c
         # Which path each TP op took on this rank (rank 0 serves HTTP): with --tp-overlap this is how an
         # operator sees that the overlapped kernels run rather than a silent fallback.
-        from tp_overlap_plugin import stats as tp_stats
         c = CounterMetricFamily(f"{PREFIX}_tp_op_calls", "TP ops by path (kernel, fallback, sequential, ...)",
                                 labels=["model_name", "path"])
-        for path, n in sorted(tp_stats.snapshot().items()):
+        for path, n in sorted(s.get("tp_op_calls", {}).items()):
             c.add_metric([self._model, path], float(n))
         yield c
 

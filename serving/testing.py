@@ -220,3 +220,37 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def fail_steps_once_flagged(flag_path: str, engine) -> None:
+    """An AsyncLLM `core_setup` (with functools.partial): once `flag_path` exists, every model step of
+    the engine core raises "injected device fault", as a broken device would."""
+    execute = engine.runner.execute
+
+    def maybe_broken(step):
+        if os.path.exists(flag_path):
+            raise RuntimeError("injected device fault")
+        return execute(step)
+
+    engine.runner.execute = maybe_broken
+
+
+def process_running(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def slow_grammar_compiles(delay_s: float, engine) -> None:
+    """An AsyncLLM `core_setup` (with functools.partial): every grammar compile in the engine core takes
+    `delay_s` longer, so that a test can act while one is in progress."""
+    compile_ = engine.structured.compile
+
+    def slow(so):
+        time.sleep(delay_s)
+        return compile_(so)
+
+    engine.structured.compile = slow
