@@ -3,15 +3,19 @@
 # `git archive 7185b69 | tar -x -C base`) against this one. Both are laid out side by side as
 # pyproject.toml maps them (kernels/ and serving/ inside tp_overlap_plugin/) and chosen per process
 # with PYTHONPATH.
-#   1. HTTP A/B, base this base this (bench/serve_timeline.py --base): output tok/s at rate inf, the
-#      latency targets at rate 2, this checkout's step timeline;
-#   2. this checkout at a 2048-token step budget (the chunked-prefill default against 8192);
-#   3. greedy outputs of both, compared (bench/greedy_tokens.py), in float32 and bfloat16;
-#   4. the engine's GPU tests; 5. the 8192-token prefill step; 6. prefill attention implementations.
-# usage: bash bench/serve_ab.sh BASE_SRC OUT_DIR
+#   1. HTTP A/B, base this base this (bench/serve_timeline.py --base) at rates 2, 8, 32 and inf: output
+#      tok/s, the latency targets at rate 2 against the idle probe, both engines' step timelines;
+#   2. this checkout at the engine's default 2048-token step budget (the A/B runs at 8192);
+#   3. greedy outputs of both, compared (bench/greedy_tokens.py --top2 / --compare), float32 and bfloat16;
+#   4. the engine's GPU tests; 5. the 8192-token prefill step, synchronous and with async scheduling;
+#   6. prefill attention implementations.
+#   PART (default all) picks a part, to fit the device's 10-minute call: http (1), checks (3, 4) or
+#   perf (2, 5, 6).
+# usage: bash bench/serve_ab.sh BASE_SRC OUT_DIR [all|http|checks|perf]
 set -u
 BASE_SRC=$1
 OUT=$2
+PART=${3:-all}
 here=$(cd "$(dirname "$0")/.." && pwd)
 inst() { mkdir -p "$1" && cp -r "$2/tp_overlap_plugin" "$1/" && cp -r "$2/kernels" "$2/serving" "$1/tp_overlap_plugin/"; }
 inst /tmp/site-base "$BASE_SRC" && inst /tmp/site-this "$here" || exit 1
@@ -25,23 +29,34 @@ cd /tmp
 base python3 -c "import tp_overlap_plugin.serving.engine as e; print('base engine:', e.__file__)"
 this python3 -c "import tp_overlap_plugin.serving.engine as e; print('this engine:', e.__file__)"
 load="--tp 1 --level-seconds 6 --min-requests 12 --inf-requests 200 --warmup-requests 64 --out $OUT"
-this timeout 250 python3 $here/bench/serve_timeline.py $load --rates 2,inf --base /tmp/site-base --pairs 2 --tag ab 2>&1 \
-  | grep -v "^|" | tail -n 30
-this timeout 80 python3 $here/bench/serve_timeline.py $load --rates 32,inf --max-num-batched-tokens 2048 --tag budget2048 \
-  2>&1 | grep -v "^|" | tail -n 12
-# in both dtypes every id must be as it was (a kernel change that rounds differently shows in bfloat16)
-for dt in float32 bfloat16; do
-  base timeout 60 python3 $here/bench/greedy_tokens.py /tmp/greedy-base-$dt.json --dtype $dt 2>&1 | tail -n 1
-  this timeout 60 python3 $here/bench/greedy_tokens.py /tmp/greedy-this-$dt.json --dtype $dt 2>&1 | tail -n 1
-  python3 -c "import json,sys; a,b=(json.load(open(f)) for f in sys.argv[1:3]); same=sum(x==y for x,y in zip(a,b)); \
-lead=[next((i for i,(p,q) in enumerate(zip(x,y)) if p!=q), len(x)) for x,y in zip(a,b)]; \
-print(f'greedy {sys.argv[3]}: {same}/{len(a)} sequences identical, first difference at tokens {sorted(lead)}')" \
-    /tmp/greedy-base-$dt.json /tmp/greedy-this-$dt.json $dt
-done
-this timeout 90 python3 -m pytest -q -c $here/pyproject.toml --rootdir $here -m gpu \
-  $here/integration_tests/test_engine_hf_parity.py $here/integration_tests/test_engine_api.py 2>&1 | tail -n 4
-this timeout 45 python3 $here/bench/prefill_profile.py --tp 1 --out $OUT 2>&1 | grep -E "prefill|Error" | tail -n 3
-this timeout 45 python3 $here/bench/prefill_attention.py --out $OUT 2>&1 | grep -E "^\|" | tail -n 16
-# the device call returns at most 8 files: the tables and timelines in one archive, the picture beside it
-rm -f "$OUT"/*budget2048*.png
-(cd "$OUT" && tar czf serve-ab-results.tgz *.json *.md && rm -f *.json *.md)
+part() { [ "$PART" = all ] || [ "$PART" = "$1" ]; }
+if part http; then
+  this timeout 470 python3 $here/bench/serve_timeline.py $load --rates 2,8,32,inf --base /tmp/site-base --pairs 2 \
+    --tag ab 2>&1 | grep -v "^|" | tail -n 40
+fi
+if part perf; then
+  this timeout 110 python3 $here/bench/serve_timeline.py $load --rates 32,inf --max-num-batched-tokens 2048 \
+    --tag budget2048 2>&1 | grep -v "^|" | tail -n 12
+  rm -f "$OUT"/*budget2048*.png
+  this timeout 60 python3 $here/bench/prefill_profile.py --tp 1 --out $OUT 2>&1 | grep -E "prefill|Error" | tail -n 3
+  this timeout 60 python3 $here/bench/prefill_profile.py --tp 1 --prompts 16 --async-scheduling --tag async --out $OUT \
+    2>&1 | grep -E "prefill|Error" | tail -n 3
+  this timeout 60 python3 $here/bench/prefill_attention.py --out $OUT 2>&1 | grep -E "^\|" | tail -n 16
+fi
+if part checks; then
+  # in both dtypes: every id as it was, or a divergence at a near-tie of the old engine (the top-2 gap)
+  for dt in float32 bfloat16; do
+    base timeout 60 python3 $here/bench/greedy_tokens.py /tmp/greedy-base-$dt.json --dtype $dt --top2 2>&1 | tail -n 1
+    this timeout 60 python3 $here/bench/greedy_tokens.py /tmp/greedy-this-$dt.json --dtype $dt --top2 2>&1 | tail -n 1
+    echo "greedy $dt:"; python3 $here/bench/greedy_tokens.py --compare /tmp/greedy-base-$dt.json /tmp/greedy-this-$dt.json \
+      | tail -n 20
+  done
+  this timeout 150 python3 -m pytest -q -c $here/pyproject.toml --rootdir $here -m gpu -rfE \
+    $here/integration_tests/test_engine_hf_parity.py $here/integration_tests/test_engine_api.py \
+    $here/integration_tests/test_engine_piecewise.py $here/integration_tests/test_engine_triton_attention.py 2>&1 | tail -n 6
+  # a dead worker under graph-replayed decode, the flag on, two ranks on this one GPU
+  TP_OVERLAP_SHARE_GPUS=1 this timeout 200 python3 -m pytest -q -c $here/pyproject.toml --rootdir $here -m gpu -rfE \
+    $here/integration_tests/test_engine_dead_peer.py 2>&1 | tail -n 8
+fi
+# the device call returns at most 8 files: the tables and timelines in one archive, the pictures beside it
+(cd "$OUT" && tar czf serve-ab-results-$PART.tgz *.json *.md && rm -f *.json *.md)
