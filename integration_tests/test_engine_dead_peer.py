@@ -143,8 +143,10 @@ def test_a_dead_worker_stops_graph_decode_without_a_bad_token(sig_name):
     assert got["before"] == ref[:len(got["before"])], got
     raised = got.get("raised")
     assert raised is not None, f"no error after the worker got {sig_name}: {got}\n{stacks[-4000:]}"
-    # the heap's wait names the peer it gave up on; a closed socket does not, the engine's note does
-    assert "model step failed" in raised and ("waiting for rank 1" in raised or "rank 1 was killed" in raised), raised
+    # the heap's wait names the peer it gave up on; a closed socket does not, the engine's note does;
+    # a step stuck in a collective that the stopped rank never joins ends at the engine's bounded wait
+    assert "model step failed" in raised and any(
+        m in raised for m in ("waiting for rank 1", "rank 1 was killed", "rank 1 (pid")), raised
     assert got["seconds"] < BOUND_S, got
     emitted = got["emitted"]
     # nothing from the failed step or after it: every token emitted is the healthy run's

@@ -69,3 +69,47 @@ def test_a_failed_step_emits_no_token(async_scheduling):
             eng.step()
     finally:
         eng.shutdown()
+
+
+class _NeverReady:
+    def __init__(self):
+        self.queries = 0
+
+    def query(self):
+        self.queries += 1
+        return False
+
+
+def test_a_step_stuck_in_a_collective_ends_at_the_bounded_wait_and_names_a_stopped_rank():
+    # A stopped peer never joins a collective, where no heap wait can give up: the host's wait for
+    # the step's event is bounded instead (the engine's _wait_ready), and the error says who stopped.
+    import multiprocessing as mp
+    import os
+    import signal
+    import time
+    import types
+
+    from tp_overlap_plugin.serving.engine import _stopped
+    peer = mp.get_context("spawn").Process(target=time.sleep, args=(60,), daemon=True)   # a worker rank's stand-in
+    peer.start()
+    try:
+        os_kill = os.kill
+        os_kill(peer.pid, signal.SIGSTOP)
+        for _ in range(100):          # the stop is asynchronous
+            if _stopped(peer.pid):
+                break
+            time.sleep(0.01)
+        eng = types.SimpleNamespace(READY_POLL_S=1e-3, _broken=None, _procs=[peer],
+                                    step_wait_bound_s=lambda: 0.2)
+        eng._worker_errors = lambda: LLMEngine._worker_errors(eng)
+        eng._errq = types.SimpleNamespace(empty=lambda: True)
+        ev = _NeverReady()
+        t = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"did not finish within 0.2 s.*rank 1 \(pid \d+\) is stopped"):
+            LLMEngine._wait_ready(eng, ev)
+        assert 0.2 <= time.monotonic() - t < 5 and ev.queries > 5 and isinstance(eng._broken, TimeoutError)
+        os_kill(peer.pid, signal.SIGCONT)
+        assert not _stopped(peer.pid)   # a running peer is not reported as stopped
+    finally:
+        peer.kill()
+        peer.join()

@@ -97,6 +97,15 @@ def _no_tokens(device) -> torch.Tensor:
     return torch.empty(0, dtype=torch.int64, device=device)
 
 
+def _stopped(pid: int) -> bool:
+    """Whether a live process is stopped (state T or t in /proc; False where there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -323,6 +332,8 @@ class LLMEngine:
                 errs.append(f"rank {rank} was killed by {signal.Signals(-code).name}")
             elif code is not None:
                 errs.append(f"rank {rank} exited with code {code}")
+            elif _stopped(p.pid):
+                errs.append(f"rank {rank} (pid {p.pid}) is stopped (SIGSTOP or a debugger)")
         return "; ".join(errs)
 
     def _kill_workers(self) -> None:
@@ -526,6 +537,32 @@ class LLMEngine:
         self._broken = e
         raise RuntimeError(f"model step failed: {e}" + (f"; workers: {workers}" if workers else "")) from e
 
+    # How often a waiting host asks whether a step has finished. Under async scheduling the next step
+    # is already queued behind it, so finding out this much later leaves the GPU no less busy.
+    READY_POLL_S = 50e-6
+
+    def step_wait_bound_s(self) -> float:
+        """How long the host waits for a step before it calls the group broken. Every wait inside the
+        heap's kernels gives up after the heap's bound, so a step that has not finished twice that later
+        is stuck where nothing gives up: a collective (NCCL or RCCL) that a stopped peer never joins."""
+        heap = getattr(self.runner, "heap", None)
+        return 2 * heap.timeout_s + 5 if heap is not None else self.cfg.dist_timeout_s
+
+    def _wait_ready(self, ready: "torch.cuda.Event") -> None:
+        """ready.synchronize(), bounded: a blocking synchronize on a stuck collective never returns."""
+        if ready.query():
+            return
+        bound = self.step_wait_bound_s()
+        deadline = time.monotonic() + bound
+        while not ready.query():
+            if time.monotonic() > deadline:
+                workers = self._worker_errors() if self._procs else ""
+                e = TimeoutError(f"the step did not finish within {bound:g} s: a rank is stuck outside the heap's "
+                                 f"bounded waits, in a collective" + (f"; workers: {workers}" if workers else ""))
+                self._broken = e
+                raise RuntimeError(f"model step failed: {e}") from e
+            time.sleep(self.READY_POLL_S)
+
     def _sampling_state(self, seqs: list[Sequence]) -> dict:
         """The sampler's per-sequence inputs for this step: TokenState rows (acquired on a sequence's
         first sample) and the structured-output bitmask. A sequence that finished meanwhile (its extra
@@ -562,7 +599,7 @@ class LLMEngine:
         outputs = []
         if step.sampled:
             if step.ready is not None:
-                step.ready.synchronize()
+                self._wait_ready(step.ready)
             try:
                 self.runner.check_step(step.error_slot)   # no garbage tokens from a step that failed
             except Exception as e:
