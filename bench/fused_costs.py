@@ -60,7 +60,7 @@ def _self_peer_ag(heap, rows, k):
     op = AllGatherGemm(heap, rows, k)
     op.meet.fill_(1 << 40)
     slots = [(heap.rank - q - 1) % heap.world_size for q in range(heap.rank + 1, heap.rank + heap.world_size)]
-    op._at_peer = [(op.gathered[s], op.flags[s:s + 1]) for s in slots]
+    op._at_peer = [(op.gathered[s], op.flags[s:s + 1], op.begin[s:s + 1]) for s in slots]
     return op
 
 

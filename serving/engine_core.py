@@ -59,11 +59,23 @@ def _exit_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def run_core(cfg_json: str, requests, outputs, setup: Optional[Callable] = None, in_process: bool = True) -> None:
+def _logging_setup() -> tuple[int, Optional[str]]:
+    """This process's root log level and format, for the core: a spawned process starts with logging
+    unconfigured, and the engine's start-up lines (the tables it loaded, the paths it chose) would be lost."""
+    root = logging.getLogger()
+    fmt = next((h.formatter._fmt for h in root.handlers if h.formatter is not None), None)
+    return root.level, fmt
+
+
+def run_core(cfg_json: str, requests, outputs, setup: Optional[Callable] = None, in_process: bool = True,
+             logging_setup: Optional[tuple[int, Optional[str]]] = None) -> None:
     """The core's loop: build the engine, then add / abort / step until told to stop or the server
     goes away. `setup(engine)` runs once the engine is built (tests use it to inject faults)."""
     from .engine import LLMEngine
 
+    if logging_setup is not None:
+        level, fmt = logging_setup
+        logging.basicConfig(level=level, **({"format": fmt} if fmt else {}))
     if in_process:
         # Ctrl-C reaches the whole process group: the server decides when the engine stops (it lets
         # in-flight streams finish first). SIGTERM (the server's last resort) unwinds, stopping the ranks.
@@ -180,7 +192,8 @@ class EngineCoreClient:
         if in_thread:
             self.proc = threading.Thread(target=run_core, args=args + (False,), name="engine-core", daemon=True)
         else:
-            self.proc = ctx.Process(target=run_core, args=args, name="tp-overlap-engine-core")
+            self.proc = ctx.Process(target=run_core, args=args, kwargs={"logging_setup": _logging_setup()},
+                                    name="tp-overlap-engine-core")
         self.in_thread = in_thread
         self.proc.start()
         if not in_thread:
