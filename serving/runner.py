@@ -287,6 +287,8 @@ class ModelRunner:
                           for _ in range(self.mcfg.num_layers)]
         if self.heap is not None and device.type == "cuda":
             self._warm_overlap_shapes()
+        if self.use_triton:
+            self._warm_mixed_attention()
         graphs = device.type == "cuda" and not cfg.enforce_eager
         # One pool for every graph, the largest piecewise bucket first: a replay never overlaps another.
         self.graph_pool = torch.cuda.graph_pool_handle() if graphs else None
@@ -412,6 +414,18 @@ class ModelRunner:
                          num_decodes=0, logit_rows=[n - 1])
         self._forward(step, scratch_kv)
         del scratch_kv
+
+    def _warm_mixed_attention(self) -> None:
+        """One mixed step (a decode and a short prompt) on the scratch block, on every rank alike. A
+        prompt behind an odd number of decodes reads its context lengths and block table at an address
+        that is not 16-byte aligned: a kernel specialisation of its own (Triton specialises pointer
+        alignment) that neither the profile run (no decodes) nor graph capture (decodes only) reaches,
+        so its first compile would stall a mixed step mid-serving. (Mixed steps stalled 0.4-2 s in the
+        H100 timelines, bench/notes/serving.md section 8; that this was their cause is not measured.)"""
+        sb, n = self.scratch_block, min(5, self.block_size)
+        step = StepInput(input_ids=[0] * (1 + n), q_lens=[1, n], context_lens=[1, n], block_tables=[[sb], [sb]],
+                         num_decodes=1, logit_rows=[0, n])
+        self._forward(step, self.kv_caches)
 
     def _warm_overlap_shapes(self) -> None:
         """One forward per step size of overlap_layers.warm_up_token_counts, on every rank alike, so
