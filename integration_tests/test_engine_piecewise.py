@@ -54,17 +54,6 @@ def runner(request):
     eng.shutdown()
 
 
-def test_the_mixed_warm_up_writes_only_the_scratch_block(runner):
-    # The start-up mixed step (runner._warm_mixed_attention) runs where live sequences' history will
-    # be: it must leave every block the block manager hands out as it was.
-    live = [(k[:runner.scratch_block].clone(), v[:runner.scratch_block].clone()) for k, v in runner.kv_caches]
-    scratch = runner.kv_caches[0][0][runner.scratch_block].clone()
-    runner._warm_mixed_attention()
-    for (k, v), (k0, v0) in zip(runner.kv_caches, live):
-        assert torch.equal(k[:runner.scratch_block], k0) and torch.equal(v[:runner.scratch_block], v0)
-    assert not torch.equal(runner.kv_caches[0][0][runner.scratch_block], scratch)   # it did run, there
-
-
 def _eager_then_piecewise(runner, step, bucket, exact=None):
     """(eager logits, piecewise logits) of one step from the same cache; checks the cache writes.
     Exact by default where the bucket is the step's size (the same kernels see the same rows)."""

@@ -73,3 +73,29 @@ def test_step_trace_records_every_step(tmp_path, monkeypatch):
         assert s["decodes"] <= s["seqs"] <= s["tokens"]
         assert s["graph"] is False and "gpu_ms" not in s   # no GPU events on the CPU
         assert min(s["schedule_ms"], s["build_ms"], s["launch_ms"]) >= 0
+
+
+def test_every_step_input_starts_16_byte_aligned():
+    # Triton compiles a kernel per pointer alignment: a step's inputs must not move between aligned
+    # and unaligned addresses with the step's sizes, or a kernel compiles mid-serving.
+    import torch
+
+    from tp_overlap_plugin.serving.attention import AttnMeta
+    from tp_overlap_plugin.serving.step_layout import _aligned_offsets
+    for sizes in ([3, 5, 7], [1], [4, 4], [2, 9, 0, 1]):
+        parts = [np.zeros(n) for n in sizes]
+        for align in (2, 4):
+            at = _aligned_offsets(parts, align)
+            assert all(i % align == 0 for i in at) and at[-1] >= sum(sizes)
+            assert all(at[k + 1] - at[k] >= sizes[k] for k in range(len(sizes)))   # no overlap
+    packed = torch.zeros(64, dtype=torch.int32)
+    for nd in range(4):
+        cu = torch.arange(0, 12, 2, dtype=torch.int32)
+        meta = AttnMeta(slot_mapping=torch.zeros(0, dtype=torch.int64), num_decodes=nd, cu_seqlens_q=cu,
+                        context_lens=packed[5:10], block_tables=packed[12:32].view(5, 4), max_q_len=2)
+        part = meta.prompt_part()
+        assert meta.prompt_part() is part                         # built once a step, for every layer
+        assert torch.equal(part[0], cu[nd:] - nd) and torch.equal(part[1], packed[5 + nd:10])
+        assert torch.equal(part[2], packed[12:32].view(5, 4)[nd:])
+        if nd:
+            assert all(t.data_ptr() % 16 == 0 for t in part)

@@ -12,7 +12,7 @@ reference below (which the kernel tests compare against).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -30,6 +30,18 @@ class AttnMeta:
     q_lens_list: Optional[list[int]] = None
     context_lens_list: Optional[list[int]] = None
     use_triton: bool = False
+    _prompts: Optional[tuple] = field(default=None, repr=False, compare=False)
+
+    def prompt_part(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cu_seqlens_q, context_lens, block_tables) of the sequences after the decodes, built once a
+        step for every layer's attention. Behind decodes they are copies, not views: a view starts at
+        an address that is 16-byte aligned only when num_decodes is a multiple of 4, and Triton
+        compiles a kernel per pointer alignment, so a view would compile a second kernel mid-serving."""
+        if self._prompts is None:
+            nd = self.num_decodes
+            self._prompts = ((self.cu_seqlens_q, self.context_lens, self.block_tables) if nd == 0 else
+                             (self.cu_seqlens_q[nd:] - nd, self.context_lens[nd:].clone(), self.block_tables[nd:].clone()))
+        return self._prompts
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -102,7 +114,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         paged_decode_attention(q[:nd], k_cache, v_cache, meta.context_lens[:nd], meta.block_tables[:nd],
                                scale, out=out[:nd])
     if meta.cu_seqlens_q.numel() - 1 > nd:
-        cu = meta.cu_seqlens_q[nd:] - nd
-        paged_prefill_attention(q[nd:], k_cache, v_cache, cu, meta.context_lens[nd:], meta.block_tables[nd:],
-                                meta.max_q_len, scale, out=out[nd:])
+        cu, ctx, tables = meta.prompt_part()
+        paged_prefill_attention(q[nd:], k_cache, v_cache, cu, ctx, tables, meta.max_q_len, scale, out=out[nd:])
     return out

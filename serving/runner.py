@@ -287,8 +287,6 @@ class ModelRunner:
                           for _ in range(self.mcfg.num_layers)]
         if self.heap is not None and device.type == "cuda":
             self._warm_overlap_shapes()
-        if self.use_triton:
-            self._warm_mixed_attention()
         graphs = device.type == "cuda" and not cfg.enforce_eager
         # One pool for every graph, the largest piecewise bucket first: a replay never overlaps another.
         self.graph_pool = torch.cuda.graph_pool_handle() if graphs else None
@@ -415,18 +413,6 @@ class ModelRunner:
         self._forward(step, scratch_kv)
         del scratch_kv
 
-    def _warm_mixed_attention(self) -> None:
-        """One mixed step (a decode and a short prompt) on the scratch block, on every rank alike. A
-        prompt behind an odd number of decodes reads its context lengths and block table at an address
-        that is not 16-byte aligned: a kernel specialisation of its own (Triton specialises pointer
-        alignment) that neither the profile run (no decodes) nor graph capture (decodes only) reaches,
-        so its first compile would stall a mixed step mid-serving. (Mixed steps stalled 0.4-2 s in the
-        H100 timelines, bench/notes/serving.md section 8; that this was their cause is not measured.)"""
-        sb, n = self.scratch_block, min(5, self.block_size)
-        step = StepInput(input_ids=[0] * (1 + n), q_lens=[1, n], context_lens=[1, n], block_tables=[[sb], [sb]],
-                         num_decodes=1, logit_rows=[0, n])
-        self._forward(step, self.kv_caches)
-
     def _warm_overlap_shapes(self) -> None:
         """One forward per step size of overlap_layers.warm_up_token_counts, on every rank alike, so
         that no kernel that waits on peers compiles mid-serving (a rank compiling stalls its peers)."""
@@ -460,7 +446,9 @@ class ModelRunner:
         (a piecewise-graph bucket): padded rows are token 0 at position 0 writing the scratch slot."""
         lay = layout(step.q_lens, step.context_lens, step.block_tables, self.block_size, self.scratch_block)
         n = len(step.input_ids)
-        tokens = np.zeros((3, pad_to or n), dtype=np.int64)
+        width = pad_to or n
+        # rows of an even length: each row of the device copy starts 16-byte aligned (see Staging)
+        tokens = np.zeros((3, width + width % 2), dtype=np.int64)
         tokens[0, :n], tokens[1, :n], tokens[2, :n] = step.input_ids, lay.positions, lay.slots
         tokens[2, n:] = self.scratch_block * self.block_size
         rows = np.asarray(step.logit_rows, dtype=np.int64)
@@ -473,7 +461,7 @@ class ModelRunner:
         meta = AttnMeta(slot_mapping=d_tokens[2, :n], num_decodes=step.num_decodes, cu_seqlens_q=d_cu,
                         context_lens=d_ctx, block_tables=d_bt, max_q_len=max(step.q_lens), q_lens_list=step.q_lens,
                         context_lens_list=step.context_lens, use_triton=self.use_triton)
-        return d_tokens, d_rows, meta, bool(n and tokens[0, :n].min() < 0)
+        return d_tokens[:, :width], d_rows, meta, bool(n and tokens[0, :n].min() < 0)
 
     def _resolve_refs(self, ids: torch.Tensor) -> None:
         """Replace in place the ids that stand for tokens sampled by the previous step (see StepInput)."""

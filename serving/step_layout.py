@@ -56,6 +56,15 @@ def layout(q_lens: list[int], context_lens: list[int], tables: list[list[int]], 
     return Layout(pos, slots, cu.astype(np.int32), bt)
 
 
+def _aligned_offsets(parts: list[np.ndarray], align: int) -> list[int]:
+    """Where each array starts in a buffer holding them in turn, every start a multiple of `align`
+    elements; the last entry is the buffer's length."""
+    at = [0]
+    for a in parts:
+        at.append(-(-(at[-1] + a.size) // align) * align)
+    return at
+
+
 class Staging:
     """Pinned host buffers for a step's inputs, two sets used in turn: a set is written again only
     after the copy that read it two steps ago has finished (its event), which async scheduling has
@@ -80,22 +89,20 @@ class Staging:
         return cur
 
     def to_device(self, parts64: list[np.ndarray], parts32: list[np.ndarray]) -> tuple[list, list]:
-        """The arrays as device tensors (1-D views of two fresh device buffers), in two copies."""
-        n64, n32 = sum(a.size for a in parts64), sum(a.size for a in parts32)
-        h64, h32, ev = self._buffers(n64, n32)
+        """The arrays as device tensors (1-D views of two fresh device buffers), in two copies. Each
+        view starts 16-byte aligned: Triton compiles a kernel per pointer alignment, and views packed
+        back to back would have an alignment that changes with the step's sizes, compiling kernels
+        mid-serving."""
+        offsets = [_aligned_offsets(parts, 16 // np.dtype(dt).itemsize) for parts, dt in
+                   ((parts64, np.int64), (parts32, np.int32))]
+        h64, h32, ev = self._buffers(offsets[0][-1], offsets[1][-1])
         out = []
-        for host, parts, n in ((h64, parts64, n64), (h32, parts32, n32)):
+        for host, parts, at in ((h64, parts64, offsets[0]), (h32, parts32, offsets[1])):
             view = host.numpy()
-            at = 0
-            for a in parts:
-                view[at:at + a.size] = a.ravel()
-                at += a.size
-            dev = torch.empty(n, dtype=host.dtype, device=self.device)
-            dev.copy_(host[:n], non_blocking=True)
-            pieces, at = [], 0
-            for a in parts:
-                pieces.append(dev[at:at + a.size].view(a.shape))
-                at += a.size
-            out.append(pieces)
+            for a, i in zip(parts, at):
+                view[i:i + a.size] = a.ravel()
+            dev = torch.empty(at[-1], dtype=host.dtype, device=self.device)
+            dev.copy_(host[:at[-1]], non_blocking=True)
+            out.append([dev[i:i + a.size].view(a.shape) for a, i in zip(parts, at)])
         ev.record()
         return out[0], out[1]
