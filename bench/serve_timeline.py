@@ -41,6 +41,7 @@ from serve_load import STATS, _key, bench_args, level_requests, server_args  # n
 
 SCHEMA = "serve-timeline/1"
 KINDS = ("prefill", "mixed", "decode")
+DECODE_BATCHES = ((1, 8), (32, 95), (96, 128))
 
 
 def one_run(args, engine: str, pair: int) -> dict:
@@ -145,6 +146,13 @@ def summarize_steps(steps: list[dict]) -> dict:
             break
     near = [wall.get(s["step"]) for s in dec if abs(s["seqs"] - batch) <= max(4, batch / 8)]
     out["running_batch_p50"] = batch
+    # host launch time of graph decodes by running batch: where the host, not the GPU, sets the step
+    out["decode_launch_by_batch"] = {}
+    for lo, hi in DECODE_BATCHES:
+        ks = [s for s in dec if lo <= s["seqs"] <= hi and s["graph"] and s.get("gpu_ms")]
+        if len(ks) >= 5:
+            out["decode_launch_by_batch"][f"{lo}-{hi}"] = {"steps": len(ks), "launch_ms_p50": _pct([s["launch_ms"] for s in ks], 0.5),
+                                                          "gpu_ms_p50": _pct([s["gpu_ms"] for s in ks], 0.5)}
     # Output tok/s over a level is set by its slowest request once the lognormal tail runs alone; the
     # engine's throughput while it is loaded is the decode tokens of the steps that ran at least half
     # the level's peak batch, over those steps' wall time.
@@ -215,6 +223,12 @@ def markdown(payload: dict) -> str:
                                   _med([k["gpu_ms_p50"] for k in ks]), _med([k["build_ms_p50"] for k in ks]),
                                   _med([k["launch_ms_p50"] for k in ks]), _med([k["exposed_ms_sum"] for k in ks]),
                                   _med([k["graph_share"] for k in ks])])
+    launch_rows = [[lv, r["engine"], r["pair"] + 1, b, x["steps"], x["launch_ms_p50"], x["gpu_ms_p50"],
+                    x["launch_ms_p50"] / x["gpu_ms_p50"]]
+                   for lv, per in payload["summary"].items() for e in c["engines"]
+                   for r, t in zip([r for r in payload["runs"] if r["engine"] == e and lv in r["levels"]],
+                                   per[e]["timeline"])
+                   for b, x in t.get("decode_launch_by_batch", {}).items()]
     head = ["rate", "engine"] + [t for _, t in STATS] + (["tok/s this/base"] if "base" in c["engines"] else [])
     lines.append("HTTP (median over runs; ms):\n\n" + md_table(head, rows))
     idle = [[r["engine"], r["pair"] + 1, r["idle"]["prompt_len"], r["idle"]["ttft_ms_p50"], r["idle"]["tpot_ms_p50"],
@@ -235,6 +249,9 @@ def markdown(payload: dict) -> str:
     lines.append("\nSteps by kind (p50 per step unless a sum):\n\n" + md_table(
         ["rate", "engine", "kind", "steps", "tokens", "seqs", "wall ms", "GPU span ms", "build ms", "launch ms",
          "exposed ms (sum)", "graph share"], kind_rows))
+    if launch_rows:
+        lines.append("\nGraph decodes by running batch (p50; launch: host time to queue the step):\n\n" + md_table(
+            ["rate", "engine", "run", "batch", "steps", "launch ms", "GPU span ms", "launch / GPU"], launch_rows))
     return "\n".join(lines)
 
 
