@@ -154,18 +154,15 @@ def build(overlap: dict | None, foundation: dict | None, gemm_ar: dict | None = 
                   "all_reduce": all_reduce_rows(foundation["rank0"]["all_reduce"], margin) if foundation else [],
                   "command": command or "python bench/overlap.py --tp W && python bench/foundation.py --tp W && "
                                         "python bench/make_dispatch_table.py --overlap ... --foundation ..."})
-    if gemm_ar is not None:
+    for flag, run, key, rows, script in (("--gemm-ar", gemm_ar, "gemm_all_reduce", gemm_all_reduce_rows, "gemm_ar"),
+                                         ("--gemv", gemv, "gemv", gemv_rows, "gemv")):
+        if run is None:
+            continue
         if overlap is not None:
-            _same_machine("--gemm-ar", gemm_ar, env)
-        table["gemm_all_reduce"] = gemm_all_reduce_rows(gemm_ar, margin)
+            _same_machine(flag, run, env)
+        table[key] = rows(run, margin)
         if command is None:
-            table["command"] += " --gemm-ar ... (python bench/gemm_ar.py --tp W)"
-    if gemv is not None:
-        if overlap is not None:
-            _same_machine("--gemv", gemv, env)
-        table["gemv"] = gemv_rows(gemv, margin)
-        if command is None:
-            table["command"] += " --gemv ... (python bench/gemv.py --tp W)"
+            table["command"] += f" {flag} ... (python bench/{script}.py --tp W)"
     table.update(extra or {})
     return table
 
