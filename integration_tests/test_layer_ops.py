@@ -30,12 +30,15 @@ def _rmsnorm(g, dev, dtype):
         w = norm.weight.to(dev)
         _close(layer_ops.rmsnorm(x.to(dev), w, 1e-5).cpu(), ref, dtype, f"rmsnorm {t}x{n}")
         out, new_res = layer_ops.rmsnorm(x.to(dev), w, 1e-5, res.to(dev))
-        _close(out.cpu(), ref_out, dtype, f"rmsnorm+residual {t}x{n}")
         # the interpreter casts fp32 -> bf16 by truncation, GPUs round to nearest like torch
         if dev == "cpu":
             _close(new_res, ref_res, dtype, f"new residual {t}x{n}")
+            # the norm of the residual the kernel formed: a truncated residual (one ulp off) moved the
+            # output by two ulps now and then (fresh seeds), past a one-ulp bound that holds otherwise
+            ref_out = norm(new_res)
         else:
             assert torch.equal(new_res.cpu(), ref_res), "the new residual is x + residual rounded once"
+        _close(out.cpu(), ref_out, dtype, f"rmsnorm+residual {t}x{n}")
 
 
 def _rope_and_cache(g, dev, dtype):
