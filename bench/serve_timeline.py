@@ -168,6 +168,10 @@ def summarize_steps(steps: list[dict]) -> dict:
         for k, n in s.get("paths", {}).items():
             paths[k] = paths.get(k, 0) + n
     out["op_paths"] = paths
+    # Triton kernel variants built mid-serving: each is a stalled step (serving/step_trace.py)
+    out["compiles"] = [{"step": s["step"], "kind": s["kind"], "tokens": s["tokens"], "seqs": s["seqs"],
+                        "decodes": s["decodes"], "graph": s["graph"], "launch_ms": s["launch_ms"],
+                        "kernels": s["compiles"]} for s in steps if s.get("compiles")]
     return out
 
 
@@ -249,6 +253,16 @@ def markdown(payload: dict) -> str:
     lines.append("\nSteps by kind (p50 per step unless a sum):\n\n" + md_table(
         ["rate", "engine", "kind", "steps", "tokens", "seqs", "wall ms", "GPU span ms", "build ms", "launch ms",
          "exposed ms (sum)", "graph share"], kind_rows))
+    compile_rows = [[lv, r["engine"], r["pair"] + 1, x["kind"], x["tokens"], x["seqs"], x["decodes"], x["graph"],
+                     x["launch_ms"], "; ".join(k.split("[")[0] for k in x["kernels"])]
+                    for lv, per in payload["summary"].items() for e in c["engines"]
+                    for r, t in zip([r for r in payload["runs"] if r["engine"] == e and lv in r["levels"]],
+                                    per[e]["timeline"])
+                    for x in t.get("compiles", [])]
+    lines.append(f"\nSteps that built a Triton kernel while serving: {len(compile_rows)}"
+                 + (" (the kernels' specialisations are in the JSON's timeline `compiles`):\n\n" + md_table(
+                     ["rate", "engine", "run", "kind", "tokens", "seqs", "decodes", "graph", "launch ms", "kernels"],
+                     compile_rows) if compile_rows else "\n"))
     if launch_rows:
         lines.append("\nGraph decodes by running batch (p50; launch: host time to queue the step):\n\n" + md_table(
             ["rate", "engine", "run", "batch", "steps", "launch ms", "GPU span ms", "launch / GPU"], launch_rows))

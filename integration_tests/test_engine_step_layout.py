@@ -99,3 +99,31 @@ def test_every_step_input_starts_16_byte_aligned():
         assert torch.equal(part[2], packed[12:32].view(5, 4)[nd:])
         if nd:
             assert all(t.data_ptr() % 16 == 0 for t in part)
+
+
+def test_step_trace_names_the_kernels_a_step_compiled(tmp_path, monkeypatch):
+    # Triton's JIT cache hook runs before a kernel variant is built; the trace gives each step the
+    # variants built while it was being launched, and none built between steps (warm-up, capture).
+    import torch
+    from triton import knobs
+
+    from tp_overlap_plugin.serving.step_trace import StepTrace
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    trace = StepTrace(str(tmp_path / "steps.jsonl"), torch.device("cpu"))
+
+    class Batch:
+        seqs, num_new, num_decodes = ["a", "b"], [5, 1], 1
+
+    def compile_(name):
+        return knobs.runtime.jit_cache_hook(key=None, repr=f"{name}[num_warps=4](stride_bt: i32)", fn=None,
+                                            compile=None, is_manual_warmup=False, already_compiled=False)
+    compile_("warm_up_kernel")
+    for names in (["_prefill_kernel", "_decode_kernel"], []):
+        trace.enter()
+        rec = trace.start(Batch(), 0.0)
+        assert all(compile_(n) is False for n in names)   # False: Triton goes on and compiles
+        trace.end(rec, graph=False)
+    trace.close()
+    steps = read_trace(str(tmp_path / "steps.jsonl"))
+    assert [s.get("compiles") for s in steps] == [["_prefill_kernel[num_warps=4](stride_bt: i32)",
+                                                   "_decode_kernel[num_warps=4](stride_bt: i32)"], None]

@@ -63,7 +63,9 @@ def _prefill_keys(acc, l_i, m_i, q, q_pos, K, V, bt_row, kv_head_off, stride_kb,
     return acc, l_i, m_i
 
 
-@triton.jit
+# The block table's row stride is the step's widest table, which changes from step to step; Triton
+# would specialise it (== 1, divisible by 16, neither) and compile a variant mid-serving.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(Q, K, V, Out, cu_seqlens_q, context_lens, block_tables,
                     stride_qt, stride_qh, stride_kb, stride_kp, stride_kh,
                     stride_ot, stride_oh, stride_bt, scale,
@@ -117,7 +119,7 @@ def _prefill_kernel(Q, K, V, Out, cu_seqlens_q, context_lens, block_tables,
              out.to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])   # as _prefill_kernel
 def _decode_kernel(Q, K, V, Out, PartAcc, PartML, context_lens, block_tables,
                    stride_qt, stride_qh, stride_kb, stride_kp, stride_kh,
                    stride_ot, stride_oh, stride_bt, scale,

@@ -134,7 +134,7 @@ class StepMessage:
         return self.decode(msg)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])   # the step's token count: one variant for every step
 def _resolve_refs_kernel(ids_ptr, sampled_ptr, n, BLOCK: tl.constexpr):
     """ids[i] = sampled[-ids[i] - 1] where ids[i] < 0 (see StepInput), in one launch."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

@@ -17,6 +17,9 @@ scheduling and building this step (0 when the host was ahead). `gpu_ms` = start 
 of the step, launch bubbles inside it included (a step whose `launch_ms` is close to its `gpu_ms`
 was bound by the host's launches). Times are read once the events have fired, never waited for.
 `paths` counts which path each TP op took in the step (tp_overlap_plugin.stats), when any did.
+`compiles` names every Triton kernel variant the step had to build or load (Triton's JIT cache hook):
+mid-serving each one is a stall of 0.1-2 s, and the name carries the specialisation (an int argument
+specialised as divisible by 16 or equal to 1, a pointer's alignment) that was new.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class StepTrace:
         self.count = 0
         self.flushed = time.monotonic()
         self._enter = None
+        self.compiles: list = []
+        _watch_compiles(self.compiles)
 
     @classmethod
     def from_env(cls, device: torch.device) -> Optional["StepTrace"]:
@@ -78,6 +83,7 @@ class StepTrace:
                "tokens": sum(batch.num_new), "seqs": n, "decodes": batch.num_decodes,
                "schedule_ms": (t_scheduled - t0) * 1e3, "build_ms": (time.perf_counter() - t_scheduled) * 1e3,
                "_t": time.perf_counter(), "_ev": (ev, self._event()), "_stats": stats.snapshot()}
+        self.compiles.clear()   # built between steps (warm-up, capture): not this step's
         self.count += 1
         return rec
 
@@ -88,6 +94,9 @@ class StepTrace:
         paths = stats.since(rec.pop("_stats"))
         if paths:
             rec["paths"] = paths
+        if self.compiles:
+            rec["compiles"] = list(self.compiles)
+            self.compiles.clear()
         enter, start = rec.pop("_ev")
         rec["_ev"] = (enter, start, self._event())
         self.open.append(rec)
@@ -120,6 +129,21 @@ class StepTrace:
             return
         self._collect(wait=True)
         self.file.close()
+
+
+def _watch_compiles(sink: list) -> None:
+    """Append the name and specialisation of every kernel variant Triton's JIT builds or loads from
+    here on (its cache hook runs before each; Triton 3.4+), chaining any hook already set."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return
+    before = knobs.runtime.jit_cache_hook
+
+    def hook(*, repr, **kw):
+        sink.append(repr[:2000])
+        return before(repr=repr, **kw) if before else False
+    knobs.runtime.jit_cache_hook = hook
 
 
 def read_trace(path: str) -> list[dict]:
