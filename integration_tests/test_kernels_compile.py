@@ -36,7 +36,7 @@ TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942
 _COMM = {"rank": "i32", "world": "i32", "heap_bases": "*i64", "error_ptr": "*i64"}
 _TILES = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "EVEN_K": True, "INTERPRET": False}
 _PTR = {"TMA": False, "B_KMAJOR": False, "C_TMA": False, "SUBTILE": False, "WARP_SPEC": False, "SPLIT": False,
-        "DEVICE_DESC": False}
+        "DEVICE_DESC": False, "SILU_MUL": False}
 _GEMM = {**_TILES, "FLATTEN": True, **_PTR}
 # the descriptor variants Hopper runs (B as a Linear weight, [N, K]): host-built descriptors, and
 # warp-specialized with descriptors built in the kernel (pointer arguments)
@@ -46,6 +46,7 @@ _GEMM_TMA_WS = {**_TILES, "FLATTEN": False, **_TMA, "C_TMA": True, "WARP_SPEC": 
                 "DEVICE_DESC": True}
 _GEMM_SPLIT = {**_TILES, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "FLATTEN": False, **_TMA,
                "SPLIT": True}
+_GEMM_SILU = {**_GEMM_TMA, "BLOCK_N": 128, "SILU_MUL": True}
 _GEMM_SPLIT_PTR = {**_GEMM_SPLIT, **_PTR, "SPLIT": True}
 
 
@@ -94,6 +95,8 @@ KERNELS = {
     "gemm": (gemm_kernel, _sig(_GEMM_ARGS, None, _GEMM), _GEMM),
     "gemm_tma": (gemm_kernel, _tma_sig(_GEMM_TMA), _GEMM_TMA),
     "gemm_tma_ws": (gemm_kernel, _sig(_GEMM_ARGS, None, _GEMM_TMA_WS), _GEMM_TMA_WS, {"num_warps": 4}),
+    # gate_up_proj with SiLU-mul in the epilogue: the table's 128x256 tile as the host halves it
+    "gemm_silu_mul_tma": (gemm_kernel, _tma_sig(_GEMM_SILU), _GEMM_SILU),
     "gemm_split_k": (gemm_kernel, _tma_sig(_GEMM_SPLIT), _GEMM_SPLIT, {"num_warps": 4, "num_stages": 4}),
     "gemm_split_k_ptr": (gemm_kernel, _sig(_GEMM_ARGS, None, _GEMM_SPLIT_PTR), _GEMM_SPLIT_PTR, {"num_warps": 4}),
     # the fused ops: the same tiles in two loops each, waits between them, peer stores in them
