@@ -43,7 +43,7 @@ def correctness(dev, shapes, ms, extra_configs) -> list[dict]:
     """The fused kernel's output against silu(gate) * up in float64 (rows sampled at large M)."""
     import torch
     from tp_overlap_plugin.gemm_config import pick_config
-    from tp_overlap_plugin.overlap import gemm_silu_mul
+    from tp_overlap_plugin.overlap import gemm_silu_mul, silu_mul_config
     gen = torch.Generator().manual_seed(0)
     out = []
     for label, k, n2 in shapes:
@@ -54,7 +54,7 @@ def correctness(dev, shapes, ms, extra_configs) -> list[dict]:
             gate, up = (x[idx].double() @ w.double().t()).chunk(2, dim=-1)
             ref = torch.nn.functional.silu(gate) * up
             for cfg in [pick_config(m, n2, k, dev)] + (extra_configs if (label, m) == (shapes[0][0], ms[-1]) else []):
-                row = {"shape": label, "M": m, "K": k, "N": n2, "config": cfg.label()}
+                row = {"shape": label, "M": m, "K": k, "N": n2, "config": cfg.label(), "runs": silu_mul_config(cfg).label()}
                 try:
                     y = torch.full((m, n2 // 2), float("nan"), dtype=torch.bfloat16, device=dev)
                     gemm_silu_mul(x, w.t(), out=y, config=cfg)
@@ -73,7 +73,7 @@ def measure(dev, shapes, ms, gpu: bool) -> list[dict]:
     from tp_overlap_plugin.kernels import layer_ops
     from tp_overlap_plugin.layers import activate_silu_mul
     from tp_overlap_plugin.gemm_config import pick_config
-    from tp_overlap_plugin.overlap import gemm, gemm_silu_mul
+    from tp_overlap_plugin.overlap import gemm, gemm_silu_mul, silu_mul_config
     from tp_overlap_plugin.tuning.timing import capture_graph, interleaved_rounds
     rows = []
     for label, k, n2 in shapes:
@@ -92,7 +92,8 @@ def measure(dev, shapes, ms, gpu: bool) -> list[dict]:
                    "silu": lambda: silu(gu)}
             for fn in ops.values():
                 fn(), fn()
-            row = {"shape": label, "M": m, "K": k, "N": n2, "config": pick_config(m, n2, k, dev).label()}
+            cfg = pick_config(m, n2, k, dev)
+            row = {"shape": label, "M": m, "K": k, "N": n2, "config": cfg.label(), "fused_runs": silu_mul_config(cfg).label()}
             # the timed kernel's output, against float64 on sampled rows and against ours + silu_mul
             y.fill_(float("nan"))
             ops["fused"]()
@@ -130,14 +131,14 @@ def measure(dev, shapes, ms, gpu: bool) -> list[dict]:
 def markdown(res: dict) -> str:
     md = f"# gate_up + SiLU-mul: cuBLAS + kernel, ours + kernel, fused (ms, CUDA graphs)\n\nCommand: `{res['command']}`\n\n"
     md += "## Fused kernel against float64\n\n" + md_table(
-        ["shape", "M", "config", "rel. error", "NaN left", "ok"],
-        [[r["shape"], r["M"], r["config"], r.get("rel_err", r.get("error", "-")), r.get("nan", "-"), r["ok"]]
+        ["shape", "M", "config", "fused runs", "rel. error", "NaN left", "ok"],
+        [[r["shape"], r["M"], r["config"], r.get("runs", "-"), r.get("rel_err", r.get("error", "-")), r.get("nan", "-"), r["ok"]]
          for r in res["correctness"]])
     md += "\n## Time per call (median of interleaved rounds)\n\n" + md_table(
         ["shape", "M", "cuBLAS", "our GEMM", "SiLU-mul", "stock (cuBLAS + SiLU-mul)", "ours + SiLU-mul", "fused",
-         "stock/fused", "ours+silu/fused", "table config", "rel. error", "chosen"],
+         "stock/fused", "ours+silu/fused", "table config", "fused runs", "rel. error", "chosen"],
         [[r["shape"], r["M"], r["cublas_ms"], r["ours_ms"], r["silu_ms"], r["stock_ms"], r["ours_silu_ms"], r["fused_ms"],
-          r["stock/fused"], r["ours_silu/fused"], r["config"], r["rel_err"],
+          r["stock/fused"], r["ours_silu/fused"], r["config"], r.get("fused_runs", "-"), r["rel_err"],
           next(t["winner"] for t in res["table_rows"] if (t["M"], t["N"]) == (r["M"], r["N"]))]
          for r in res["rows"]])
     md += (f"\nchosen: `fused` where stock/fused reached the margin {res['margin']} in every one of the "

@@ -170,13 +170,21 @@ def _eager_config(cfg: TileConfig) -> TileConfig:
     return dataclasses.replace(cfg, tma=False, c_tma=False, device_desc=False, warp_spec=False)
 
 
+def silu_mul_config(cfg: TileConfig) -> TileConfig:
+    """What gemm_silu_mul runs for the plain GEMM's config `cfg`. The table's tile spans block_n
+    columns of B: half of them gate, half up, for block_n / 2 columns of C. Split-K would activate
+    partial sums. Flattened, ptxas serializes the two accumulators' wgmmas (its warning C7515, with
+    Triton 3.6 and 3.9: the per-tile reset of both accumulators sits inside the MMA pipeline),
+    which cost the fused kernel ~25% on H100 (bench/notes/gemm.md); unflattened they stay
+    asynchronous. Warp-specialized, it left outputs unwritten on H100 (Triton 3.6): not used."""
+    return dataclasses.replace(cfg, block_n=cfg.block_n // 2, split_k=1, flatten=False, warp_spec=False)
+
+
 def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig, silu_mul: bool = False) -> None:
     m, k = a.shape
     n = out.shape[1]
     if silu_mul:
-        # the table's tile spans block_n columns of B: half of them gate, half up, for block_n / 2
-        # columns of C; split-K would activate partial sums
-        cfg = dataclasses.replace(cfg, block_n=cfg.block_n // 2, split_k=1)
+        cfg = silu_mul_config(cfg)
     dev = a.device
     interpret = dev.type == "cpu"
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
@@ -240,7 +248,7 @@ def gemm_silu_mul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = N
     """silu(A @ B[:, :n]) * (A @ B[:, n:]) with B = [K, 2n] (gate | up: gate_up_proj's weight, transposed)
     in one launch of the GEMM core, the activation in its epilogue: the [M, 2n] product is never
     written. `config`: the plain GEMM's tiles for [M, K] x [K, 2n] (default: the table's); run
-    without split-K. fp32 sums, activated, rounded once."""
+    without split-K, flattening or warp groups (silu_mul_config says why). fp32 sums, activated, rounded once."""
     if not gemm_silu_mul_applies(a, b):
         raise ValueError(f"gemm_silu_mul: takes a contiguous A [M, K] and B [K, 2n] (gate | up), K > 0, both of one "
                          f"16-bit dtype ({', '.join(map(str, KERNEL_DTYPES))}) on one device; got a{tuple(a.shape)} "
