@@ -180,6 +180,20 @@ def test_gemm_all_reduce_rule():
     assert not Dispatcher.load("table", device_name="NVIDIA H200", world=2).gemm_all_reduce(1, 2048, 4096, True)
 
 
+def test_gemm_silu_mul_rule():
+    """Fused where the measured points on both sides of M won. The shipped H100 TP=1 table: at the
+    64 rows where it measured a win only (bench/results/gemm-silu-mul-h100-*), stock at every other
+    size, prefill's included, and for shapes it did not measure."""
+    d = Dispatcher.load("table", device_name="NVIDIA H100 80GB HBM3", world=1)
+    assert d.gemm_silu_mul(64, 4096, 28672) and d.may_use_kernels
+    assert not any(d.gemm_silu_mul(m, 4096, 28672) for m in (1, 63, 65, 256, 1024, 8192))
+    assert not d.gemm_silu_mul(64, 4096, 14336)
+    rows = [{"M": m, "K": 8, "N": 16, "winner": "fused" if m >= 256 else "stock"} for m in (64, 256, 1024)]
+    assert [Dispatcher(silu_mul_rows=rows).gemm_silu_mul(m, 8, 16) for m in (32, 64, 255, 256, 4096)] == [
+        False, False, False, True, True]
+    assert Dispatcher(mode="overlap").gemm_silu_mul(1, 8, 16) and not Dispatcher(mode="stock").gemm_silu_mul(256, 8, 16)
+
+
 def test_measured_table_choices():
     """The shipped H200 table: every measured point dispatches to its measured winner, and the
     layout and all-reduce choices documented in bench/results/dispatch-h200-tp2-*.md hold."""
