@@ -69,8 +69,51 @@ def _check(dev, configs, shapes, layouts=LAYOUTS, dtype=torch.bfloat16):
     return bad
 
 
+# SILU_MUL: (M, K, n), C is [M, n], B [K, 2n]: M = 1, M not a tile multiple, n not a multiple of any
+# tile's n / 2 (the gate block then reads up's first columns, which must not be stored), a K tail
+SILU_SHAPES = [(1, 40, 24), (33, 72, 40), (70, 24, 8)]
+GPU_SILU_SHAPES = [(1, 4104, 1032), (300, 2056, 1040)]
+
+
+def _silu_configs():
+    from tp_overlap_plugin.gemm_config import TileConfig as T
+    # pointers; host descriptors with C by descriptor in halves; kernel-built descriptors with warp groups;
+    # a split-K config, which runs unsplit with the activation
+    return [T(32, 32, 32, 4, 4, 1), T(32, 64, 16, 2, 4, 1, tma=True, c_tma=True, subtile=True),
+            T(16, 32, 16, 4, 4, 1, tma=True, device_desc=True, c_tma=True, warp_spec=True),
+            T(16, 32, 16, 4, 4, 1, tma=True, split_k=3)]
+
+
+def _check_silu_mul(dev, configs, shapes, layouts=LAYOUTS, dtype=torch.bfloat16):
+    """gemm_silu_mul against silu(gate) * up in float64, into a NaN-filled C inside a wider NaN buffer:
+    every element of C written, none beside it."""
+    from tp_overlap_plugin.overlap import gemm_silu_mul
+    gen = torch.Generator().manual_seed(1)
+    bad = []
+    for m, k, n in shapes:
+        a = torch.randn(m, k, generator=gen).to(dtype).to(dev)
+        w = (torch.randn(2 * n, k, generator=gen) * 2 / k ** 0.5).to(dtype).to(dev)  # gate_up_proj's weight
+        gate, up = (a.double().cpu() @ w.double().cpu().t()).chunk(2, dim=-1)
+        ref = torch.nn.functional.silu(gate) * up
+        bs = {"W^T": w.t(), "row-major": w.t().contiguous(),
+              "unaligned": torch.empty(k, 2 * n + 1, dtype=dtype, device=dev)[:, :2 * n].copy_(w.t())}
+        for cfg in configs:
+            for name in layouts:
+                buf = torch.full((m, n + 8), float("nan"), dtype=dtype, device=dev)
+                gemm_silu_mul(a, bs[name], out=buf[:, :n], config=cfg)
+                out = buf[:, :n].double().cpu()
+                err = ((out - ref).norm() / ref.norm()).item()
+                if not err < 1e-2 or not buf[:, n:].isnan().all():
+                    bad.append((m, k, n, cfg.label(), name, err))
+    return bad
+
+
 def main(dev="cpu"):
     bad = _check(torch.device(dev), _interpreter_configs(), SHAPES)
+    assert not bad, bad
+    configs = _silu_configs()
+    bad = _check_silu_mul(torch.device(dev), configs[:1], SILU_SHAPES)
+    bad += _check_silu_mul(torch.device(dev), configs[1:], SILU_SHAPES, layouts=("W^T",))
     assert not bad, bad
     print("gemm core ok")
 
@@ -89,6 +132,8 @@ def test_gemm_core_paths_on_gpu():
     bad = _check(torch.device("cuda"), cands, GPU_SHAPES, layouts=("W^T",))
     few = [c for c in cands if c.split_k != 1 or c.warp_spec or c.subtile][:4]
     bad += _check(torch.device("cuda"), few, GPU_LAYOUT_SHAPES)
+    bad += _check_silu_mul(torch.device("cuda"), [c for c in cands if c.split_k == 1][:6] + few[:2], GPU_SILU_SHAPES,
+                           layouts=("W^T",))
     assert not bad, bad
 
 

@@ -28,6 +28,12 @@ fp32 partial to a workspace; the slice that finishes last (a per-tile counter) s
 slice order and stores C, then zeroes the counter for the next launch. One launch, no host state,
 deterministic, capturable in a CUDA graph.
 
+`SILU_MUL` (gate_up_proj's epilogue): B holds gate and up side by side, 2N columns, and C [M, N]
+is silu(gate) * up. A program's tile of C reads the gate block and the up block of its columns
+against each A block (two accumulators; the host gives it half the table's BLOCK_N, so the two
+B blocks are the plain GEMM's one in shared memory and registers), so neither the weight layout
+nor its loading changes, and the [M, 2N] product is never written.
+
 `INTERPRET` is set when the kernel runs under the Triton interpreter (CPU tests): its tl.dot
 multiplies bf16 operands as raw 16-bit integers, so there the operands are widened to fp32 first.
 """
@@ -37,6 +43,7 @@ import triton.language as tl
 
 # Defaults of constexpr parameters must be constexpr objects (Triton 3.6 passes a plain str through).
 _NO_CACHE = tl.constexpr("")
+_PLAIN = tl.constexpr(False)
 
 @triton.jit
 def tile_coords(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
@@ -65,42 +72,71 @@ def operand_pointers(a_ptr, b_ptr, pid_m, pid_n, M, N, k0, stride_am, stride_ak,
 
 
 @triton.jit
+def _mma(a, b, acc, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _b_block(b_ptr, k, col0, BLOCK_K: tl.constexpr, B_KMAJOR: tl.constexpr):
+    """B's [BLOCK_K, BLOCK_N] block at K block k and column col0, through its descriptor."""
+    if B_KMAJOR:  # the descriptor is over B^T (an nn.Linear weight, [N, K])
+        b = b_ptr.load([col0, k * BLOCK_K]).T
+    else:
+        b = b_ptr.load([k * BLOCK_K, col0])
+    return b
+
+
+@triton.jit
 def gemm_tile(a_ptr, b_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_am, stride_ak, stride_bk, stride_bn,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-              INTERPRET: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr):
-    """fp32 accumulator of A[tile rows, K blocks k_lo..k_hi) @ B[same K, tile cols]."""
+              INTERPRET: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr, SILU_MUL: tl.constexpr = _PLAIN):
+    """fp32 accumulator of A[tile rows, K blocks k_lo..k_hi) @ B[same K, tile cols].
+
+    SILU_MUL: B is gate | up side by side, 2N columns (gate_up_proj's weight as it is loaded), and
+    the tile is silu(A @ B[:, cols]) * (A @ B[:, N + cols]): two accumulators, each A block against
+    the gate block and the up block of the same columns, so C is [M, N] and the [M, 2N] product
+    never reaches memory. The activation is applied to the fp32 sums (one rounding, at the store),
+    so a tile cannot be a partial sum: no split-K with it."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SILU_MUL:
+        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if TMA:
         row0 = pid_m * BLOCK_M
         col0 = pid_n * BLOCK_N
         for k in range(k_lo, k_hi):
             a = a_ptr.load([row0, k * BLOCK_K])
-            if B_KMAJOR:  # the descriptor is over B^T (an nn.Linear weight, [N, K])
-                b = b_ptr.load([col0, k * BLOCK_K]).T
-            else:
-                b = b_ptr.load([k * BLOCK_K, col0])
-            if INTERPRET:
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-            else:
-                acc = tl.dot(a, b, acc)
+            acc = _mma(a, _b_block(b_ptr, k, col0, BLOCK_K, B_KMAJOR), acc, INTERPRET)
+            if SILU_MUL:  # gate columns past N read up's first ones: computed, never stored
+                up = _mma(a, _b_block(b_ptr, k, N + col0, BLOCK_K, B_KMAJOR), up, INTERPRET)
     else:
         ks = tl.arange(0, BLOCK_K)
         a_ptrs, b_ptrs = operand_pointers(a_ptr, b_ptr, pid_m, pid_n, M, N, k_lo * BLOCK_K, stride_am, stride_ak,
                                           stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K)
+        if SILU_MUL:
+            b_up_ptrs = b_ptrs + tl.full((1, BLOCK_N), N, tl.int64) * stride_bn
         for k in range(k_lo, k_hi):
             if EVEN_K:
                 a = tl.load(a_ptrs)
                 b = tl.load(b_ptrs)
+                if SILU_MUL:
+                    b_up = tl.load(b_up_ptrs)
             else:
                 k_left = K - k * BLOCK_K
                 a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
                 b = tl.load(b_ptrs, mask=ks[:, None] < k_left, other=0.0)
-            if INTERPRET:
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-            else:
-                acc = tl.dot(a, b, acc)
+                if SILU_MUL:
+                    b_up = tl.load(b_up_ptrs, mask=ks[:, None] < k_left, other=0.0)
+            acc = _mma(a, b, acc, INTERPRET)
+            if SILU_MUL:
+                up = _mma(a, b_up, up, INTERPRET)
+                b_up_ptrs += BLOCK_K * stride_bk
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
+    if SILU_MUL:
+        acc = acc / (1.0 + tl.exp(-acc)) * up
     return acc
 
 
@@ -137,13 +173,16 @@ def store_tile(c_ptr, c_desc, acc, pid_m, pid_n, M, N, stride_cm, stride_cn,
 @triton.jit
 def device_descriptors(a_ptr, b_ptr, c_ptr, c_desc, M, N, K, stride_am, stride_bk, stride_bn, stride_cm,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B_KMAJOR: tl.constexpr,
-                       C_TMA: tl.constexpr, SUBTILE: tl.constexpr):
+                       C_TMA: tl.constexpr, SUBTILE: tl.constexpr, SILU_MUL: tl.constexpr = _PLAIN):
     """The descriptors the host would have built; it checked the alignment they need."""
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
+    b_cols = 2 * N if SILU_MUL else N  # gate | up
     if B_KMAJOR:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, BLOCK_K])
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[b_cols, K], strides=[stride_bn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
     else:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_bk, 1], block_shape=[BLOCK_K, BLOCK_N])
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, b_cols], strides=[stride_bk, 1],
+                                           block_shape=[BLOCK_K, BLOCK_N])
     if C_TMA:
         c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
                                            block_shape=[BLOCK_M, BLOCK_N // 2 if SUBTILE else BLOCK_N])
@@ -156,8 +195,10 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, s
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                 EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, FLATTEN: tl.constexpr,
                 TMA: tl.constexpr, B_KMAJOR: tl.constexpr, C_TMA: tl.constexpr, SUBTILE: tl.constexpr,
-                WARP_SPEC: tl.constexpr, SPLIT: tl.constexpr, DEVICE_DESC: tl.constexpr):
-    """C = A @ B, persistent: program p takes work items p, p + P, p + 2P, ...
+                WARP_SPEC: tl.constexpr, SPLIT: tl.constexpr, DEVICE_DESC: tl.constexpr,
+                SILU_MUL: tl.constexpr = _PLAIN):
+    """C = A @ B, persistent: program p takes work items p, p + P, p + 2P, ... With SILU_MUL,
+    C [M, N] = silu(A @ B[:, :N]) * (A @ B[:, N:]) (gemm_tile): N is C's width, B's is 2N.
 
     A static assignment keeps the tile loop a plain loop the compiler can flatten: with FLATTEN the
     tile loop and the K loop become one pipelined loop, so the next tile's first loads are in
@@ -165,12 +206,14 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, s
     (Hopper: num_warps=4 per consumer group, not flattened). With SPLIT, `split_k` slices of K per
     tile (see the module docstring). The fused ops (ag_gemm.py, gemm_rs.py) drive the same tile
     functions from a work queue instead, because their tiles wait on peers."""
+    tl.static_assert(not (SILU_MUL and SPLIT), "the activation needs whole sums: no split-K with SILU_MUL")
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles = tiles_m * tiles_n
     if DEVICE_DESC:
         a_ptr, b_ptr, c_desc = device_descriptors(a_ptr, b_ptr, c_ptr, c_desc, M, N, K, stride_am, stride_bk, stride_bn,
-                                                  stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, B_KMAJOR, C_TMA, SUBTILE)
+                                                  stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, B_KMAJOR, C_TMA, SUBTILE,
+                                                  SILU_MUL)
     k_blocks = tl.cdiv(K, BLOCK_K)
     if SPLIT:
         slices = split_k
@@ -184,7 +227,7 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, s
         k_lo = (item % slices) * k_per
         k_hi = tl.minimum(k_lo + k_per, k_blocks)
         acc = gemm_tile(a_ptr, b_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_am, stride_ak, stride_bk, stride_bn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, TMA, B_KMAJOR)
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, TMA, B_KMAJOR, SILU_MUL)
         if SPLIT:
             cells = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             tile_ws = split_ws_ptr + tile.to(tl.int64) * slices * BLOCK_M * BLOCK_N

@@ -147,11 +147,8 @@ class MLP(nn.Module):
         self.down_proj = tp.row(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, reduce_into_norm=True)
 
     def forward(self, x):
-        gate_up = self.gate_up_proj(x)
-        if gate_up.device.type != "cpu":
-            return self.down_proj(layer_ops.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        # the column layer applies the activation: the flag's layers can do it in the GEMM's epilogue
+        return self.down_proj(self.gate_up_proj.silu_mul(x))
 
 
 class DecoderLayer(nn.Module):

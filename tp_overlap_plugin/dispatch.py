@@ -48,6 +48,8 @@ class Dispatcher:
     # {M, K, N, graph_winner, eager_winner, norm_graph_winner, norm_eager_winner}: "gemm_ar" or "stock"
     gemm_all_reduce_rows: list[dict] = field(default_factory=list)
     gemv_rows: list[dict] = field(default_factory=list)  # {M, K, N, winner}: "gemv" or "stock"
+    # {M, K, N, winner}: "fused" (gate_up with SiLU-mul in our GEMM's epilogue) or "stock"; N = gate | up
+    silu_mul_rows: list[dict] = field(default_factory=list)
     source: str = "none"
     margin: float = 1.02  # a layout change must win by this much (the table's own margin when loaded)
     missing: str | None = None  # the table file that was looked for and not found
@@ -78,6 +80,7 @@ class Dispatcher:
         data = found.data
         return cls(mode=mode, gemm=data.get("gemm", []), all_reduce=data.get("all_reduce", []),
                    gemm_all_reduce_rows=data.get("gemm_all_reduce", []), gemv_rows=data.get("gemv", []),
+                   silu_mul_rows=data.get("gemm_silu_mul", []),
                    source=found.describe(), margin=data.get("margin", cls.margin), warnings=found.warnings)
 
     @property
@@ -88,7 +91,8 @@ class Dispatcher:
         return (any(r.get("winner") == "overlap" for r in self.gemm)
                 or any("ipc" in (r.get("graph_winner"), r.get("eager_winner")) for r in self.all_reduce)
                 or any("gemm_ar" in (r.get(k) for k in _GEMM_AR_WINNERS) for r in self.gemm_all_reduce_rows)
-                or any(r.get("winner") == "gemv" for r in self.gemv_rows))
+                or any(r.get("winner") == "gemv" for r in self.gemv_rows)
+                or any(r.get("winner") == "fused" for r in self.silu_mul_rows))
 
     def missing_table_warning(self, device_name: str, world: int, model: str | None = None) -> str | None:
         """The start-up warning for a flag that, for want of a table, changes nothing here."""
@@ -193,6 +197,17 @@ class Dispatcher:
             return self.mode == "overlap"
         rows = [r for r in self.gemv_rows if r["K"] == k and r["N"] == n]
         return bool(rows) and _wins(rows, "M", m, "winner", "gemv")
+
+    @_remembered
+    def gemm_silu_mul(self, m: int, k: int, n: int) -> bool:
+        """True: gate_up_proj ([m, k] input, n = gate | up local columns) and its SiLU-mul run as one
+        launch of our GEMM with the activation in the epilogue (overlap.gemm_silu_mul); False: the
+        layer's matmul (cuBLAS) and then the SiLU-mul kernel. The table's rows compare the two as
+        measured by bench/gemm_silu_mul.py. Unmeasured: False."""
+        if self.mode != "table":
+            return self.mode == "overlap"
+        rows = [r for r in self.silu_mul_rows if r["K"] == k and r["N"] == n]
+        return bool(rows) and _wins(rows, "M", m, "winner", "fused")
 
 
 _GEMM_AR_WINNERS = ("graph_winner", "eager_winner", "norm_graph_winner", "norm_eager_winner")

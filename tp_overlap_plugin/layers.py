@@ -22,7 +22,10 @@ Module contracts (T = tokens in the step, W = world size, r = rank)
 -------------------------------------------------------------------
 embedding(vocab_size, hidden)            ids [T] -> residual layout [T_local, hidden]
 column(input_size, output_sizes, bias)   residual layout [T_local, input] -> [T, sum(output_sizes) / W]
-                                         (all tokens, this rank's columns of every sub-matrix)
+                                         (all tokens, this rank's columns of every sub-matrix); a
+                                         column layer of two equal sub-matrices (gate, up) also has
+                                         silu_mul(x) -> silu(gate) * up [T, output_sizes[0] / W],
+                                         which a factory may compute in the GEMM's epilogue
 row(input_size, output_size, bias,      [T, input / W] -> residual layout [T_local, output]; with
     reduce_into_norm)                    reduce_into_norm=True the caller promises to pass the output
                                          straight to an RMSNorm with the residual, and the factory may
@@ -69,6 +72,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tp_overlap_plugin import runtime
+from tp_overlap_plugin.kernels import layer_ops
 
 
 @dataclass
@@ -154,6 +158,22 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a layer built from two equal sub-matrices [gate; up] (gate_up_proj):
+        the layer's output, then the activation (layer_ops' kernel on a GPU)."""
+        if len(self.local_sizes) != 2 or self.local_sizes[0] != self.local_sizes[1]:
+            raise ValueError(f"silu_mul needs a column layer of two equal sub-matrices (gate, up), this one has "
+                             f"{self.output_sizes}")
+        return activate_silu_mul(self.forward(x))
+
+
+def activate_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2n] (gate | up) -> silu(gate) * up [T, n]: one kernel on a GPU, torch (HF's order) on the CPU."""
+    if gate_up.device.type != "cpu":
+        return layer_ops.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return nn.functional.silu(gate) * up
 
 
 class RowParallelLinear(nn.Module):

@@ -1,4 +1,5 @@
-"""Host ops for the overlapped tensor-parallel matmuls: `gemm`, `AllGatherGemm`, `GemmReduceScatter`,
+"""Host ops for the overlapped tensor-parallel matmuls: `gemm` (and `gemm_silu_mul`, gate_up_proj with
+its activation in the epilogue), `AllGatherGemm`, `GemmReduceScatter`,
 and `GemmAllReduce` (decode-sized row-parallel layers in the replicated layout); and `gemv`, the
 decode matmul for 1..64 rows (kernels/gemv.py's FMA stream, or the core's tiles with the operands
 swapped; decode_config.py), which the layers use where it beats F.linear.
@@ -169,9 +170,21 @@ def _eager_config(cfg: TileConfig) -> TileConfig:
     return dataclasses.replace(cfg, tma=False, c_tma=False, device_desc=False, warp_spec=False)
 
 
-def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig) -> None:
+def silu_mul_config(cfg: TileConfig) -> TileConfig:
+    """What gemm_silu_mul runs for the plain GEMM's config `cfg`. The table's tile spans block_n
+    columns of B: half of them gate, half up, for block_n / 2 columns of C. Split-K would activate
+    partial sums. Flattened, ptxas serializes the two accumulators' wgmmas (its warning C7515, with
+    Triton 3.6 and 3.9: the per-tile reset of both accumulators sits inside the MMA pipeline),
+    which cost the fused kernel ~25% on H100 (bench/notes/gemm.md); unflattened they stay
+    asynchronous. Warp-specialized, it left outputs unwritten on H100 (Triton 3.6): not used."""
+    return dataclasses.replace(cfg, block_n=cfg.block_n // 2, split_k=1, flatten=False, warp_spec=False)
+
+
+def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig, silu_mul: bool = False) -> None:
     m, k = a.shape
-    n = b.shape[1]
+    n = out.shape[1]
+    if silu_mul:
+        cfg = silu_mul_config(cfg)
     dev = a.device
     interpret = dev.type == "cpu"
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
@@ -202,7 +215,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig
                           EVEN_K=k % cfg.block_k == 0, INTERPRET=interpret,
                           FLATTEN=cfg.flatten and plain and not warp_spec,
                           TMA=descs is not None, B_KMAJOR=b_kmajor, C_TMA=c_tma, SUBTILE=cfg.subtile,
-                          WARP_SPEC=warp_spec, SPLIT=slices > 1, DEVICE_DESC=device_desc,
+                          WARP_SPEC=warp_spec, SPLIT=slices > 1, DEVICE_DESC=device_desc, SILU_MUL=silu_mul,
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -219,6 +232,36 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
     if k == 0 or a.dtype not in KERNEL_DTYPES + (torch.float32,):
         return torch.matmul(a, b, out=out)
     _launch(a, b, out, config or pick_config(m, n, k, a.device))
+    return out
+
+
+def gemm_silu_mul_applies(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The fused gate_up + SiLU-mul's cases: 16-bit floats alike on one device, A [M, K] contiguous,
+    B [K, 2n] (gate | up) of any strides, 2n even and K > 0."""
+    return (a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0] and a.shape[1] > 0 and b.shape[1] % 2 == 0
+            and b.shape[1] > 0 and a.dtype in KERNEL_DTYPES and b.dtype == a.dtype and a.is_contiguous()
+            and a.device == b.device)
+
+
+def gemm_silu_mul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
+                  config: TileConfig | None = None) -> torch.Tensor:
+    """silu(A @ B[:, :n]) * (A @ B[:, n:]) with B = [K, 2n] (gate | up: gate_up_proj's weight, transposed)
+    in one launch of the GEMM core, the activation in its epilogue: the [M, 2n] product is never
+    written. `config`: the plain GEMM's tiles for [M, K] x [K, 2n] (default: the table's); run
+    without split-K, flattening or warp groups (silu_mul_config says why). fp32 sums, activated, rounded once."""
+    if not gemm_silu_mul_applies(a, b):
+        raise ValueError(f"gemm_silu_mul: takes a contiguous A [M, K] and B [K, 2n] (gate | up), K > 0, both of one "
+                         f"16-bit dtype ({', '.join(map(str, KERNEL_DTYPES))}) on one device; got a{tuple(a.shape)} "
+                         f"{a.dtype} {a.device} contiguous={a.is_contiguous()}, b{tuple(b.shape)} {b.dtype} {b.device}")
+    m, k = a.shape
+    n = b.shape[1] // 2
+    if out is None:
+        out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    elif out.shape != (m, n) or out.dtype != a.dtype or out.device != a.device:
+        raise ValueError(f"gemm_silu_mul: out must be [{m}, {n}] {a.dtype} on {a.device}, got {tuple(out.shape)} "
+                         f"{out.dtype} {out.device}")
+    if m:
+        _launch(a, b, out, config or pick_config(m, 2 * n, k, a.device), silu_mul=True)
     return out
 
 

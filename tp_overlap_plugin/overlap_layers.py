@@ -31,9 +31,9 @@ from tp_overlap_plugin.collectives import HeapAllReduce, HeapAllReduceNorm
 from tp_overlap_plugin.dispatch import Dispatcher
 from tp_overlap_plugin.heap import SymmetricHeap
 from tp_overlap_plugin.layers import (ColumnParallelLinear, ParallelLMHead, PendingAllReduce, RowParallelLinear,
-                                      TPGroup, TPLayers, VocabParallelEmbedding)
-from tp_overlap_plugin.overlap import (KERNEL_DTYPES, AllGatherGemm, GemmAllReduce, GemmReduceScatter, gemv,
-                                       gemv_applies)
+                                      TPGroup, TPLayers, VocabParallelEmbedding, activate_silu_mul)
+from tp_overlap_plugin.overlap import (KERNEL_DTYPES, AllGatherGemm, GemmAllReduce, GemmReduceScatter, gemm_silu_mul,
+                                       gemm_silu_mul_applies, gemv, gemv_applies)
 
 ALL_REDUCE_BYTES = 8 << 20
 # The fused all-reduce + norm takes steps of up to this many bytes of rows (decode batches): its
@@ -212,6 +212,31 @@ class OverlapColumn(ColumnParallelLinear):
             y = runtime.all_gather(x, self.tp.group) @ w
         y = y[:L.tokens]
         return y + self.bias if self.bias is not None else y
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """gate_up_proj and its SiLU-mul. Where the layer's matmul is a plain GEMM (the replicated
+        layout, TP=1 included, or the sequential AG path's GEMM on the gathered rows) and the table
+        measured our GEMM with the activation in its epilogue faster than cuBLAS + the SiLU-mul
+        kernel at this M: one launch, and the [T, 2I] product never reaches memory. AG-GEMM and the
+        decode GEMV keep their plain stores: the matmul, then the kernel."""
+        L = self.layers
+        w = self.weight.t()
+        if self.bias is not None or len(self.local_sizes) != 2 or self.local_sizes[0] != self.local_sizes[1]:
+            return super().silu_mul(x)  # (which refuses a layer that is not [gate; up])
+        if L.sequence_parallel and not L.dispatcher.fused_gemm("ag", L.padded, self.input_size, w.shape[1]):
+            stats.record("ag_gemm.sequential")
+            x = runtime.all_gather(x, self.tp.group)[:L.tokens]
+            return gemm_silu_mul(x, w) if self._fuses(x, w) else activate_silu_mul(x @ w)
+        if (not L.sequence_parallel and not (gemv_applies(x, self.weight) and L.dispatcher.gemv(*x.shape, w.shape[1]))
+                and self._fuses(x, w)):
+            return gemm_silu_mul(x, w)
+        return super().silu_mul(x)
+
+    def _fuses(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        if gemm_silu_mul_applies(x, w) and self.layers.dispatcher.gemm_silu_mul(x.shape[0], self.input_size, w.shape[1]):
+            stats.record("gemm_silu_mul.kernel")
+            return True
+        return False
 
 
 class OverlapRow(RowParallelLinear):

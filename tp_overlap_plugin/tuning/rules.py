@@ -97,6 +97,20 @@ def gemv_rows(gemv: dict, margin: float = MARGIN) -> list[dict]:
     return rows
 
 
+def gemm_silu_mul_rows(run: dict, margin: float = MARGIN) -> list[dict]:
+    """Per measured (M, K, N = gate | up): gate_up with SiLU-mul in our GEMM's epilogue against cuBLAS
+    and the SiLU-mul kernel, in CUDA graphs on one GPU (bench/gemm_silu_mul.py)."""
+    rows = []
+    for r in run["rows"]:
+        rs = ratios(_repeats(r, "stock_ms"), _repeats(r, "fused_ms"))
+        row = {"M": r["M"], "K": r["K"], "N": r["N"], "shape": r["shape"], "stock_ms": r["stock_ms"],
+               "fused_ms": r["fused_ms"], "winner": "fused" if wins(rs, margin) else "stock"}
+        _spread(row, "ratio", rs)
+        rows.append(row)
+    rows.sort(key=lambda r: (r["K"], r["N"], r["M"]))
+    return rows
+
+
 def _same_machine(flag: str, run: dict, env: dict) -> None:
     renv = run["environment"]
     if (renv["device"], renv["tp"]) != (env["device"], env["tp"]):
