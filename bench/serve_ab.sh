@@ -8,7 +8,8 @@
 #   2. this checkout at the engine's default 2048-token step budget (the A/B runs at 8192);
 #   3. greedy outputs of both, compared (bench/greedy_tokens.py --top2 / --compare), float32 and bfloat16;
 #   4. the engine's GPU tests; 5. the 8192-token prefill step, synchronous and with async scheduling;
-#   6. prefill attention implementations.
+#   6. prefill attention implementations; 7. gate_up + SiLU-mul fused or not, and the prefill step on the
+#   flag's path; 8. decode steps at batch 1, 8 and 32 against their floor.
 #   PART (default all) picks a part, to fit the device's 10-minute call: http (1), checks (3, 4) or
 #   perf (2, 5, 6).
 # usage: bash bench/serve_ab.sh BASE_SRC OUT_DIR [all|http|checks|perf]
@@ -42,6 +43,15 @@ if part perf; then
   this timeout 60 python3 $here/bench/prefill_profile.py --tp 1 --prompts 16 --async-scheduling --tag async --out $OUT \
     2>&1 | grep -E "prefill|Error" | tail -n 3
   this timeout 60 python3 $here/bench/prefill_attention.py --out $OUT 2>&1 | grep -E "^\|" | tail -n 16
+  # gate_up with its SiLU-mul in our GEMM's epilogue against cuBLAS + the kernel; its rows into the
+  # shipped TP=1 table, and the 8192-token prefill step on the flag's path with that table
+  this timeout 150 python3 $here/bench/gemm_silu_mul.py --out $OUT --into-table \
+    $here/tp_overlap_plugin/dispatch_tables/h100-tp1.json --table-out $OUT/h100-tp1-silu.json 2>&1 | grep -E "^\||Error" | tail -n 16
+  this timeout 90 python3 $here/bench/prefill_profile.py --tp 1 --prompts 16 --async-scheduling --tp-overlap \
+    --dispatch-table $OUT/h100-tp1-silu.json --tag async-overlap --out $OUT 2>&1 | grep -E "prefill|Error" | tail -n 3
+  # the small-batch decode steps that the rate-inf level's tail is made of, against the weight + KV floor
+  this timeout 120 python3 $here/bench/decode_profile.py --tp 1 --batch 1,8,32 --sched async --no-attention \
+    --out $OUT 2>&1 | grep -E "^\|" | tail -n 12
 fi
 if part checks; then
   # in both dtypes: every id as it was, or a divergence at a near-tie of the old engine (the top-2 gap)
