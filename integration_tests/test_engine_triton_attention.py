@@ -267,7 +267,7 @@ def test_attention_kernels_compile_for_gpu_targets(kernel, target):
         cfg = prefill_config({"sm90": "cuda", "gfx942": "hip"}[target], torch.bfloat16, 4)
         consts = {"GROUP": 4, "PAGE": 16, "HEAD_DIM": 128, "BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["block_n"],
                   "BLOCK_D": 128, "HEADS": cfg["heads"], "PRECISION": "tf32", "UPCAST": False,
-                  "FRESH_FROM": 512}
+                  "FRESH_FROM": 2048}
         options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     elif kernel == "decode":
         fn = _decode_kernel

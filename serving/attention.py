@@ -56,13 +56,16 @@ class AttnMeta:
 
 
 # Fresh prompts of at least this many tokens attend through torch's SDPA, shorter ones and every
-# other sequence through our kernel. Why (H100, llama-3-8b, bench/notes/attention.md, runs 3-4):
-# SDPA's own backend reaches 0.80 / 0.73 / 0.45 of the matmul peak at 1x8192 / 4x2048 / 16x512
-# against our kernel's 0.50 / 0.46 / 0.28, but it takes one call per length (a varlen call, FA2 or
-# flex, is slower than our kernel), so prompts of unequal lengths cost a call each: a short prompt
-# alone fills few SMs and its call's host time (gathers, SDPA, the output copy) grows with the
-# number of prompts. The threshold bounds the calls per layer to max_num_batched_tokens / SDPA_MIN_LEN.
-SDPA_MIN_LEN = 512
+# other sequence through our kernel. Measured (H100, llama-3-8b TP=1, fraction of the same run's
+# matmul peak; bench/notes/attention.md run 4): SDPA's own choice (cuDNN's sm90 flash kernel) is
+# 0.80 / 0.74 / 0.50 at 1x8192 / 4x2048 / 16x512 against our kernel's 0.54 / 0.47 / 0.30, but the
+# engine pays ~80 us per 8192 tokens on top (the gathers of k/v and the copy into `out`: SDPA has no
+# out=), and each SDPA call ~150-200 us of host time. Through this dispatch: 0.74 / 0.57 at 1x8192 /
+# 4x2048 (wins), 0.275 at 16x512 (loses to the kernel's 0.30), and on a lognormal mix of 24 prompts
+# (median 256) any threshold under the longest prompt lost to the kernel alone (0.29): 512 gave 0.05,
+# 1024 0.14 (one call per prompt of its own length, host-bound). So 2048: every measured win is at
+# 2048 tokens or more, and a layer makes at most max_num_batched_tokens / 2048 SDPA calls.
+SDPA_MIN_LEN = 2048
 # 16-bit only: float32 has no flash/cuDNN backend with GQA and would fall back to the math
 # backend, which holds heads x L x L float32 scores (8 GiB at 8192 tokens and 32 heads).
 SDPA_DTYPES = (torch.bfloat16, torch.float16)
@@ -102,8 +105,9 @@ class FreshPlan:
 def sdpa_fresh(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                plan: FreshPlan, scale: float, out: torch.Tensor) -> None:
     """The plan's fresh prompts: keys and values of the step rows [span) gathered from the cache
-    (written there before attention; two gathers a layer, ~4% of SDPA's time at 8192 tokens), then
-    one causal SDPA call per run, torch choosing the backend (flash / cuDNN / AOTriton on ROCm)."""
+    (written there before attention; the step's own k/v live in the piecewise graphs' pool), then one
+    causal SDPA call per run, torch choosing the backend (cuDNN on H100; flash/AOTriton on ROCm), and
+    the copy into `out` (a static buffer the next graph segment reads)."""
     a, b = plan.span
     h, hkv = q.shape[1], k_cache.shape[2]
     slots = slot_mapping[a:b]
