@@ -57,6 +57,76 @@ def _case(seed, q_lens, ctx_lens, heads, kv_heads, head_dim, page, dtype, dev="c
             assert err < tol, f"decode max error {err} (ctx={ctx_lens[:nd]}, {dtype}, {splits} splits)"
 
 
+def _ref64(q, kc, vc, bt, q_lens, ctx_lens, scale):
+    """Causal attention of every sequence over the first ctx_lens[s] slots of its blocks, in float64."""
+    import torch
+
+    heads, page, kv_heads, head_dim = q.shape[1], kc.shape[1], kc.shape[2], kc.shape[3]
+    grp, dev = heads // kv_heads, q.device
+    ref = torch.empty(q.shape, dtype=torch.float64, device=dev)
+    start = 0
+    for i, (ql, cl) in enumerate(zip(q_lens, ctx_lens)):
+        rows = bt[i, :-(-cl // page)].long()
+        k = kc[rows].reshape(-1, kv_heads, head_dim)[:cl].double()
+        v = vc[rows].reshape(-1, kv_heads, head_dim)[:cl].double()
+        qs = q[start:start + ql].double()
+        visible = torch.arange(cl, device=dev)[None, :] <= torch.arange(cl - ql, cl, device=dev)[:, None]
+        for kh in range(kv_heads):
+            sc = torch.einsum("qgd,kd->gqk", qs[:, kh * grp:(kh + 1) * grp], k[:, kh]) * scale
+            p = torch.softmax(sc.masked_fill(~visible, float("-inf")), -1)
+            ref[start:start + ql, kh * grp:(kh + 1) * grp] = torch.einsum("gqk,kd->qgd", p, v[:, kh])
+        start += ql
+    return ref
+
+
+def _dispatch_case(seed, q_lens, ctx_lens, heads, kv_heads, head_dim, page, dtype, min_lens, dev="cpu"):
+    """serving.attention.paged_attention's GPU path (decode kernel, prefill kernel, SDPA for fresh
+    prompts of at least min_len tokens) into a NaN-poisoned output, against float64. The step's keys
+    sit in the cache at the slots slot_mapping names (the SDPA path gathers them from there)."""
+    import torch
+
+    from tp_overlap_plugin.serving import attention as attn
+
+    g = torch.Generator().manual_seed(seed)
+    nbs = [-(-c // page) for c in ctx_lens]
+    n_blocks = sum(nbs) + 2
+    kc = torch.randn(n_blocks, page, kv_heads, head_dim, generator=g).to(dtype)
+    vc = torch.randn(n_blocks, page, kv_heads, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(n_blocks, generator=g).tolist()   # scattered, non-monotonic block ids
+    bt = torch.full((len(ctx_lens), max(nbs)), n_blocks - 1, dtype=torch.int32)
+    slots = []
+    for i, (nb, ql, cl) in enumerate(zip(nbs, q_lens, ctx_lens)):
+        bt[i, :nb] = torch.tensor(perm[:nb], dtype=torch.int32)
+        perm = perm[nb:]
+        slots += [int(bt[i, j // page]) * page + j % page for j in range(cl - ql, cl)]
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    nd = 0
+    while nd < len(q_lens) and q_lens[nd] == 1 and ctx_lens[nd] > 1:
+        nd += 1
+    k_cache, v_cache, bt, q, cu = (x.to(dev) for x in (kc, vc, bt, q, cu))
+    meta = attn.AttnMeta(slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev), num_decodes=nd,
+                         cu_seqlens_q=cu, context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+                         block_tables=bt, max_q_len=max(q_lens), q_lens_list=list(q_lens),
+                         context_lens_list=list(ctx_lens), use_triton=True)
+    scale = head_dim ** -0.5
+    ref = _ref64(q, k_cache, v_cache, bt, q_lens, ctx_lens, scale)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    default = attn.SDPA_MIN_LEN
+    try:
+        for min_len in min_lens:
+            attn.SDPA_MIN_LEN = min_len
+            out = torch.full_like(q, float("nan"))
+            attn.paged_attention(q, k_cache, v_cache, meta, scale, out=out)
+            err = (out.double() - ref).abs().max().item()
+            sdpa = [r[1:] for r in meta.fresh_plan(min_len).runs] if dtype in attn.SDPA_DTYPES else []
+            assert err < tol, f"dispatch max error {err} (q_lens={q_lens}, ctx={ctx_lens}, min_len {min_len}, " \
+                              f"SDPA runs {sdpa}, {dtype})"
+    finally:
+        attn.SDPA_MIN_LEN = default
+    return meta
+
+
 def _f64_case(seed, q_lens, ctx_lens, heads, kv_heads, head_dim, page, dtype, prefill_kws=({},), dev="cuda"):
     """GPU-sized prefill against a float64 reference, into NaN-poisoned outputs (rows the kernel
     skips stay NaN and fail). Sequence s's keys are the first ctx_lens[s] slots of its blocks."""
@@ -79,18 +149,7 @@ def _f64_case(seed, q_lens, ctx_lens, heads, kv_heads, head_dim, page, dtype, pr
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
     ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
     scale = head_dim ** -0.5
-    ref = torch.empty(q.shape, dtype=torch.float64, device=dev)
-    grp = heads // kv_heads
-    for i, (ql, cl) in enumerate(zip(q_lens, ctx_lens)):
-        rows = bt[i, :nbs[i]].long()
-        k = kc[rows].reshape(-1, kv_heads, head_dim)[:cl].double()
-        v = vc[rows].reshape(-1, kv_heads, head_dim)[:cl].double()
-        qs = q[cu[i]:cu[i] + ql].double()
-        visible = torch.arange(cl, device=dev)[None, :] <= torch.arange(cl - ql, cl, device=dev)[:, None]
-        for kh in range(kv_heads):
-            sc = torch.einsum("qgd,kd->gqk", qs[:, kh * grp:(kh + 1) * grp], k[:, kh]) * scale
-            p = torch.softmax(sc.masked_fill(~visible, float("-inf")), -1)
-            ref[cu[i]:cu[i] + ql, kh * grp:(kh + 1) * grp] = torch.einsum("gqk,kd->qgd", p, v[:, kh])
+    ref = _ref64(q, kc, vc, bt, q_lens, ctx_lens, scale)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     for kw in prefill_kws:
         out = torch.full_like(q, float("nan"))
@@ -149,6 +208,24 @@ def main(dev="cpu"):
               dtype=torch.bfloat16, dev=dev, decode_splits=(1, 5, 16, None))
         _case(8, [1] * 3, [1000, 3, 70], heads=8, kv_heads=8, head_dim=64, page=16, dtype=torch.float32,
               dev=dev, decode_splits=(1, 4, None))
+    # The engine's dispatch: fresh prompts (context = chunk) through SDPA, in runs of adjacent equal
+    # lengths, the rest through the kernels that skip them on the device by the same rule.
+    # Decodes, equal fresh lengths, then a fresh one-token prompt, a chunk continuing a prefix, a
+    # prefix-cache hit, fresh lengths that are no multiple of anything; GQA 4 and 1.
+    mix_q, mix_ctx = [1, 1, 20, 20, 20, 1, 5, 17, 9, 33, 33], [9, 30, 20, 20, 20, 1, 40, 17, 25, 33, 33]
+    meta = _dispatch_case(11, mix_q, mix_ctx, heads=8, kv_heads=2, head_dim=32, page=5, dtype=torch.bfloat16,
+                          min_lens=(1, 18, 0), dev=dev)
+    # the plan the thresholds made: row, prompts, length of each SDPA call, and what the kernel keeps
+    assert meta.fresh_plan(1).runs == [(2, 3, 20), (62, 1, 1), (68, 1, 17), (94, 2, 33)], meta.fresh_plan(1)
+    assert meta.fresh_plan(1).kernel_max_q_len == 9 and meta.fresh_plan(18).kernel_max_q_len == 17
+    assert meta.fresh_plan(18).runs == [(2, 3, 20), (94, 2, 33)] and not meta.fresh_plan(0).runs
+    _dispatch_case(12, mix_q[2:], mix_ctx[2:], heads=4, kv_heads=4, head_dim=16, page=16, dtype=torch.bfloat16,
+                   min_lens=(1,), dev=dev)
+    # one fresh prompt alone; float32 keeps the kernel (no SDPA backend with GQA but the math one)
+    _dispatch_case(13, [37], [37], heads=8, kv_heads=2, head_dim=32, page=16, dtype=torch.bfloat16,
+                   min_lens=(1,), dev=dev)
+    _dispatch_case(14, [1, 19], [7, 19], heads=8, kv_heads=2, head_dim=16, page=4, dtype=torch.float32,
+                   min_lens=(1,), dev=dev)
     # The engine's in-graph step input fix-up (serving/runner.py): ids -1-k become sampled[k].
     from tp_overlap_plugin.serving.runner import _resolve_refs_kernel
     ids = torch.tensor([5, -1, 7, -3, 0, -2] * 300, dtype=torch.int64, device=dev)
@@ -189,7 +266,8 @@ def test_attention_kernels_compile_for_gpu_targets(kernel, target):
                "scale": "fp32"}
         cfg = prefill_config({"sm90": "cuda", "gfx942": "hip"}[target], torch.bfloat16, 4)
         consts = {"GROUP": 4, "PAGE": 16, "HEAD_DIM": 128, "BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["block_n"],
-                  "BLOCK_D": 128, "HEADS": cfg["heads"], "PRECISION": "tf32", "UPCAST": False}
+                  "BLOCK_D": 128, "HEADS": cfg["heads"], "PRECISION": "tf32", "UPCAST": False,
+                  "FRESH_FROM": 2048}
         options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     elif kernel == "decode":
         fn = _decode_kernel

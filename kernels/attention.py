@@ -71,12 +71,14 @@ def _prefill_kernel(Q, K, V, Out, cu_seqlens_q, context_lens, block_tables,
                     stride_ot, stride_oh, stride_bt, scale,
                     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    HEADS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                    HEADS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                    FRESH_FROM: tl.constexpr):
     """One program per (HEADS query heads of one kv head, sequence, tile of BLOCK_M // HEADS query
     tokens). Its BLOCK_M rows are (token, head) pairs, token-major, so with HEADS = GROUP each key
     and value tile is read once for the whole GQA group. The tile axis is the grid's last and is
     walked backwards: the tiles at the end of a prompt see the most keys and are launched first,
-    so the short ones fill the tail of the launch."""
+    so the short ones fill the tail of the launch. FRESH_FROM > 0: sequences that start fresh
+    (context = chunk) of at least FRESH_FROM tokens are left alone (the caller attends to them)."""
     hb = tl.program_id(0)
     s = tl.program_id(1)
     pid_m = tl.num_programs(2) - 1 - tl.program_id(2)
@@ -86,6 +88,9 @@ def _prefill_kernel(Q, K, V, Out, cu_seqlens_q, context_lens, block_tables,
     if pid_m * TOK_M >= q_len:
         return
     ctx = tl.load(context_lens + s)
+    if FRESH_FROM > 0:
+        if (ctx == q_len) & (q_len >= FRESH_FROM):
+            return
     offs_r = tl.arange(0, BLOCK_M)
     tok = pid_m * TOK_M + offs_r // HEADS
     head = hb * HEADS + offs_r % HEADS
@@ -250,11 +255,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             max_q_len: int, scale: float, out: Optional[torch.Tensor] = None,
                             block_m: Optional[int] = None, block_n: Optional[int] = None,
                             heads_per_tile: Optional[int] = None, num_warps: Optional[int] = None,
-                            num_stages: Optional[int] = None) -> torch.Tensor:
+                            num_stages: Optional[int] = None, fresh_from: int = 0) -> torch.Tensor:
     """q [T, H, D] (sequences packed by cu_seqlens_q [S+1]) -> [T, H, D].
 
     heads_per_tile: query heads of one kv head that share a program (1, or a power-of-two divisor
-    of the GQA group); the rest default to `prefill_config`."""
+    of the GQA group); the rest default to `prefill_config`. fresh_from > 0: the rows of sequences
+    whose context is their chunk (a fresh prompt) of at least fresh_from tokens are not written
+    (serving/attention.py attends to those through torch's SDPA); 0 attends to every sequence."""
     _check(q, k_cache, v_cache, block_tables)
     out = torch.empty_like(q) if out is None else out
     s = cu_seqlens_q.numel() - 1
@@ -283,7 +290,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         # tf32 would cost float32 models their bit-level agreement with the reference.
         PRECISION="ieee" if q.dtype == torch.float32 or interp else "tf32",
         # The interpreter keeps bf16 as raw uint16 and its tl.dot multiplies those integers.
-        UPCAST=interp and q.dtype != torch.float32, **launch,
+        UPCAST=interp and q.dtype != torch.float32, FRESH_FROM=fresh_from, **launch,
     )
     return out
 
