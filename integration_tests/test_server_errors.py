@@ -236,6 +236,10 @@ FUZZ_CASES = 100
 # that most of them pass the server's checks and generate, cheaply: short texts and lists, ids inside
 # the byte vocabulary, a few tokens per request, the served model's name.
 FUZZ_LIMITS = {"max_tokens": 4, "max_completion_tokens": 4, "n": 2}
+# schemathesis reads an event stream up to `max-stream-events` events (20 by default), then hangs up and
+# hands over what it read; the checks below want every stream's end. The longest stream here (chat: n=2
+# choices of up to MAX_LEN tokens) is far shorter than this.
+FUZZ_MAX_STREAM_EVENTS = 10_000
 FUZZ_REQUESTS = ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest",
                  "ChatMessage", "TextContentPart", "StreamOptions")
 
@@ -264,6 +268,9 @@ def _narrow(node, field: str) -> None:
 def fuzz_schemas(server):
     """(the server's schema, the narrowed copy for positive cases)"""
     schemathesis = pytest.importorskip("schemathesis")
+    from schemathesis.config import SchemathesisConfig
+
+    config = SchemathesisConfig.from_dict({"max-stream-events": FUZZ_MAX_STREAM_EVENTS})
     doc = httpx.get(server.url + "/openapi.json").json()
     narrow = json.loads(json.dumps(doc))
     for name in FUZZ_REQUESTS:
@@ -276,7 +283,7 @@ def fuzz_schemas(server):
     narrow["components"]["schemas"]["TokenizeRequest"]["oneOf"] = [
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
         {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}}]
-    return schemathesis.openapi.from_dict(doc), schemathesis.openapi.from_dict(narrow)
+    return schemathesis.openapi.from_dict(doc, config=config), schemathesis.openapi.from_dict(narrow, config=config)
 
 
 def _fuzz(schema, server, mode, path_regex) -> dict:
@@ -333,6 +340,19 @@ def test_fuzz_no_5xx_and_openai_errors(fuzz_schemas, server, mode, routes):
         assert seen["4xx"] == seen["calls"], seen
     assert seen["calls"] >= FUZZ_CASES // 2, seen
     _still_serving(server)
+
+
+def test_fuzz_client_reads_streams_to_the_end(fuzz_schemas, server):
+    """The fuzz client gets a long stream whole (it used to hang up after 20 events: the stream then lacked
+    its last chunks and [DONE], and the server, seeing a disconnect, aborted the request as it should)."""
+    op = fuzz_schemas[0]["/v1/completions"]["POST"]
+    # logprobs: a chunk for every token, even one that ends inside a UTF-8 character; no EOS: 3 x 12 of them
+    body = {"model": "demo", "prompt": ["a", "bc", "d"], "max_tokens": 12, "ignore_eos": True, "logprobs": 0,
+            "stream": True}
+    resp = op.Case(body=body).call(base_url=server.url, headers=AUTH, timeout=60)
+    assert resp.status_code == 200, resp.text
+    events = [e for e in resp.text.split("\n\n") if e.strip()]
+    assert not resp.stream_cut_short and len(events) == 3 * 12 + 1 and events[-1] == "data: [DONE]", resp.text[-500:]
 
 
 def test_fuzz_other_routes(fuzz_schemas, server):
