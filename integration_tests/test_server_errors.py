@@ -7,6 +7,7 @@ engine-core process."""
 
 import functools
 import json
+import logging
 import threading
 import time
 
@@ -395,6 +396,11 @@ def inproc_server(tmp_path_factory):
         engine.shutdown()
 
 
+def _data(lines) -> list[str]:
+    """The data fields of SSE lines."""
+    return [line[6:] for line in lines if line.startswith("data: ")]
+
+
 def test_unexpected_exception_is_a_json_500_and_the_connection_stays_open(inproc_server, monkeypatch):
     import http.client
     import json
@@ -426,13 +432,48 @@ def test_unexpected_exception_is_a_json_500_and_the_connection_stays_open(inproc
         assert call("GET", "/v1/models")[0] == 200
         status, ctype, text = call("POST", "/v1/completions", {**base, "stream": True})
         assert status == 200 and ctype.startswith("text/event-stream")
-        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        events = _data(text.splitlines())
         assert events[-1] == "[DONE]" and "injected bug" in json.loads(events[-2])["error"]["message"], text
         assert call("HEAD", "/health")[0] == 200
         status, _, text = call("POST", "/v1/completions", {"model": "demo", "prompt": "hello", "max_tokens": 3})
         assert status == 200, text
     finally:
         conn.close()
+
+
+def test_a_stream_that_ends_early_is_logged_with_its_id(inproc_server, monkeypatch, caplog):
+    """A stream cut by an exception after its first chunk ends with an error event and [DONE], and the log
+    names the stream and has the traceback; a client that hangs up mid-stream is logged with the id too."""
+    from tp_overlap_plugin.serving.api_server import OpenAIServer
+
+    _, url = inproc_server
+    caplog.set_level(logging.INFO, logger="tp_overlap.server")
+    real, calls = OpenAIServer._completion_logprobs, []
+
+    def second_chunk_fails(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected bug")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(OpenAIServer, "_completion_logprobs", second_chunk_fails)
+    body = {"model": "demo", "prompt": "hello", "max_tokens": 4, "ignore_eos": True, "logprobs": 0, "stream": True}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+    events = _data(r.text.splitlines())
+    assert r.status_code == 200 and len(events) == 3 and events[-1] == "[DONE]", r.text
+    rid = json.loads(events[0])["id"]
+    assert "injected bug" in json.loads(events[1])["error"]["message"], r.text
+    logged = [rec for rec in caplog.records if rid in rec.getMessage()]
+    assert any(rec.levelno == logging.ERROR and rec.exc_info for rec in logged), caplog.text
+    monkeypatch.undo()
+
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "max_tokens": MAX_LEN - 8}, timeout=30) as r:
+        first = next(line for line in r.iter_lines() if line)    # then hang up
+    rid = json.loads(first.removeprefix("data: "))["id"]
+    deadline = time.monotonic() + 10
+    while not any(rid in rec.getMessage() and "client disconnected" in rec.getMessage() for rec in caplog.records):
+        assert time.monotonic() < deadline, caplog.text
+        time.sleep(0.02)
 
 
 def test_bad_requests_never_reach_the_engine_core(inproc_server, monkeypatch):
