@@ -7,6 +7,7 @@ engine-core process."""
 
 import functools
 import json
+import logging
 import threading
 import time
 
@@ -236,6 +237,10 @@ FUZZ_CASES = 100
 # that most of them pass the server's checks and generate, cheaply: short texts and lists, ids inside
 # the byte vocabulary, a few tokens per request, the served model's name.
 FUZZ_LIMITS = {"max_tokens": 4, "max_completion_tokens": 4, "n": 2}
+# schemathesis reads an event stream up to `max-stream-events` events (20 by default), then hangs up and
+# hands over what it read; the checks below want every stream's end. The longest stream here (chat: n=2
+# choices of up to MAX_LEN tokens) is far shorter than this.
+FUZZ_MAX_STREAM_EVENTS = 10_000
 FUZZ_REQUESTS = ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest",
                  "ChatMessage", "TextContentPart", "StreamOptions")
 
@@ -264,6 +269,9 @@ def _narrow(node, field: str) -> None:
 def fuzz_schemas(server):
     """(the server's schema, the narrowed copy for positive cases)"""
     schemathesis = pytest.importorskip("schemathesis")
+    from schemathesis.config import SchemathesisConfig
+
+    config = SchemathesisConfig.from_dict({"max-stream-events": FUZZ_MAX_STREAM_EVENTS})
     doc = httpx.get(server.url + "/openapi.json").json()
     narrow = json.loads(json.dumps(doc))
     for name in FUZZ_REQUESTS:
@@ -276,7 +284,7 @@ def fuzz_schemas(server):
     narrow["components"]["schemas"]["TokenizeRequest"]["oneOf"] = [
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
         {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}}]
-    return schemathesis.openapi.from_dict(doc), schemathesis.openapi.from_dict(narrow)
+    return schemathesis.openapi.from_dict(doc, config=config), schemathesis.openapi.from_dict(narrow, config=config)
 
 
 def _fuzz(schema, server, mode, path_regex) -> dict:
@@ -335,6 +343,19 @@ def test_fuzz_no_5xx_and_openai_errors(fuzz_schemas, server, mode, routes):
     _still_serving(server)
 
 
+def test_fuzz_client_reads_streams_to_the_end(fuzz_schemas, server):
+    """The fuzz client gets a long stream whole (it used to hang up after 20 events: the stream then lacked
+    its last chunks and [DONE], and the server, seeing a disconnect, aborted the request as it should)."""
+    op = fuzz_schemas[0]["/v1/completions"]["POST"]
+    # logprobs: a chunk for every token, even one that ends inside a UTF-8 character; no EOS: 3 x 12 of them
+    body = {"model": "demo", "prompt": ["a", "bc", "d"], "max_tokens": 12, "ignore_eos": True, "logprobs": 0,
+            "stream": True}
+    resp = op.Case(body=body).call(base_url=server.url, headers=AUTH, timeout=60)
+    assert resp.status_code == 200, resp.text
+    events = [e for e in resp.text.split("\n\n") if e.strip()]
+    assert not resp.stream_cut_short and len(events) == 3 * 12 + 1 and events[-1] == "data: [DONE]", resp.text[-500:]
+
+
 def test_fuzz_other_routes(fuzz_schemas, server):
     from schemathesis import GenerationMode
 
@@ -375,6 +396,11 @@ def inproc_server(tmp_path_factory):
         engine.shutdown()
 
 
+def _data(lines) -> list[str]:
+    """The data fields of SSE lines."""
+    return [line[6:] for line in lines if line.startswith("data: ")]
+
+
 def test_unexpected_exception_is_a_json_500_and_the_connection_stays_open(inproc_server, monkeypatch):
     import http.client
     import json
@@ -406,13 +432,48 @@ def test_unexpected_exception_is_a_json_500_and_the_connection_stays_open(inproc
         assert call("GET", "/v1/models")[0] == 200
         status, ctype, text = call("POST", "/v1/completions", {**base, "stream": True})
         assert status == 200 and ctype.startswith("text/event-stream")
-        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        events = _data(text.splitlines())
         assert events[-1] == "[DONE]" and "injected bug" in json.loads(events[-2])["error"]["message"], text
         assert call("HEAD", "/health")[0] == 200
         status, _, text = call("POST", "/v1/completions", {"model": "demo", "prompt": "hello", "max_tokens": 3})
         assert status == 200, text
     finally:
         conn.close()
+
+
+def test_a_stream_that_ends_early_is_logged_with_its_id(inproc_server, monkeypatch, caplog):
+    """A stream cut by an exception after its first chunk ends with an error event and [DONE], and the log
+    names the stream and has the traceback; a client that hangs up mid-stream is logged with the id too."""
+    from tp_overlap_plugin.serving.api_server import OpenAIServer
+
+    _, url = inproc_server
+    caplog.set_level(logging.INFO, logger="tp_overlap.server")
+    real, calls = OpenAIServer._completion_logprobs, []
+
+    def second_chunk_fails(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected bug")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(OpenAIServer, "_completion_logprobs", second_chunk_fails)
+    body = {"model": "demo", "prompt": "hello", "max_tokens": 4, "ignore_eos": True, "logprobs": 0, "stream": True}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+    events = _data(r.text.splitlines())
+    assert r.status_code == 200 and len(events) == 3 and events[-1] == "[DONE]", r.text
+    rid = json.loads(events[0])["id"]
+    assert "injected bug" in json.loads(events[1])["error"]["message"], r.text
+    logged = [rec for rec in caplog.records if rid in rec.getMessage()]
+    assert any(rec.levelno == logging.ERROR and rec.exc_info for rec in logged), caplog.text
+    monkeypatch.undo()
+
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "max_tokens": MAX_LEN - 8}, timeout=30) as r:
+        first = next(line for line in r.iter_lines() if line)    # then hang up
+    rid = json.loads(first.removeprefix("data: "))["id"]
+    deadline = time.monotonic() + 10
+    while not any(rid in rec.getMessage() and "client disconnected" in rec.getMessage() for rec in caplog.records):
+        assert time.monotonic() < deadline, caplog.text
+        time.sleep(0.02)
 
 
 def test_bad_requests_never_reach_the_engine_core(inproc_server, monkeypatch):

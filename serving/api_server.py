@@ -89,6 +89,11 @@ def error_body(status: int, message: str, param: Optional[str] = None, code: Opt
     return ErrorResponse(error=info).model_dump()
 
 
+def internal_error_body(exc: BaseException) -> dict:
+    """The 500 of an exception that no handler expected."""
+    return error_body(500, f"internal server error: {type(exc).__name__}: {exc}", code="internal_error")
+
+
 def error_response(status: int, message: str, param: Optional[str] = None,
                    code: Optional[Union[str, int]] = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status)
@@ -233,13 +238,18 @@ class _SSEResponse(StreamingResponse):
     """A streaming response that always closes its body iterator, also when the client disconnected
     or the handler was cancelled, so the iterator's cleanup (aborting engine requests) runs at once."""
 
+    def __init__(self, content, response_id: str, **kw):
+        super().__init__(content, **kw)
+        self.response_id = response_id
+
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         except asyncio.CancelledError:
             # uvicorn cancels the streams still open when --shutdown-timeout runs out. The request ends
             # here either way; one line in the log says so instead of a traceback per stream.
-            logger.warning("a stream was cut off by the server shutting down; its request is aborted")
+            logger.warning("stream %s was cut off by the server shutting down; its request is aborted",
+                           self.response_id)
         finally:
             await self.body_iterator.aclose()
 
@@ -477,27 +487,44 @@ class OpenAIServer:
             tops += [[] for _ in ids[1:]]
         return [None] + lp.gather(1, nxt)[:, 0].tolist(), tops
 
-    def _stream(self, chunks, stream_options, usage_chunk) -> "_SSEResponse":
-        """The SSE envelope both streaming endpoints share: chunks, the optional usage chunk, `[DONE]`;
-        an engine failure mid-stream becomes an error event (the status line is already sent)."""
+    def _stream(self, response_id: str, chunks, stream_options, usage_chunk) -> "_SSEResponse":
+        """The SSE envelope both streaming endpoints share: chunks, the optional usage chunk, `[DONE]`.
+        The status line goes out before the first chunk, so a failure mid-stream becomes an error event and
+        `[DONE]`, here rather than in _ErrorBarrier, which knows no request. Every stream that ends early
+        says so in the log with its response id (its choices' engine request ids are `<response id>-<i>`)."""
         include_usage = bool(stream_options and stream_options.include_usage)
 
         async def events():
             self.metrics.in_flight.labels(self.model_name).inc()
+            sent, finished = 0, False
             try:
                 async with contextlib.aclosing(chunks) as it:
                     async for chunk in it:
                         yield _sse(chunk)
+                        sent += 1
                 if include_usage:
                     yield _sse(usage_chunk())
+                finished = True
                 yield _sse("[DONE]")
             except _EngineFailure as e:
+                logger.error("stream %s: the engine failed after %d chunks: %s", response_id, sent, e)
                 yield _sse(error_body(500, f"the engine failed while generating: {e}", code="engine_error"))
                 yield _sse("[DONE]")
+            except Exception as e:
+                logger.exception("stream %s: unexpected error after %d chunks", response_id, sent)
+                yield _sse(internal_error_body(e))
+                yield _sse("[DONE]")
+            except BaseException:
+                # Cancelled (Starlette saw the client disconnect, or the server stops): not an error of
+                # the server's, but the stream did not end, and _run aborts its engine requests.
+                if not finished:
+                    logger.info("stream %s ended after %d chunks: the client disconnected or the server is "
+                                "stopping; its engine requests are aborted", response_id, sent)
+                raise
             finally:
                 self.metrics.in_flight.labels(self.model_name).dec()
 
-        return _SSEResponse(events(), media_type="text/event-stream",
+        return _SSEResponse(events(), response_id, media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _complete(self, choices: list[_Choice], endpoint: str, request: Request) -> None:
@@ -554,7 +581,7 @@ class OpenAIServer:
                             CompletionStreamChoice(index=c.index, text=out.delta_text, logprobs=lp,
                                                    finish_reason=finish)]).model_dump()
 
-            return self._stream(chunks(), req.stream_options, lambda: CompletionStreamResponse(
+            return self._stream(base, chunks(), req.stream_options, lambda: CompletionStreamResponse(
                 id=base, model=self.model_name, choices=[], usage=self._usage(choices)).model_dump())
 
         await self._complete(choices, "completions", request)
@@ -626,7 +653,7 @@ class OpenAIServer:
                         chunk["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
                         yield chunk
 
-            return self._stream(chunks(), req.stream_options, lambda: ChatCompletionStreamResponse(
+            return self._stream(base, chunks(), req.stream_options, lambda: ChatCompletionStreamResponse(
                 id=base, model=self.model_name, choices=[], usage=self._usage(choices)).model_dump())
 
         await self._complete(choices, "chat", request)
@@ -698,7 +725,7 @@ class OpenAIServer:
         @app.exception_handler(Exception)
         async def _internal(request: Request, exc: Exception):
             logger.exception("unhandled error on %s", request.url.path)
-            return error_response(500, f"internal server error: {type(exc).__name__}: {exc}", code="internal_error")
+            return JSONResponse(internal_error_body(exc), status_code=500)
 
         @app.post("/v1/completions", response_model=CompletionResponse, responses={
             **_ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when streaming"}})
@@ -782,10 +809,10 @@ class _ErrorBarrier:
             if state["done"]:
                 return      # the exception handler answered (and logged) already
             logger.error("unhandled error on %s", scope.get("path"), exc_info=exc)
-            body = error_body(500, f"internal server error: {type(exc).__name__}: {exc}", code="internal_error")
+            body = internal_error_body(exc)
             with contextlib.suppress(Exception):   # the client may be gone
                 if not state["started"]:
-                    await error_response(500, body["error"]["message"], code="internal_error")(scope, receive, send)
+                    await JSONResponse(body, status_code=500)(scope, receive, send)
                 elif state["sse"]:
                     await send({"type": "http.response.body", "body": (_sse(body) + _sse("[DONE]")).encode(),
                                 "more_body": False})
