@@ -39,6 +39,14 @@ def _calls(m: int) -> int:
     return 20 if m <= 1024 else 5
 
 
+def _reference(x, w, rows: int):
+    """About `rows` sampled rows of x and silu(gate) * up of them in float64 (w = gate_up's weight, [2n, K])."""
+    import torch
+    idx = torch.arange(0, x.shape[0], max(1, x.shape[0] // rows), device=x.device)
+    gate, up = (x[idx].double() @ w.double().t()).chunk(2, dim=-1)
+    return idx, torch.nn.functional.silu(gate) * up
+
+
 def correctness(dev, shapes, ms, extra_configs) -> list[dict]:
     """The fused kernel's output against silu(gate) * up in float64 (rows sampled at large M)."""
     import torch
@@ -50,9 +58,7 @@ def correctness(dev, shapes, ms, extra_configs) -> list[dict]:
         w = (torch.randn(n2, k, generator=gen) / k ** 0.5).to(torch.bfloat16).to(dev)
         for m in ms:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(dev)
-            idx = torch.arange(0, m, max(1, m // 512), device=dev)
-            gate, up = (x[idx].double() @ w.double().t()).chunk(2, dim=-1)
-            ref = torch.nn.functional.silu(gate) * up
+            idx, ref = _reference(x, w, 512)
             for cfg in [pick_config(m, n2, k, dev)] + (extra_configs if (label, m) == (shapes[0][0], ms[-1]) else []):
                 row = {"shape": label, "M": m, "K": k, "N": n2, "config": cfg.label(), "runs": silu_mul_config(cfg).label()}
                 try:
@@ -97,9 +103,7 @@ def measure(dev, shapes, ms, gpu: bool) -> list[dict]:
             # the timed kernel's output, against float64 on sampled rows and against ours + silu_mul
             y.fill_(float("nan"))
             ops["fused"]()
-            idx = torch.arange(0, m, max(1, m // 64), device=dev)
-            gate, up = (x[idx].double() @ w.double().t()).chunk(2, dim=-1)
-            ref = torch.nn.functional.silu(gate) * up
+            idx, ref = _reference(x, w, 64)
             row["rel_err"] = ((y[idx].double() - ref).norm() / ref.norm()).item()
             row["vs_ours_silu"] = ((y.double() - ops["ours_silu"]().double()).norm() / ref.norm()).item()
             row["ok"] = not y.isnan().any().item() and row["rel_err"] < 1e-2
@@ -158,6 +162,7 @@ def main(argv=None):
     if not gpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
+    from tp_overlap_plugin import tables
     from tp_overlap_plugin.gemm_config import TileConfig
     from tp_overlap_plugin.tuning.rules import MARGIN, gemm_silu_mul_rows
     dev = torch.device(args.device)
@@ -182,8 +187,7 @@ def main(argv=None):
             table = json.load(f)
         table["gemm_silu_mul"] = res["table_rows"]
         table["gemm_silu_mul_source"] = f"bench/gemm_silu_mul.py, {res['environment']['date']}"
-        with open(args.table_out or args.into_table, "w") as f:
-            json.dump(table, f, indent=2)
+        tables.write_atomic(args.table_out or args.into_table, json.dumps(table, indent=1) + "\n")
         print("merged gemm_silu_mul rows into", args.table_out or args.into_table)
     if not all(r["ok"] for r in res["correctness"] + res["rows"]):
         print("FUSED KERNEL CHECK FAILED", [r for r in res["correctness"] + res["rows"] if not r["ok"]])

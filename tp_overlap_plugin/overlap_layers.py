@@ -162,9 +162,12 @@ class OverlapTPLayers(TPLayers):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """F.linear on this rank's weight, or our decode matmul where the table says it streams the
         weight faster (decode-sized x: overlap.gemv)."""
-        if gemv_applies(x, weight) and self.dispatcher.gemv(x.shape[0], weight.shape[1], weight.shape[0]):
+        if self.takes_gemv(x, weight):
             return gemv(x, weight, bias)
         return nn.functional.linear(x, weight, bias)
+
+    def takes_gemv(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return gemv_applies(x, weight) and self.dispatcher.gemv(x.shape[0], weight.shape[1], weight.shape[0])
 
     def embedding(self, vocab_size: int, hidden: int) -> "OverlapEmbedding":
         return OverlapEmbedding(self, vocab_size, hidden)
@@ -205,13 +208,17 @@ class OverlapColumn(ColumnParallelLinear):
         if not L.sequence_parallel:
             return L.linear(x, self.weight, self.bias)
         w = self.weight.t()  # a view: the kernel takes any B strides, so no weight copy
-        if L.dispatcher.fused_gemm("ag", L.padded, self.input_size, w.shape[1]):
-            y = self.ag(x, w)
-        else:
-            stats.record("ag_gemm.sequential")
-            y = runtime.all_gather(x, self.tp.group) @ w
-        y = y[:L.tokens]
+        y = self.ag(x, w)[:L.tokens] if self._ag_gemm(w) else self._gathered(x) @ w
         return y + self.bias if self.bias is not None else y
+
+    def _ag_gemm(self, w: torch.Tensor) -> bool:
+        L = self.layers
+        return L.dispatcher.fused_gemm("ag", L.padded, self.input_size, w.shape[1])
+
+    def _gathered(self, x: torch.Tensor) -> torch.Tensor:
+        """The sequential AG path's input: every rank's rows of the step."""
+        stats.record("ag_gemm.sequential")
+        return runtime.all_gather(x, self.tp.group)[:self.layers.tokens]
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """gate_up_proj and its SiLU-mul. Where the layer's matmul is a plain GEMM (the replicated
@@ -223,12 +230,10 @@ class OverlapColumn(ColumnParallelLinear):
         w = self.weight.t()
         if self.bias is not None or len(self.local_sizes) != 2 or self.local_sizes[0] != self.local_sizes[1]:
             return super().silu_mul(x)  # (which refuses a layer that is not [gate; up])
-        if L.sequence_parallel and not L.dispatcher.fused_gemm("ag", L.padded, self.input_size, w.shape[1]):
-            stats.record("ag_gemm.sequential")
-            x = runtime.all_gather(x, self.tp.group)[:L.tokens]
+        if L.sequence_parallel and not self._ag_gemm(w):
+            x = self._gathered(x)
             return gemm_silu_mul(x, w) if self._fuses(x, w) else activate_silu_mul(x @ w)
-        if (not L.sequence_parallel and not (gemv_applies(x, self.weight) and L.dispatcher.gemv(*x.shape, w.shape[1]))
-                and self._fuses(x, w)):
+        if not L.sequence_parallel and not L.takes_gemv(x, self.weight) and self._fuses(x, w):
             return gemm_silu_mul(x, w)
         return super().silu_mul(x)
 

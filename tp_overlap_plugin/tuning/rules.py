@@ -83,32 +83,30 @@ def gemm_all_reduce_rows(gemm_ar: dict, margin: float = MARGIN) -> list[dict]:
     return rows
 
 
+def _two_way_rows(rows: list[dict], stock: str, ours: str, winner: str, margin: float) -> list[dict]:
+    """Per measured (M, K, N): the time under `ours` against the time under `stock` (each with its
+    repeats beside it); `winner` where ours won every repeat by the margin, else "stock"."""
+    out = []
+    for r in rows:
+        rs = ratios(_repeats(r, stock), _repeats(r, ours))
+        row = {"M": r["M"], "K": r["K"], "N": r["N"], "shape": r["shape"], ours: r[ours], stock: r[stock],
+               "winner": winner if wins(rs, margin) else "stock"}
+        _spread(row, "ratio", rs)
+        out.append(row)
+    out.sort(key=lambda r: (r["K"], r["N"], r["M"]))
+    return out
+
+
 def gemv_rows(gemv: dict, margin: float = MARGIN) -> list[dict]:
     """Per measured (M, K, N): our GEMV against F.linear in CUDA graphs (one GPU: a rank's local
     matmul involves no peer)."""
-    rows = []
-    for r in gemv["rows"]:
-        rs = ratios(_repeats(r, "cublas_us"), _repeats(r, "gemv_us"))
-        row = {"M": r["M"], "K": r["K"], "N": r["N"], "shape": r["shape"], "gemv_us": r["gemv_us"],
-               "cublas_us": r["cublas_us"], "winner": "gemv" if wins(rs, margin) else "stock"}
-        _spread(row, "ratio", rs)
-        rows.append(row)
-    rows.sort(key=lambda r: (r["K"], r["N"], r["M"]))
-    return rows
+    return _two_way_rows(gemv["rows"], "cublas_us", "gemv_us", "gemv", margin)
 
 
 def gemm_silu_mul_rows(run: dict, margin: float = MARGIN) -> list[dict]:
     """Per measured (M, K, N = gate | up): gate_up with SiLU-mul in our GEMM's epilogue against cuBLAS
     and the SiLU-mul kernel, in CUDA graphs on one GPU (bench/gemm_silu_mul.py)."""
-    rows = []
-    for r in run["rows"]:
-        rs = ratios(_repeats(r, "stock_ms"), _repeats(r, "fused_ms"))
-        row = {"M": r["M"], "K": r["K"], "N": r["N"], "shape": r["shape"], "stock_ms": r["stock_ms"],
-               "fused_ms": r["fused_ms"], "winner": "fused" if wins(rs, margin) else "stock"}
-        _spread(row, "ratio", rs)
-        rows.append(row)
-    rows.sort(key=lambda r: (r["K"], r["N"], r["M"]))
-    return rows
+    return _two_way_rows(run["rows"], "stock_ms", "fused_ms", "fused", margin)
 
 
 def _same_machine(flag: str, run: dict, env: dict) -> None:
