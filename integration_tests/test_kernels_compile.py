@@ -11,7 +11,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from tp_overlap_plugin.kernels.allreduce import one_shot_all_reduce_kernel, two_shot_all_reduce_kernel
+from tp_overlap_plugin.kernels.allreduce import one_shot_all_reduce_kernel, sub_block, two_shot_all_reduce_kernel
 from tp_overlap_plugin.kernels.allreduce_norm import all_reduce_rmsnorm_kernel, row_blocks
 from tp_overlap_plugin.kernels.barrier import barrier_kernel
 from tp_overlap_plugin.kernels.gemm import gemm_kernel
@@ -20,7 +20,7 @@ from tp_overlap_plugin.kernels.gemm_ar import gemm_all_reduce_kernel
 from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel
 from tp_overlap_plugin.kernels.gemv import gemv_kernel
 from tp_overlap_plugin.kernels.layer_ops import rmsnorm_kernel, rope_cache_kernel, silu_mul_kernel
-from tp_overlap_plugin.collectives import norm_num_warps
+from tp_overlap_plugin.collectives import NORM_THREADS, norm_num_warps
 from tp_overlap_plugin.overlap import RS_CHUNKS
 from tp_overlap_plugin.kernels import triton_compat
 import triton.language as tl
@@ -147,7 +147,8 @@ _SLOTS = {"x_ptr": 16, "out_ptr": 16, "slots_ptr": 16, "scatter_ptr": 16, "gathe
           "stride_out": 16, "stride_res_out": 16, "N": 16, "K": 16, "stride_om": 16, "stride_bn": 16,
           "stride_am": 16, "a_ptr": 16, "b_ptr": 16, "bias_ptr": 16, "calls_ptr": 16}
 _CACHE = {"PEER_STORE": "", "POLL_LOAD": ""}
-for _w, _peers, _sub in ((2, 1, 4096), (8, 8, 512)):
+for _w, _peers in ((2, 1), (8, 8)):
+    _sub = sub_block(4096, _w, 8 * 32)  # what collectives.py launches on NVIDIA (8 warps)
     _cx = {"W": _w, "BLOCK": 4096, **_CACHE}
     KERNELS[f"one_shot_all_reduce_bf16_w{_w}"] = (
         one_shot_all_reduce_kernel,
@@ -165,7 +166,7 @@ for _w, _peers, _sub in ((2, 1, 4096), (8, 8, 512)):
              "stride_res_out:i32 slot_stride:i32 src_stride:i32 row_stride:i32 eps:fp32", _LAMPORT,
              ["W", "PEERS", "BLOCK", "SUB", "ONE_TILE", "HAS_BIAS", *_CACHE]),
         # at 2 ranks an 8192-wide row is one receive tile, normalised from registers; at 8, four
-        {**_cx, "PEERS": _peers, "SUB": row_blocks(8192, _w, 2)[1], "ONE_TILE": _w == 2, "HAS_BIAS": True},
+        {**_cx, "PEERS": _peers, "SUB": row_blocks(8192, _w, 2, NORM_THREADS)[1], "ONE_TILE": _w == 2, "HAS_BIAS": True},
         lambda target: {"num_warps": norm_num_warps(target.warp_size)})
 # GEMM + all-reduce (kernels/gemm_ar.py): decode tiles (16 rows, narrow N, long K blocks), the
 # all-reduce's exchange in the epilogue; at 2 ranks on rank 1 with M = 1 (both made constants by

@@ -44,18 +44,17 @@ import triton.language as tl
 
 from tp_overlap_plugin.kernels import rma
 from tp_overlap_plugin.kernels.lamport import (advance, bits, column, flag, not_yet, peer_tile, peers_pow2, sendable,
-                                               sum_in_rank_order, wait_landed)
+                                               sum_in_rank_order, tile_elems, wait_landed)
 
 # Bytes of a chunk, the unit of epochs and slots whatever the dtype: a program pushes a chunk in
 # one go, 16-byte vectors for every thread of an 8-warp program (wave64 on CDNA included).
 CHUNK_BYTES = 8192
-# Elements of a receive tile (a piece of every peer's chunk at once) held in registers.
-TILE_ELEMS = 4096
 
 
-def sub_block(block: int, world: int) -> int:
-    """Rows of a receive tile: the whole chunk (block elements) when it fits TILE_ELEMS."""
-    return min(block, max(TILE_ELEMS // peers_pow2(world), 16))
+def sub_block(block: int, world: int, threads: int) -> int:
+    """Rows of a receive tile (a piece of every peer's chunk at once, held in registers): the whole
+    chunk (block elements) where it fits lamport.tile_elems, else as many rows as do."""
+    return min(block, max(tile_elems(threads) // peers_pow2(world), 16))
 
 
 @triton.jit

@@ -27,21 +27,19 @@ import triton.language as tl
 from tp_overlap_plugin.kernels import rma
 from tp_overlap_plugin.kernels.allreduce import CHUNK_BYTES
 from tp_overlap_plugin.kernels.lamport import (advance, bits, flag, not_yet, peer_tile, peers_pow2, sendable,
-                                               sum_in_rank_order, wait_landed)
+                                               sum_in_rank_order, tile_elems, wait_landed)
 
 
-# Elements of a receive tile (every peer's copy of a row's columns): a 4096- or 8192-wide row at
-# TP=2 and a 4096-wide one at TP=4 come in as one tile and are normalised from registers; a 4096
-# tile (the all-reduce's) made an 8192-wide row two tiles and a second pass, +2-4 us at 1-8 rows
-# (bench/notes/allreduce.md).
-ROW_TILE_ELEMS = 16384
 
 
-def row_blocks(hidden: int, world: int, elsize: int) -> tuple[int, int]:
+def row_blocks(hidden: int, world: int, elsize: int, threads: int) -> tuple[int, int]:
     """(columns pushed at a time, columns received at a time): a row, or CHUNK_BYTES of it, goes
-    out in one piece; it comes in as receive tiles of every peer at once, the whole row if it fits."""
+    out in one piece; it comes in as receive tiles of every peer at once (lamport.tile_elems), the
+    whole row if it fits. At 512 threads (16384 elements) a 4096- or 8192-wide row at TP=2 and a
+    4096-wide one at TP=4 come in as one tile and are normalised from registers; a 4096 tile made
+    an 8192-wide row two tiles and a second pass, +2-4 us at 1-8 rows (bench/notes/allreduce.md)."""
     block = min(triton.next_power_of_2(hidden), CHUNK_BYTES // elsize)
-    return block, min(triton.next_power_of_2(hidden), max(ROW_TILE_ELEMS // peers_pow2(world), 16))
+    return block, min(triton.next_power_of_2(hidden), max(tile_elems(threads) // peers_pow2(world), 16))
 
 
 @triton.jit

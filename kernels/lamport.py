@@ -20,6 +20,19 @@ import triton.language as tl
 from tp_overlap_plugin.kernels import rma, triton_compat
 
 
+# Elements of a receive tile per thread, at least. With fewer, a [rows, PEERS] tile's peers spread over
+# the threads, and H200x4 measured the one-shot at 8 KB-512 KB taking 31-36 us with 16 per thread and
+# 98-105 us with 8, against 6.1-7.5 us with 32 or more, whatever the warp count (bench/notes/allreduce.md,
+# "The W=4 cliff"). At W=2 (one column) the tile never crossed it; at W=4 the old 4096-element tile
+# at 8 warps did.
+TILE_ELEMS_PER_THREAD = 32
+
+
+def tile_elems(threads: int) -> int:
+    """Elements of a receive tile (all peers' columns together) for a program of `threads` threads."""
+    return TILE_ELEMS_PER_THREAD * threads
+
+
 def peers_pow2(world: int) -> int:
     """Columns of a receive tile: one per peer, rounded up to a power of two."""
     return triton.next_power_of_2(max(world - 1, 1))

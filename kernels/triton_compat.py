@@ -96,3 +96,33 @@ def clock_ns(_semantic=None):
 
 
 setattr(clock_ns, tl.core.TRITON_BUILTIN, True)  # what @tl.core.builtin marks, without its interpreter check
+
+
+def launch_hooks_active() -> bool:
+    """Whether a launch hook is installed (a profiler such as proton): then launches take Triton's own
+    path, which builds the metadata the hooks read (tp_overlap_plugin/launch.py)."""
+    from triton import knobs
+    for name in ("launch_enter_hook", "launch_exit_hook"):
+        hook = getattr(knobs.runtime, name, None)
+        if hook is not None and (not hasattr(hook, "calls") or hook.calls):
+            return True
+    return False
+
+
+def direct_launch(compiled):
+    """A function (grid_x, stream, args) launching a compiled kernel (what `kernel[grid](...)` returns)
+    without Triton's per-call binding: `args` are every parameter's value in signature order,
+    constexprs included (the launcher skips them), as JITFunction.run passes them to
+    CompiledKernel.run on Triton 3.6 and 3.9. No launch metadata, no hooks: callers check
+    launch_hooks_active() first."""
+    run, function, packed = _get(compiled, "run", "CompiledKernel.run"), compiled.function, compiled.packed_metadata
+
+    def launch(grid_x, stream, args):
+        run(grid_x, 1, 1, stream, function, packed, None, None, None, *args)
+    return launch
+
+
+def current_raw_stream():
+    """The function Triton itself asks for the current stream's handle (torch's raw stream getter)."""
+    from triton.runtime import driver
+    return _get(driver.active, "get_current_stream", "triton.runtime.driver.active.get_current_stream")

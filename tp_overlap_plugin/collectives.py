@@ -9,6 +9,7 @@ import torch.distributed as dist
 import triton
 
 from tp_overlap_plugin import runtime, stats
+from tp_overlap_plugin.launch import Launcher
 from tp_overlap_plugin.heap import SymmetricHeap
 from tp_overlap_plugin.kernels.allreduce import (CHUNK_BYTES, one_shot_all_reduce_kernel, sub_block,
                                                  two_shot_all_reduce_kernel)
@@ -30,6 +31,12 @@ BITS = {2: torch.int16, 4: torch.int32}  # a float dtype's bits, by element size
 
 def norm_num_warps(warp_size: int) -> int:
     return max(NORM_THREADS // warp_size, 1)
+
+
+def warp_size(device: torch.device) -> int:
+    """Threads of a warp (a wavefront on CDNA): the receive tiles are sized per thread
+    (kernels/lamport.py: tile_elems). The interpreter's programs are sized as on NVIDIA."""
+    return runtime.warp_size(device) if device.type == "cuda" else 32
 
 
 def resident_programs(device: torch.device, cross_program_waits: bool = False) -> int:
@@ -73,15 +80,23 @@ def alloc_row_slots(heap: SymmetricHeap, max_rows: int, n: int, dtype: torch.dty
     return slots
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory spans of two tensors intersect (from the first to the last element)."""
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    def span(t):
-        lo = t.data_ptr()
-        return lo, lo + (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """Addresses from a tensor's first to one past its last element."""
+    lo = t.data_ptr()
+    return lo, lo + (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def _outputs_overlap(outs, ins) -> bool:
+    """Whether the memory span of any non-empty tensor of `outs` intersects one of `ins`."""
+    for o in outs:
+        if o is None or o.numel() == 0:
+            continue
+        o0, o1 = _span(o)
+        for i in ins:
+            i0, i1 = _span(i)
+            if o0 < i1 and i0 < o1:
+                return True
+    return False
 
 
 def _bits_view(buf: torch.Tensor, elsize: int) -> torch.Tensor:
@@ -93,7 +108,8 @@ class HeapAllReduce:
     the same shape, dtype and algorithm, in the same order.
 
     `algorithm`: "one_shot" (messages up to `one_shot_max_bytes`), "two_shot" (up to `max_bytes`),
-    or "auto": one-shot up to `one_shot_max_bytes`, two-shot above. An algorithm asked for by name
+    or "auto": one-shot up to `auto_one_shot_bytes` (default and at most `one_shot_max_bytes`; the
+    dispatch table's measured crossover for this device and world size), two-shot above. An algorithm asked for by name
     always runs or raises: a message it does not cover is a ValueError naming the limit, never a
     quiet switch. With "auto", messages no kernel covers (another dtype, non-contiguous, over
     `max_bytes`) go through torch.distributed on `device_group`; `stats` records which path ran.
@@ -105,7 +121,8 @@ class HeapAllReduce:
     """
 
     def __init__(self, heap: SymmetricHeap, max_bytes: int = DEFAULT_MAX_BYTES,
-                 device_group: dist.ProcessGroup | None = None, one_shot_max_bytes: int | None = None):
+                 device_group: dist.ProcessGroup | None = None, one_shot_max_bytes: int | None = None,
+                 auto_one_shot_bytes: int | None = None):
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         if one_shot_max_bytes is not None and one_shot_max_bytes <= 0:
@@ -117,6 +134,10 @@ class HeapAllReduce:
         self.chunk_bytes = CHUNK_BYTES
         layout = self.layout(W, max_bytes, one_shot_max_bytes)
         self.max_bytes, self.one_shot_bytes = layout["max_bytes"], layout["one_shot_bytes"]
+        # "auto"'s crossover: measured per device and world size by tune (the dispatch table's
+        # one_shot_max_bytes), at most what the one-shot's slots hold
+        self.auto_one_shot_bytes = min(self.one_shot_bytes, self.one_shot_bytes if auto_one_shot_bytes is None
+                                       else max(auto_one_shot_bytes, 0))
         self.scatter_chunks = layout["scatter_chunks"]
         self.one_shot_slots = heap.alloc((2, W, self.one_shot_bytes), torch.uint8, name="all_reduce.one_shot")
         self.scatter_slots = heap.alloc((2, W, self.scatter_chunks * self.chunk_bytes), torch.uint8,
@@ -133,15 +154,26 @@ class HeapAllReduce:
         self.num_programs = resident_programs(heap.device)
         self.cache_modifiers = cache_modifiers(heap.device)
         self.stream_order = runtime.StreamOrder()
-        # per element size: the slots as words of that size, and the tile shapes (the host's
-        # per-call work stays a lookup: eager calls are host-bound)
+        # per element size and algorithm, the kernel's launcher with everything but the message bound
+        # once (eager calls are host-bound: tp_overlap_plugin/launch.py)
+        threads = NUM_WARPS * warp_size(heap.device)
+        h = heap
         self._launch = {}
         for es in BITS:
             block = CHUNK_BYTES // es
-            self._launch[es] = {"block": block, "sub": sub_block(block, W), "peers": peers_pow2(W),
-                                "one_shot": _bits_view(self.one_shot_slots, es),
-                                "scatter": _bits_view(self.scatter_slots, es),
-                                "gather": _bits_view(self.gather_slots, es)}
+            one_shot, scatter, gather = (_bits_view(t, es) for t in (self.one_shot_slots, self.scatter_slots,
+                                                                      self.gather_slots))
+            comm = dict(rank=h.rank, heap_bases=h.heap_bases, error_ptr=h.error, W=W, BLOCK=block,
+                        num_warps=NUM_WARPS, **self.cache_modifiers)
+            self._launch[es] = (block, {
+                "one_shot": Launcher(one_shot_all_reduce_kernel, h.device, ("x_ptr", "out_ptr", "n"), **comm,
+                                     slots_ptr=one_shot, epoch_ptr=self.one_shot_epochs,
+                                     slot_stride=one_shot.stride(0), src_stride=one_shot.stride(1),
+                                     PEERS=peers_pow2(W), SUB=sub_block(block, W, threads)),
+                "two_shot": Launcher(two_shot_all_reduce_kernel, h.device, ("x_ptr", "out_ptr", "n"), **comm,
+                                     scatter_ptr=scatter, gather_ptr=gather, epoch_ptr=self.two_shot_epochs,
+                                     scatter_slot_stride=scatter.stride(0), scatter_src_stride=scatter.stride(1),
+                                     gather_slot_stride=gather.stride(0))})
         heap.publish()
 
     @staticmethod
@@ -166,7 +198,7 @@ class HeapAllReduce:
 
     def algorithm_for(self, nbytes: int) -> str:
         """What "auto" runs for a covered message of this size."""
-        return "one_shot" if nbytes <= self.one_shot_bytes else "two_shot"
+        return "one_shot" if nbytes <= self.auto_one_shot_bytes else "two_shot"
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, algorithm: str = "auto") -> torch.Tensor:
         if algorithm not in ALGORITHMS:
@@ -202,24 +234,9 @@ class HeapAllReduce:
                              f"one_shot_max_bytes")
         self.stream_order.before_call(x.device)
         stats.record(f"all_reduce.{algorithm}")
-        h, W = self.heap, self.world
-        launch = self._launch[x.element_size()]
-        grid = (min(triton.cdiv(x.numel(), launch["block"]), self.num_programs),)
-        if algorithm == "one_shot":
-            slots = launch["one_shot"]
-            one_shot_all_reduce_kernel[grid](
-                x_ptr=x, out_ptr=out, slots_ptr=slots, epoch_ptr=self.one_shot_epochs, n=x.numel(),
-                slot_stride=slots.stride(0), src_stride=slots.stride(1), rank=h.rank, heap_bases=h.heap_bases,
-                error_ptr=h.error, W=W, PEERS=launch["peers"], BLOCK=launch["block"], SUB=launch["sub"],
-                num_warps=NUM_WARPS, **self.cache_modifiers)
-        else:
-            scatter, gather = launch["scatter"], launch["gather"]
-            two_shot_all_reduce_kernel[grid](
-                x_ptr=x, out_ptr=out, scatter_ptr=scatter, gather_ptr=gather, epoch_ptr=self.two_shot_epochs,
-                n=x.numel(), scatter_slot_stride=scatter.stride(0), scatter_src_stride=scatter.stride(1),
-                gather_slot_stride=gather.stride(0), rank=h.rank, heap_bases=h.heap_bases, error_ptr=h.error, W=W,
-                BLOCK=launch["block"], num_warps=NUM_WARPS, **self.cache_modifiers)
-        h.check_if_free()
+        block, launchers = self._launch[x.element_size()]
+        launchers[algorithm](min(-(-x.numel() // block), self.num_programs), x, out, x.numel())
+        self.heap.check_if_free()
         return out
 
 
@@ -242,8 +259,9 @@ class HeapAllReduceNorm:
             raise ValueError(f"all_reduce_rmsnorm needs hidden > 0 and max_rows > 0, got {hidden}, {max_rows}")
         self.heap, self.hidden, self.max_rows, self.dtype = heap, hidden, max_rows, dtype
         W, es = heap.world_size, torch.empty((), dtype=dtype).element_size()
+        self.num_warps = norm_num_warps(warp_size(heap.device))
         self.slots = alloc_row_slots(heap, max_rows, hidden, dtype, "all_reduce_norm.slots")
-        self.block, self.sub = row_blocks(hidden, W, es)
+        self.block, self.sub = row_blocks(hidden, W, es, self.num_warps * warp_size(heap.device))
         self.pieces = triton.cdiv(hidden, self.block)  # a row goes out in this many pushes
         self.push_epochs = heap.alloc((max_rows * self.pieces,), torch.int64, name="all_reduce_norm.push_epochs")
         self.row_epochs = heap.alloc((max_rows,), torch.int64, name="all_reduce_norm.row_epochs")
@@ -251,15 +269,22 @@ class HeapAllReduceNorm:
             t.zero_()
         # a row's pieces may be pushed by another program than the one that waits for them
         self.num_programs = resident_programs(heap.device, cross_program_waits=True)
-        self.cache_modifiers = cache_modifiers(heap.device)
-        on_gpu = heap.device.type == "cuda"
-        self.num_warps = norm_num_warps(torch.cuda.get_device_properties(heap.device).warp_size if on_gpu else 32)
         self.stream_order = runtime.StreamOrder()
+        self.launch = Launcher(
+            all_reduce_rmsnorm_kernel, heap.device,
+            ("x_ptr", "res_ptr", "w_ptr", "bias_ptr", "out_ptr", "res_out_ptr", "rows", "stride_x", "stride_res",
+             "stride_out", "stride_res_out", "eps", "HAS_BIAS"),
+            slots_ptr=self.slots, push_epoch_ptr=self.push_epochs, row_epoch_ptr=self.row_epochs, n=hidden,
+            slot_stride=self.slots.stride(0), src_stride=self.slots.stride(1), row_stride=self.slots.stride(2),
+            rank=heap.rank, heap_bases=heap.heap_bases, error_ptr=heap.error, W=W, PEERS=peers_pow2(W),
+            BLOCK=self.block, SUB=self.sub, ONE_TILE=hidden <= self.sub, num_warps=self.num_warps,
+            **cache_modifiers(heap.device))
         heap.publish()
 
     @staticmethod
     def heap_bytes(world: int, hidden: int, max_rows: int, dtype: torch.dtype) -> int:
-        block = row_blocks(hidden, world, torch.empty((), dtype=dtype).element_size())[0]
+        # the push block does not depend on the receive tile's threads
+        block = row_blocks(hidden, world, torch.empty((), dtype=dtype).element_size(), NORM_THREADS)[0]
         epochs = max_rows * (triton.cdiv(hidden, block) + 1)  # push_epochs and row_epochs
         return row_slots_bytes(world, max_rows, hidden, dtype) + 8 * epochs + 3 * 256
 
@@ -272,6 +297,31 @@ class HeapAllReduceNorm:
                  residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(normed, new_residual): [T, hidden] each, new tensors unless `out` / `residual_out` are
         given (neither may overlap x or residual)."""
+        # one expression on the path every valid call takes; the loops that name what is wrong run
+        # only when it fails (eager calls are host-bound)
+        shape = x.shape
+        dev = self.heap.device
+        if not (self.applies(x) and x.device == dev
+                and all(t is None or (t.shape == s and t.dtype == self.dtype and t.device == dev and t.stride(-1) == 1)
+                        for t, s in ((residual, shape), (weight, (self.hidden,)), (bias, (self.hidden,)),
+                                     (out, shape), (residual_out, shape)))
+                and not ((out is not None or residual_out is not None)
+                         and _outputs_overlap((out, residual_out), (x, residual)))):
+            self._raise_bad_call(x, residual, weight, bias, out, residual_out)
+        rows = shape[0]
+        normed = out if out is not None else torch.empty(shape, dtype=self.dtype, device=dev)
+        new_residual = residual_out if residual_out is not None else torch.empty(shape, dtype=self.dtype, device=dev)
+        if rows == 0:
+            return normed, new_residual
+        self.stream_order.before_call(dev)
+        stats.record("all_reduce_norm.kernel")
+        self.launch(min(rows * self.pieces, self.num_programs), x, residual, weight,
+                    bias if bias is not None else weight, normed, new_residual, rows, x.stride(0), residual.stride(0),
+                    normed.stride(0), new_residual.stride(0), eps, bias is not None)
+        self.heap.check_if_free()
+        return normed, new_residual
+
+    def _raise_bad_call(self, x, residual, weight, bias, out, residual_out) -> None:
         if not self.applies(x):
             raise ValueError(f"all_reduce_rmsnorm takes [T <= {self.max_rows}, {self.hidden}] {self.dtype} rows with "
                              f"unit column stride; got {x.dtype} {tuple(x.shape)} strides {x.stride()}")
@@ -289,26 +339,7 @@ class HeapAllReduceNorm:
         for name, t in (("out", out), ("residual_out", residual_out)):
             for src_name, src in (("x", x), ("residual", residual)):
                 # the kernel stores rows while later rows (and peers' pushes of them) are still read
-                if t is not None and t.numel() and _overlap(t, src):
+                if t is not None and _outputs_overlap((t,), (src,)):
                     raise ValueError(f"all_reduce_rmsnorm {name} overlaps {src_name}: the kernel writes a row's "
                                      f"outputs while it still reads the inputs; pass separate tensors")
-        rows = x.shape[0]
-        normed = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
-        new_residual = (residual_out if residual_out is not None
-                        else torch.empty_like(x, memory_format=torch.contiguous_format))
-        if rows == 0:
-            return normed, new_residual
-        self.stream_order.before_call(x.device)
-        stats.record("all_reduce_norm.kernel")
-        h, W = self.heap, self.heap.world_size
-        all_reduce_rmsnorm_kernel[(min(rows * self.pieces, self.num_programs),)](
-            x_ptr=x, res_ptr=residual, w_ptr=weight, bias_ptr=bias if bias is not None else weight, out_ptr=normed,
-            res_out_ptr=new_residual, slots_ptr=self.slots, push_epoch_ptr=self.push_epochs,
-            row_epoch_ptr=self.row_epochs, rows=rows, n=self.hidden, stride_x=x.stride(0),
-            stride_res=residual.stride(0), stride_out=normed.stride(0), stride_res_out=new_residual.stride(0),
-            slot_stride=self.slots.stride(0), src_stride=self.slots.stride(1), row_stride=self.slots.stride(2),
-            eps=eps, rank=h.rank, heap_bases=h.heap_bases, error_ptr=h.error, W=W, PEERS=peers_pow2(W),
-            BLOCK=self.block, SUB=self.sub, ONE_TILE=self.hidden <= self.sub, HAS_BIAS=bias is not None,
-            num_warps=self.num_warps, **self.cache_modifiers)
-        h.check_if_free()
-        return normed, new_residual
+        raise AssertionError("all_reduce_rmsnorm: a call failed its checks, and none says why")

@@ -50,6 +50,9 @@ class Dispatcher:
     gemv_rows: list[dict] = field(default_factory=list)  # {M, K, N, winner}: "gemv" or "stock"
     # {M, K, N, winner}: "fused" (gate_up with SiLU-mul in our GEMM's epilogue) or "stock"; N = gate | up
     silu_mul_rows: list[dict] = field(default_factory=list)
+    # the all-reduce's "auto": one-shot up to this many bytes, two-shot above (tune measures it per
+    # device and world size; None: collectives.DEFAULT_ONE_SHOT_BYTES)
+    one_shot_max_bytes: int | None = None
     source: str = "none"
     margin: float = 1.02  # a layout change must win by this much (the table's own margin when loaded)
     missing: str | None = None  # the table file that was looked for and not found
@@ -80,7 +83,7 @@ class Dispatcher:
         data = found.data
         return cls(mode=mode, gemm=data.get("gemm", []), all_reduce=data.get("all_reduce", []),
                    gemm_all_reduce_rows=data.get("gemm_all_reduce", []), gemv_rows=data.get("gemv", []),
-                   silu_mul_rows=data.get("gemm_silu_mul", []),
+                   silu_mul_rows=data.get("gemm_silu_mul", []), one_shot_max_bytes=data.get("one_shot_max_bytes"),
                    source=found.describe(), margin=data.get("margin", cls.margin), warnings=found.warnings)
 
     @property

@@ -186,6 +186,7 @@ def prefers_cublas(m: int, n: int, k: int, device: torch.device) -> bool:
 GEMM_AR_BLOCK_N = (128, 64, 32, 16)
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of its arguments, looked up per call
 def gemm_all_reduce_config(m: int, n: int, programs: int, device: torch.device) -> TileConfig:
     """Tiles for GEMM + all-reduce at decode sizes (kernels/gemm_ar.py), on paper until measured:
     the GEMM streams the weight once, so the tiles are as narrow in N as it takes for every SM to

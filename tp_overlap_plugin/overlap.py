@@ -23,14 +23,15 @@ import torch.distributed as dist
 import triton
 
 from tp_overlap_plugin import runtime, stats
-from tp_overlap_plugin.collectives import alloc_row_slots, cache_modifiers, resident_programs, row_slots_bytes
+from tp_overlap_plugin.collectives import (alloc_row_slots, cache_modifiers, resident_programs, row_slots_bytes,
+                                          warp_size)
 from tp_overlap_plugin.decode_config import FMA_MAX_ROWS, MAX_ROWS, DecodeConfig, pick_decode_config
 from tp_overlap_plugin.gemm_config import (TileConfig, gemm_all_reduce_config, pick_config,  # noqa: F401
                                            prefers_cublas)
 from tp_overlap_plugin.heap import SymmetricHeap, stream_write_value32
+from tp_overlap_plugin.launch import Launcher
 from tp_overlap_plugin.kernels import triton_compat
-from tp_overlap_plugin.kernels.allreduce import TILE_ELEMS
-from tp_overlap_plugin.kernels.lamport import peers_pow2
+from tp_overlap_plugin.kernels.lamport import peers_pow2, tile_elems
 from tp_overlap_plugin.kernels.gemm import gemm_kernel
 from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel, copy_engine_begin_kernel
 from tp_overlap_plugin.kernels.gemm_ar import gemm_all_reduce_kernel
@@ -491,6 +492,11 @@ class GemmReduceScatter:
         return c
 
 
+# GEMM + all-reduce's arguments that change from call to call (the rest is bound per op: launch.py)
+_GEMM_AR_VARYING = ("a_ptr", "b_ptr", "bias_ptr", "out_ptr", "M", "K", "stride_am", "stride_bk", "stride_bn", "stride_om",
+                    "BLOCK_M", "BLOCK_N", "BLOCK_K", "SUB_M", "GROUP_M", "EVEN_K", "HAS_BIAS")
+
+
 class GemmAllReduce:
     """out = all_reduce(x @ weight.T) [+ bias], for the replicated (decode) layout's row-parallel layers:
     every rank holds all M rows of its K-slice of x and the matching columns of the nn.Linear weight
@@ -513,6 +519,8 @@ class GemmAllReduce:
         self.calls = torch.zeros(2, dtype=torch.int64, device=heap.device)  # kernels/calls.py
         self.programs = resident_programs(heap.device)
         self.cache_modifiers = cache_modifiers(heap.device)
+        self.warp_size = warp_size(heap.device)
+        self._launchers: dict = {}  # per (num_warps, num_stages): launch.Launcher
         self.stream_order = runtime.StreamOrder()
         heap.publish()
 
@@ -561,15 +569,17 @@ class GemmAllReduce:
         cfg = config or gemm_all_reduce_config(m, self.n, self.programs, h.device)
         tiles = -(-m // cfg.block_m) * -(-self.n // cfg.block_n)
         peers = peers_pow2(W)
-        sub_m = max(1, min(cfg.block_m, TILE_ELEMS // (cfg.block_n * peers)))
-        gemm_all_reduce_kernel[(min(tiles, self.programs),)](
-            a_ptr=x, b_ptr=weight, bias_ptr=bias if bias is not None else out, out_ptr=out, slots_ptr=self.slots,
-            calls_ptr=self.calls, M=m, N=self.n, K=k, stride_am=x.stride(0), stride_bk=weight.stride(1),
-            stride_bn=weight.stride(0), stride_om=out.stride(0), slot_stride=self.slots.stride(0),
-            src_stride=self.slots.stride(1), row_stride=self.slots.stride(2), rank=h.rank, heap_bases=h.heap_bases,
-            error_ptr=h.error, W=W, PEERS=peers,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SUB_M=sub_m, GROUP_M=cfg.group_m,
-            EVEN_K=k % cfg.block_k == 0, INTERPRET=h.device.type == "cpu", HAS_BIAS=bias is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **self.cache_modifiers)
+        sub_m = max(1, min(cfg.block_m, tile_elems(cfg.num_warps * self.warp_size) // (cfg.block_n * peers)))
+        launch = self._launchers.get((cfg.num_warps, cfg.num_stages))
+        if launch is None:
+            launch = self._launchers[(cfg.num_warps, cfg.num_stages)] = Launcher(
+                gemm_all_reduce_kernel, h.device, _GEMM_AR_VARYING, N=self.n, slots_ptr=self.slots,
+                calls_ptr=self.calls, slot_stride=self.slots.stride(0), src_stride=self.slots.stride(1),
+                row_stride=self.slots.stride(2), rank=h.rank, heap_bases=h.heap_bases, error_ptr=h.error, W=W,
+                PEERS=peers, INTERPRET=h.device.type == "cpu", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **self.cache_modifiers)
+        launch(min(tiles, self.programs), x, weight, bias if bias is not None else out, out, m, k, x.stride(0),
+               weight.stride(1), weight.stride(0), out.stride(0), cfg.block_m, cfg.block_n, cfg.block_k, sub_m,
+               cfg.group_m, k % cfg.block_k == 0, bias is not None)
         h.check_if_free()
         return out

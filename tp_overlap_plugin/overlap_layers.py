@@ -108,7 +108,9 @@ class OverlapTPLayers(TPLayers):
         self._ag: dict[int, AllGatherGemm] = {}
         self._rs: dict[int, GemmReduceScatter] = {}
         self._ops: set[tuple[str, int, int]] = set()  # (op, K, N) of every linear layer built
-        self.all_reduce = HeapAllReduce(heap, ALL_REDUCE_BYTES, device_group=tp.group) if heap is not None else None
+        self.all_reduce = (HeapAllReduce(heap, ALL_REDUCE_BYTES, device_group=tp.group,
+                                         auto_one_shot_bytes=self.dispatcher.one_shot_max_bytes)
+                           if heap is not None else None)
         self._norms: dict[int, HeapAllReduceNorm] = {}  # the fused all-reduce + norm, per hidden size
         self._gemm_ar: dict[int, GemmAllReduce] = {}  # GEMM + all-reduce, per output size
         self.tokens = 0              # T of the current step

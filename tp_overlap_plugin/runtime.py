@@ -18,6 +18,11 @@ def multiprocessor_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def warp_size(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).warp_size
+
+
 def capturing(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -37,14 +42,25 @@ class StreamOrder:
 
     def __init__(self):
         self.last: torch.cuda.Stream | None = None
+        self.last_handle = None
+        self.raw_stream = None
 
     def before_call(self, device: torch.device) -> None:
-        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        if device.type != "cuda":
+            return
+        if self.raw_stream is None:
+            from tp_overlap_plugin.kernels import triton_compat
+            self.raw_stream = triton_compat.current_raw_stream()
+            self.index = device.index if device.index is not None else torch.cuda.current_device()
+        # the common case, the same stream as the last call, costs one handle lookup (eager calls
+        # are host-bound)
+        handle = self.raw_stream(self.index)
+        if handle == self.last_handle or torch.cuda.is_current_stream_capturing():
             return
         stream = torch.cuda.current_stream(device)
-        if self.last is not None and stream != self.last:
+        if self.last is not None:
             stream.wait_stream(self.last)
-        self.last = stream
+        self.last, self.last_handle = stream, handle
 
 
 def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:

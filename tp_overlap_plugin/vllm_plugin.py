@@ -291,7 +291,8 @@ def _ensure_all_reduce(opts: Options) -> str:
             logger.warning(w)
     heap = SymmetricHeap(tp.cpu_group, device, heap_size=opts.resolved_heap_size(tp.world_size),
                          backend=opts.backend, timeout_s=opts.heap_timeout_s)
-    reducer = HeapAllReduce(heap, max_bytes=opts.max_bytes, device_group=tp.device_group)
+    reducer = HeapAllReduce(heap, max_bytes=opts.max_bytes, device_group=tp.device_group,
+                            auto_one_shot_bytes=dispatcher.one_shot_max_bytes)
     custom_ops.register_all_reduce(key, reducer, tensor_model_parallel_all_reduce,
                                    choose=dispatcher.ipc_all_reduce)
     _heaps[key] = heap

@@ -49,10 +49,29 @@ def _spread(row: dict, key: str, rs: list[float]) -> None:
         row[key] = [min(rs), statistics.median(rs), max(rs)]
 
 
-def auto_algorithm(r: dict) -> str:
+def one_shot_crossover(all_reduce: list[dict]) -> int:
+    """"auto"'s one-shot limit for the measured device and world size: the largest size up to which
+    the one-shot took no longer than the two-shot in CUDA graphs at every measured size, at most
+    DEFAULT_ONE_SHOT_BYTES (what its receive slots hold). At W=2 on H200 the one-shot wins to 1 MB; at
+    W=4 the two-shot wins from 512 KB (bench/notes/allreduce.md): a constant fits one W only. Runs
+    from before the two-shot was measured keep the old constant."""
+    limit = 0
+    for r in sorted(all_reduce, key=lambda r: r["bytes"]):
+        one, two = r.get("ours_one_shot_graph_us"), r.get("ours_two_shot_graph_us")
+        if r["bytes"] > DEFAULT_ONE_SHOT_BYTES:
+            break
+        if two is None:
+            return DEFAULT_ONE_SHOT_BYTES
+        if one is None or one > two:
+            break
+        limit = r["bytes"]
+    return limit
+
+
+def auto_algorithm(r: dict, crossover: int = DEFAULT_ONE_SHOT_BYTES) -> str:
     """The kernel "auto" runs at this size; runs from before two-shot was measured have the one-shot
     only, which "auto" then was."""
-    return "two_shot" if r["bytes"] > DEFAULT_ONE_SHOT_BYTES and "ours_two_shot_graph_us" in r else "one_shot"
+    return "two_shot" if r["bytes"] > crossover and "ours_two_shot_graph_us" in r else "one_shot"
 
 
 def gemm_all_reduce_rows(gemm_ar: dict, margin: float = MARGIN) -> list[dict]:
@@ -135,8 +154,9 @@ def gemm_rows(overlap: dict, margin: float = MARGIN) -> list[dict]:
 def all_reduce_rows(all_reduce: list[dict], margin: float = MARGIN) -> list[dict]:
     """Per message size: our all-reduce as "auto" runs it against NCCL, in CUDA graphs and eager."""
     ar = []
+    crossover = one_shot_crossover(all_reduce)
     for r in all_reduce:
-        algorithm = auto_algorithm(r)
+        algorithm = auto_algorithm(r, crossover)
         g, ng = r.get(f"ours_{algorithm}_graph_us"), r.get("nccl_graph_us")
         e, ne = r.get(f"ours_{algorithm}_eager_us"), r.get("nccl_eager_us")
         rg = ratios(_repeats(r, "nccl_graph_us"), _repeats(r, f"ours_{algorithm}_graph_us"))
@@ -161,7 +181,9 @@ def build(overlap: dict | None, foundation: dict | None, gemm_ar: dict | None = 
              "triton": env["triton"]}
     if "driver" in env:
         table["driver"] = env["driver"]
-    table.update({"margin": margin, "one_shot_max_bytes": DEFAULT_ONE_SHOT_BYTES,
+    measured = foundation["rank0"]["all_reduce"] if foundation else []
+    table.update({"margin": margin,
+                  "one_shot_max_bytes": one_shot_crossover(measured) if measured else DEFAULT_ONE_SHOT_BYTES,
                   "gemm": gemm_rows(overlap, margin) if overlap else [],
                   "all_reduce": all_reduce_rows(foundation["rank0"]["all_reduce"], margin) if foundation else [],
                   "command": command or "python bench/overlap.py --tp W && python bench/foundation.py --tp W && "

@@ -1,0 +1,86 @@
+"""Launching one op's Triton kernel with Triton's per-call host work done once per specialization.
+
+Why: `kernel[grid](**kwargs)` binds every argument, computes the specialization key and looks the
+compiled kernel up on every call: 18 us of host time per launch of the one-shot all-reduce on an
+H200 host (Triton 3.6), against 7.5 us for the whole of torch's C++ symmetric-memory all-reduce
+(bench/notes/allreduce.md). Our ops launch one kernel per call, so eager callers (vLLM's eager
+mode, prefill steps above the graph buckets, tune's eager rows) were host-bound.
+
+A `Launcher` belongs to one op instance. The op names at construction the arguments that stay fixed
+(heap buffers, strides of its own slots, constexprs, num_warps) and the ones that vary per call.
+Per call it computes what of the varying ones can change the compiled kernel (Triton specialises a
+pointer on 16-byte alignment, an integer on being 1 or a multiple of 16, and compiles one kernel
+per constexpr value and dtype); the first call with a new such key goes through Triton
+(compiling if needed) and keeps the compiled kernel, later ones launch it directly
+(kernels/triton_compat.direct_launch). The key is conservative: it also splits on integers that
+the kernel does not specialise (do_not_specialize), which costs at most an extra lookup.
+
+The interpreter (CPU) and an installed launch hook (a profiler) take Triton's path on every call.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from tp_overlap_plugin.kernels import triton_compat
+
+
+def _spec(v):
+    """What of a varying argument Triton's compiled kernel depends on."""
+    if isinstance(v, torch.Tensor):
+        return v.dtype, v.data_ptr() % 16 == 0
+    if isinstance(v, bool) or v is None:
+        return v
+    if isinstance(v, int):
+        return v == 1, v % 16 == 0
+    if isinstance(v, float):
+        return float
+    return v  # a constexpr value (dtype, string, ...)
+
+
+class Launcher:
+    """`launcher(grid_x, *varying)`: the kernel on a 1-D grid, with `varying` (in the order given at
+    construction) and the fixed arguments."""
+
+    def __init__(self, kernel, device: torch.device, varying: tuple[str, ...], **fixed):
+        self.kernel, self.varying = kernel, tuple(varying)
+        names = list(kernel.arg_names)
+        missing = [n for n in self.varying if n not in names]
+        unknown = [n for n in fixed if n not in names and n not in _OPTIONS]
+        if missing or unknown:
+            raise ValueError(f"Launcher for {kernel.__name__}: not parameters of the kernel: {missing + unknown}")
+        defaults = {n: p.default for n, p in inspect.signature(kernel.fn).parameters.items() if p.default is not _EMPTY}
+        absent = [n for n in names if n not in fixed and n not in self.varying and n not in defaults]
+        if absent:
+            raise ValueError(f"Launcher for {kernel.__name__}: no value for {absent}")
+        self.fixed = fixed
+        self.direct = device.type == "cuda"
+        # the argument tuple in signature order, with the varying slots to fill per call
+        self.template = [fixed[n] if n in fixed else defaults.get(n) for n in names]
+        self.slots = [names.index(n) for n in self.varying]
+        self.compiled: dict = {}
+        if self.direct:
+            self.raw_stream = triton_compat.current_raw_stream()
+            self.device_index = device.index if device.index is not None else torch.cuda.current_device()
+
+    def __call__(self, grid_x: int, *values) -> None:
+        if self.direct and not triton_compat.launch_hooks_active():
+            key = tuple(_spec(v) for v in values)
+            launch = self.compiled.get(key)
+            if launch is not None:
+                args = self.template.copy()
+                for i, v in zip(self.slots, values):
+                    args[i] = v
+                launch(grid_x, self.raw_stream(self.device_index), args)
+                return
+            compiled = self.kernel[(grid_x,)](**self.fixed, **dict(zip(self.varying, values)))
+            self.compiled[key] = triton_compat.direct_launch(compiled)
+            return
+        self.kernel[(grid_x,)](**self.fixed, **dict(zip(self.varying, values)))
+
+
+_EMPTY = inspect.Parameter.empty
+# launch options a kernel call takes besides its parameters
+_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_pdl"})
