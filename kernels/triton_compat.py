@@ -100,13 +100,11 @@ setattr(clock_ns, tl.core.TRITON_BUILTIN, True)  # what @tl.core.builtin marks, 
 
 def launch_hooks_active() -> bool:
     """Whether a launch hook is installed (a profiler such as proton): then launches take Triton's own
-    path, which builds the metadata the hooks read (tp_overlap_plugin/launch.py)."""
-    from triton import knobs
-    for name in ("launch_enter_hook", "launch_exit_hook"):
-        hook = getattr(knobs.runtime, name, None)
-        if hook is not None and (not hasattr(hook, "calls") or hook.calls):
-            return True
-    return False
+    path, which builds the metadata the hooks read (tp_overlap_plugin/launch.py). Asked per launch:
+    Triton 3.9's hooks are chains (empty when unused), 3.6's None when unused."""
+    runtime = triton.knobs.runtime
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return bool(getattr(enter, "calls", enter)) or bool(getattr(leave, "calls", leave))
 
 
 def direct_launch(compiled):

@@ -27,17 +27,34 @@ import torch
 from tp_overlap_plugin.kernels import triton_compat
 
 
-def _spec(v):
-    """What of a varying argument Triton's compiled kernel depends on."""
-    if isinstance(v, torch.Tensor):
-        return v.dtype, v.data_ptr() % 16 == 0
-    if isinstance(v, bool) or v is None:
-        return v
-    if isinstance(v, int):
-        return v == 1, v % 16 == 0
-    if isinstance(v, float):
-        return float
-    return v  # a constexpr value (dtype, string, ...)
+def _spec_source(name: str, value) -> str:
+    """Python source of what of a varying argument the compiled kernel depends on, for the kind of
+    `value` (the argument's first value): a tensor's dtype and 16-byte alignment; an integer's being 1
+    or a multiple of 16, and its type (a later float or bool there is another kernel); a float's type;
+    anything else (a constexpr, a bool, None) by value."""
+    if isinstance(value, torch.Tensor):
+        return f"{name}.dtype, {name}.data_ptr() & 15 == 0"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"type({name}), {name} == 1, {name} & 15 == 0"
+    if isinstance(value, float):
+        return f"type({name})"
+    return name
+
+
+def _generated(values: tuple, slots: list[int]):
+    """(key, fill): the key of a call's varying arguments, and the argument list with them put into
+    their slots of a template, as generated functions (Triton generates its binder the same way): a
+    generic per-argument loop cost as much host time as the launch it saves. Built from the first
+    call's values; a later value of another kind fails in `key` (AttributeError, TypeError) or gives
+    another key, never the wrong kernel."""
+    names = [f"a{i}" for i in range(len(values))]
+    params = ", ".join(names)
+    body = ", ".join(_spec_source(n, v) for n, v in zip(names, values))
+    puts = "".join(f"    t[{slot}] = {n}\n" for slot, n in zip(slots, names))
+    scope: dict = {}
+    exec(f"def key({params}):\n    return ({body},)\n"  # noqa: S102 - our own source, from names
+         f"def fill(template, {params}):\n    t = template.copy()\n{puts}    return t\n", scope)
+    return scope["key"], scope["fill"]
 
 
 class Launcher:
@@ -61,19 +78,19 @@ class Launcher:
         self.template = [fixed[n] if n in fixed else defaults.get(n) for n in names]
         self.slots = [names.index(n) for n in self.varying]
         self.compiled: dict = {}
+        self.key = self.fill = None  # generated from the first call (_generated)
         if self.direct:
             self.raw_stream = triton_compat.current_raw_stream()
             self.device_index = device.index if device.index is not None else torch.cuda.current_device()
 
     def __call__(self, grid_x: int, *values) -> None:
         if self.direct and not triton_compat.launch_hooks_active():
-            key = tuple(_spec(v) for v in values)
+            if self.key is None:
+                self.key, self.fill = _generated(values, self.slots)
+            key = self.key(*values)
             launch = self.compiled.get(key)
             if launch is not None:
-                args = self.template.copy()
-                for i, v in zip(self.slots, values):
-                    args[i] = v
-                launch(grid_x, self.raw_stream(self.device_index), args)
+                launch(grid_x, self.raw_stream(self.device_index), self.fill(self.template, *values))
                 return
             compiled = self.kernel[(grid_x,)](**self.fixed, **dict(zip(self.varying, values)))
             self.compiled[key] = triton_compat.direct_launch(compiled)
