@@ -99,6 +99,11 @@ def _outputs_overlap(outs, ins) -> bool:
     return False
 
 
+def _like(t: torch.Tensor, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> bool:
+    """A tensor of this shape, dtype and device with unit last stride (what the row kernels index)."""
+    return t.shape == shape and t.dtype == dtype and t.device == device and t.stride(-1) == 1
+
+
 def _bits_view(buf: torch.Tensor, elsize: int) -> torch.Tensor:
     return buf.view(BITS[elsize])
 
@@ -258,6 +263,7 @@ class HeapAllReduceNorm:
         if hidden <= 0 or max_rows <= 0:
             raise ValueError(f"all_reduce_rmsnorm needs hidden > 0 and max_rows > 0, got {hidden}, {max_rows}")
         self.heap, self.hidden, self.max_rows, self.dtype = heap, hidden, max_rows, dtype
+        self._weight_shape = torch.Size((hidden,))
         W, es = heap.world_size, torch.empty((), dtype=dtype).element_size()
         self.num_warps = norm_num_warps(warp_size(heap.device))
         self.slots = alloc_row_slots(heap, max_rows, hidden, dtype, "all_reduce_norm.slots")
@@ -299,12 +305,12 @@ class HeapAllReduceNorm:
         given (neither may overlap x or residual)."""
         # one expression on the path every valid call takes; the loops that name what is wrong run
         # only when it fails (eager calls are host-bound)
-        shape = x.shape
-        dev = self.heap.device
-        if not (self.applies(x) and x.device == dev
-                and all(t is None or (t.shape == s and t.dtype == self.dtype and t.device == dev and t.stride(-1) == 1)
-                        for t, s in ((residual, shape), (weight, (self.hidden,)), (bias, (self.hidden,)),
-                                     (out, shape), (residual_out, shape)))
+        shape, dt, dev = x.shape, self.dtype, self.heap.device
+        if not (self.applies(x) and x.device == dev and _like(residual, shape, dt, dev)
+                and _like(weight, self._weight_shape, dt, dev)
+                and (bias is None or _like(bias, self._weight_shape, dt, dev))
+                and (out is None or _like(out, shape, dt, dev))
+                and (residual_out is None or _like(residual_out, shape, dt, dev))
                 and not ((out is not None or residual_out is not None)
                          and _outputs_overlap((out, residual_out), (x, residual)))):
             self._raise_bad_call(x, residual, weight, bias, out, residual_out)
