@@ -277,7 +277,12 @@ class OverlapRow(RowParallelLinear):
                 # the bias goes in after the sum, inside the kernel; the norm (if any) adds the residual
                 return self.gemm_ar(x, self.weight, bias=self.bias)
             y = L.linear(x, self.weight)
-            if self.tp.world_size > 1 and L.dispatcher.ipc_all_reduce(y.numel() * y.element_size(), runtime.capturing(y.device)):
+            # a message our all-reduce cannot take goes to the stock all-reduce in place: through
+            # HeapAllReduce's own fallback it would cost a copy of every such message (at TP=2 an
+            # 8192-token prefill step paid 2.7 ms for them, the flag's whole loss there; the table's
+            # rows say ipc above their largest size, which the op's capacity does not reach)
+            if (self.tp.world_size > 1 and L.all_reduce.kernel_applies(y)
+                    and L.dispatcher.ipc_all_reduce(y.numel() * y.element_size(), runtime.capturing(y.device))):
                 if self.norm_op is not None and self.norm_op.applies(y):
                     # the bias goes in after the sum, inside the fused kernel
                     return PendingAllReduce(y, self._reduce_add_rmsnorm)
