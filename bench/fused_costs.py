@@ -31,15 +31,57 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import bench_parser, capture_graph, environment, interleaved_ms, md_table, publish  # noqa: E402
-from fused_core import ag_kernel_w1, rs_kernel_w1  # noqa: E402
 from overlap import llama_shapes  # noqa: E402
 
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
-from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter, _fused_config  # noqa: E402
+from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel  # noqa: E402
+from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel  # noqa: E402
+from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter, _fused_config, num_programs  # noqa: E402
 from tp_overlap_plugin.tuning.fused_ops import weight_t  # noqa: E402
 
 CALLS = 10  # per graph
 VARIANTS = ("cublas", "w1", "self_peer", "ours", "ours_1chunk")
+
+
+# The fused kernels at world 1 (no peer, no wait, no push): their tile loop and epilogue alone (the
+# `w1` variant; fused_core.py timed them beside the GEMM core, notes/ag_gemm.md).
+_W1_STATE = {}
+
+
+def _w1_state(dev):
+    """The device words a world-1 launch reads: heap_bases, error slot, call counter, flags."""
+    key = str(dev)
+    if key not in _W1_STATE:
+        _W1_STATE[key] = (torch.zeros(1, dtype=torch.int64, device=dev), torch.zeros(8, dtype=torch.int64, device=dev),
+                          torch.zeros(2, dtype=torch.int64, device=dev), torch.zeros(1, dtype=torch.int64, device=dev))
+    return _W1_STATE[key]
+
+
+def _w1_options(k, cfg):
+    return dict(WORLD=1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                EVEN_K=k % cfg.block_k == 0, INTERPRET=False, FLATTEN=True, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+
+
+def ag_kernel_w1(a, b, c, cfg):
+    """The AG-GEMM kernel at world 1: c = a @ b through its own-rows loop."""
+    heap_bases, error, calls, flags = _w1_state(a.device)
+    m, k = a.shape
+    ag_gemm_kernel[(num_programs(a.device),)](a_ptr=a, b_ptr=b, c_ptr=c, gathered_ptr=a, rows=m, N=b.shape[1], K=k,
+                                              stride_bk=b.stride(0), stride_bn=b.stride(1), slot_stride=0,
+                                              flags_ptr=flags, calls_ptr=calls, rank=0, heap_bases=heap_bases,
+                                              error_ptr=error, **_w1_options(k, cfg))
+
+
+def rs_kernel_w1(a, b, c, cfg):
+    """The GEMM-RS kernel at world 1: c = a @ b through its own-rows loop."""
+    heap_bases, error, calls, flags = _w1_state(a.device)
+    m, k = a.shape
+    gemm_rs_kernel[(num_programs(a.device),)](a_ptr=a, b_ptr=b, c_ptr=c, recv_ptr=c, rows=m, N=b.shape[1], K=k,
+                                              stride_am=a.stride(0), stride_bk=b.stride(0), stride_bn=b.stride(1),
+                                              slot_stride=0, counts_ptr=flags, calls_ptr=calls, rank=0,
+                                              heap_bases=heap_bases, error_ptr=error, CHUNKS=1,
+                                              **_w1_options(k, cfg))
 
 
 @contextlib.contextmanager

@@ -38,6 +38,26 @@ def test_shipped_dispatch_table_is_reproducible(tmp_path):
     assert (tmp_path / "table.md").read_text() == (RESULTS / "dispatch-h200-tp2-2026-11-22.md").read_text()
 
 
+# bench/decode_configs.py cannot import today (it takes ROWS, shapes and weight_copies from bench/gemv.py,
+# which no longer defines them); helper `tune` repairs it as a command over tuning/ or retires it (issue 39).
+NOT_YET_IMPORTABLE = {"decode_configs.py"}
+
+
+def test_every_bench_script_is_maintained():
+    """bench/ holds only maintained scripts: each imports (its module level runs, not its main), and
+    bench/README.md names each, and names no script that is gone."""
+    bench = ROOT / "bench"
+    scripts = sorted(p.name for p in bench.iterdir() if p.suffix in (".py", ".sh"))
+    readme = (bench / "README.md").read_text()
+    assert [s for s in scripts if f"`{s}" not in readme and f" {s}" not in readme] == []
+    listed = {line.split("`")[1].split()[0] for line in readme.splitlines() if line.startswith("| `")}
+    assert {s for s in listed if s.endswith((".py", ".sh"))} <= set(scripts)
+    code = "import runpy, sys\nfor path in sys.argv[1:]:\n    runpy.run_path(path, run_name='bench_import_check')"
+    paths = [str(bench / s) for s in scripts if s.endswith(".py") and s not in NOT_YET_IMPORTABLE]
+    r = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True, timeout=120, cwd=bench)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 def _run(script, *args, timeout=380):
     r = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True,
                        timeout=timeout, env={**os.environ})

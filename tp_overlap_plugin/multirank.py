@@ -9,6 +9,12 @@ without a word, or a run past `timeout`, kills every rank. A test that kills a r
 names it in `may_exit`: its exit without a result is then its result, a RankExited. `fn` may live
 in a test file that is not importable by module name: the children load it from its file.
 
+Rank processes are forked from a fork server that has imported torch once (each spawned
+process paid about 2.5 CPU-seconds for them, most of a small test's time on CI's 2 cores). Every call
+still gets fresh processes, so no state (stats counters, registered ops, Triton's interpreter, a heap
+a killed peer left behind) carries from one call to the next. Triton and the kernels load in the
+child, after its environment is set.
+
 `share_gpus=True` (default: TP_OVERLAP_SHARE_GPUS=1 in the environment) lets more ranks than GPUs
 run, rank r on GPU r % count: a check of the protocol at a world size the machine cannot hold one
 rank per GPU (TP=4 on two GPUs). Ranks on one
@@ -39,6 +45,13 @@ import torch.multiprocessing as mp
 
 # Multicast on NVLink can take a shared host's GPUs out of service; never turn it on.
 _GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+# What the fork server imports once for all ranks: the costly part of a rank's start. Not Triton: its
+# own `triton.jit` functions (tl.cdiv, ...) are built for the interpreter or the compiler as it is
+# imported, by TRITON_INTERPRET, which differs between a CPU and a GPU call of one process. Nothing
+# here touches a GPU (a forked child could not use it).
+_PRELOAD = ["__main__", "torch", "torch.distributed", "torch.multiprocessing"]
 
 
 class RankFailedError(RuntimeError):
@@ -73,11 +86,15 @@ class _FnRef:
 
     @classmethod
     def of(cls, fn) -> "_FnRef":
-        return cls(fn.__module__, fn.__qualname__, inspect.getfile(fn))
+        module = fn.__module__
+        spec = getattr(sys.modules.get(module), "__spec__", None)
+        if module == "__main__" and spec is not None:
+            module = spec.name  # `python -m pkg.mod`: the fork server did not import it; the ranks do, by name
+        return cls(module, fn.__qualname__, inspect.getfile(fn))
 
     def resolve(self):
         try:
-            mod = importlib.import_module(self.module)
+            mod = importlib.import_module(self.module)   # a script's __main__: the fork server imported it
         except ImportError:
             name = "_tp_overlap_rankfn_" + os.path.splitext(os.path.basename(self.file))[0]
             mod = sys.modules.get(name)
@@ -114,7 +131,8 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, device: str = "cpu", hea
     else:
         for k, v in _GPU_ENV.items():
             child_env.setdefault(k, v)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)   # read when the server starts: the first call of this process
     results_q = ctx.Queue()
     store_file = tempfile.NamedTemporaryFile(prefix="tp_overlap_store_", delete=False)
     store_file.close()
@@ -122,9 +140,12 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, device: str = "cpu", hea
     fnref = _FnRef.of(fn)
     procs = []
     with _patched_environ(child_env):
+        # A forked child inherits the fork server's environment, the one of the call that started it
+        # (which a script's __main__, imported there, saw too); it takes this call's, as a spawned one would.
+        where = _Where(dict(os.environ), os.getcwd(), list(sys.path))
         for rank in range(world_size):
             p = ctx.Process(target=_rank_main, daemon=True,
-                            args=(fnref, rank, world_size, store_file.name, device, heap_size,
+                            args=(fnref, where, rank, world_size, store_file.name, device, heap_size,
                                   heap_kwargs or {}, args, results_q, timeout, shared))
             p.start()
             procs.append(p)
@@ -207,10 +228,25 @@ def _patched_environ(env: dict):
                 os.environ[k] = v
 
 
-def _rank_main(fnref, rank, world_size, store_path, device, heap_size, heap_kwargs, args, results_q,
+@dataclass(frozen=True)
+class _Where:
+    """The caller's environment, working directory and import path, which its ranks run in."""
+    environ: dict
+    cwd: str
+    path: list
+
+    def enter(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        sys.path[:] = self.path
+
+
+def _rank_main(fnref, where, rank, world_size, store_path, device, heap_size, heap_kwargs, args, results_q,
                timeout, shared):
     heap = None
     try:
+        where.enter()
         store = dist.FileStore(store_path, world_size)
         td = datetime.timedelta(seconds=max(timeout, 10))
         if device == "cpu":
