@@ -32,18 +32,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tp_overlap_plugin.error_slot import (ERR_CODE, ERR_EXPECTED, ERR_FLAG_OFFSET, ERR_OVERWRITTEN, ERR_PEER,
+                                          ERR_RANK, ERR_SEEN, ERR_TIMEOUT_NS, ERR_WORDS)
+
 ALIGN = 256
 DEFAULT_HEAP_SIZE = 256 << 20
 HEAP_SIZE_SETTING = "heap_size (TP_OVERLAP_HEAP_SIZE, or tp_overlap.heap_size in the engine config)"
 SHM_PREFIX = "tp_overlap-"
-
-# Error-slot layout (int64 words), mirrored in kernels/rma.py. Written only by a kernel whose wait gave
-# up, except ERR_TIMEOUT_NS: the wait bound that kernels read, set by the host.
-ERR_CODE, ERR_RANK, ERR_PEER, ERR_FLAG_OFFSET, ERR_EXPECTED, ERR_SEEN = range(6)
-ERR_TIMEOUT_NS = 7
-ERR_WORDS = 8
-ERR_TIMEOUT = 1      # a wait gave up (kernels/rma.py ERR_STUCK)
-ERR_OVERWRITTEN = 2  # a peer began overwriting rows this rank was reading (rma.ERR_OVERWRITTEN)
 
 
 class HeapExhaustedError(MemoryError):
