@@ -53,7 +53,7 @@ def main(argv=None):
     p = bench_parser(__doc__)
     p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args(argv)
-    from tp_overlap_plugin.heap import stream_write_value32
+    from tp_overlap_plugin.stream_write import stream_write_value32
     from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel
     from tp_overlap_plugin.kernels.lamport import peers_pow2
     from tp_overlap_plugin.overlap import _fused_config, num_programs
