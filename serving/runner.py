@@ -320,12 +320,12 @@ class ModelRunner:
             # nothing to communicate, so no heap: the flag's layers run the local matmuls alone (the
             # decode matmul where the table's gemv rows pick it, F.linear elsewhere)
             self._log_dispatch(dispatcher, name, "no heap at TP=1", interpreted)
-            return OverlapTPLayers(tp, self.dtype, self.device, None, max_tokens, dispatcher)
-        needed = required_heap_bytes(self.mcfg.hidden_size, max_tokens, self.world_size, self.dtype)
-        size = -(-(oc.heap_size or needed) // 256) * 256
+            return OverlapTPLayers(tp, self.dtype, self.device, None, max_tokens, dispatcher, oc.max_bytes)
+        needed = required_heap_bytes(self.mcfg.hidden_size, max_tokens, self.world_size, self.dtype, oc.max_bytes)
+        size = oc.heap_bytes(needed)
         try:
             # ranks sharing a GPU map each other's heaps through IPC handles (as multirank.run_ranks)
-            backend = "ipc" if self.device.type == "cuda" and shares_gpus(self.world_size) else None
+            backend = oc.backend or ("ipc" if self.device.type == "cuda" and shares_gpus(self.world_size) else None)
             self.heap = SymmetricHeap(self.ctrl_group, self.device, size, backend=backend, timeout_s=oc.heap_timeout_s)
         except Exception as e:
             if oc.heap_size:
@@ -340,7 +340,7 @@ class ModelRunner:
                                f"on {self.device} ({e}); {advice}") from e
         self._log_dispatch(dispatcher, name, f"heap {size >> 20} MiB/rank (fused-op and all-reduce buffers for "
                            f"{max_tokens} tokens per step)", interpreted)
-        return OverlapTPLayers(tp, self.dtype, self.device, self.heap, max_tokens, dispatcher)
+        return OverlapTPLayers(tp, self.dtype, self.device, self.heap, max_tokens, dispatcher, oc.max_bytes)
 
     def _log_dispatch(self, dispatcher, device_name: str, heap: str, interpreted: bool) -> None:
         """Rank 0 says once which tables the flag runs on and what they lack (tp_overlap_plugin/tables.py)."""
