@@ -36,7 +36,7 @@ def build_steps(args, block_size: int, vocab: int, num_blocks: int) -> dict:
     """name -> StepInput, over distinct cache blocks (contents do not matter for timing)."""
     import torch
 
-    from tp_overlap_plugin.serving.runner import StepInput
+    from tp_overlap_plugin.serving.step_message import StepInput
     g = torch.Generator().manual_seed(0)
     next_block = [0]
 

@@ -1,9 +1,7 @@
 """The engine: requests in, tokens out. `LLM` for offline batches, `AsyncLLM` for streaming servers.
 
-Process model: this process is rank 0. With tensor_parallel_size > 1 it spawns the other ranks itself
-(`spawn` start method, a gloo/NCCL group over a local TCP port), unless torch.distributed is already
-initialised or RANK/WORLD_SIZE are set (torchrun, or a test harness): then every rank constructs the
-engine, and on ranks > 0 the constructor serves steps until rank 0 shuts down (`is_driver` is False).
+Process model: serving/workers.py. On torchrun ranks > 0 the constructor serves steps until rank 0
+shuts down (`is_driver` is False).
 """
 
 from __future__ import annotations
@@ -12,27 +10,24 @@ import asyncio
 import atexit
 import itertools
 import logging
-import multiprocessing as mp
-import signal
-import socket
 import time
 import weakref
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional, Sequence as Seq, Union
 
 import torch
-import torch.distributed as dist
 
 from .block_manager import BlockManager
-from .config import (EngineConfig, RequestError, SamplingParams, default_device, env_rank_world,
-                     resolve_model_dir)
-from .runner import (ModelRunner, StepInput, destroy_group_bounded, init_distributed, require_triton_interpreter,
-                     worker_main)
-from .sampler import Sampled, TokenState, sample_on_device
+from .config import EngineConfig, RequestError, SamplingParams, default_device, env_rank_world, resolve_model_dir
+from .layer_factory import require_triton_interpreter
+from .runner import SamplingBatch, StepResult
+from .sampler import TokenState
 from .scheduler import NeedsPreemption, Scheduler, Sequence, Status
-from .structured import StructuredOutputs
+from .step_message import StepInput
 from .step_trace import StepTrace
+from .structured import StructuredOutputs
 from .tokenizer import ByteTokenizer, IncrementalDetokenizer, load_tokenizer
+from .workers import Workers
 
 Prompt = Union[str, list[int]]
 
@@ -65,51 +60,11 @@ class RequestOutput:
 
 @dataclass
 class _Launched:
-    """A step whose device work is queued; `_finalize` turns it into outputs once `ready` has fired."""
+    """A step whose device work is queued; `_finalize` turns it into outputs once its draw is on the host."""
     scheduled: list            # (seq, tokens computed)
     sampled: list              # the sequences that sampled, in the order of the sampled tokens
     prompt_logits: list        # (seq, device tensor [n, vocab])
-    draw: Optional[Sampled]    # on the host once `ready` has fired (None: nothing sampled)
-    ready: Optional[torch.cuda.Event]
-    error_slot: int = -1       # the runner's ErrorWatch slot of this step (tp_overlap)
-
-
-def _to_host(s: Optional[Sampled]) -> tuple:
-    """Start the device-to-host copies of a draw without waiting for them: (host copy, event or None).
-    One event after all the copies: once it fires, every field is there."""
-    if s is None or s.tokens.device.type != "cuda":
-        return s, None
-
-    def copy(t):
-        if t is None:
-            return None
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        return host
-
-    host = Sampled(copy(s.tokens), copy(s.logprobs), copy(s.top_ids), copy(s.top_logprobs))
-    ev = torch.cuda.Event()
-    ev.record()
-    return host, ev
-
-
-def _no_tokens(device) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.int64, device=device)
-
-
-def _stopped(pid: int) -> bool:
-    """Whether a live process is stopped (state T or t in /proc; False where there is no /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    result: StepResult         # the runner's: draw, ready event, error slot
 
 
 def engine_tokenizer(cfg: EngineConfig, mcfg) -> tuple:
@@ -236,31 +191,15 @@ class LLMEngine:
         self.mcfg = cfg.load_model_config()
         self.mcfg.check_tp(cfg.tensor_parallel_size)   # fail before any process is spawned
         require_triton_interpreter(cfg, default_device(cfg), cfg.tensor_parallel_size)
-        self._procs: list = []
-        self._owns_group = False
         self._closed = False
         self._broken: Optional[BaseException] = None
-        self.is_driver = True
-        world = cfg.tensor_parallel_size
-        launched = env_rank_world()
-        if dist.is_initialized() or launched:
-            rank = dist.get_rank() if dist.is_initialized() else launched[0]
-            world_env = dist.get_world_size() if dist.is_initialized() else launched[1]
-            if world_env != world:
-                raise ValueError(f"launched with {world_env} ranks but tensor_parallel_size={world}")
-            self._owns_group = not dist.is_initialized()
-            device, group, ctrl = init_distributed(cfg, rank, world, None, launched[2] if launched else None)
-            self.runner = ModelRunner(cfg, rank, world, group, ctrl, device)
-            if rank != 0:
-                self.is_driver = False
-                self.runner.worker_loop()
-                self.shutdown()
-                return
-        elif world > 1:
-            self._spawn_and_join(cfg, world)
-        else:
-            device, group, ctrl = init_distributed(cfg, 0, 1, None)
-            self.runner = ModelRunner(cfg, 0, 1, group, ctrl, device)
+        self.workers = Workers(cfg)
+        self.runner = self.workers.runner
+        self.is_driver = self.workers.is_driver
+        if not self.is_driver:   # a torchrun rank > 0: serve rank 0's steps until it shuts down
+            self.runner.worker_loop()
+            self.shutdown()
+            return
 
         self.device = self.runner.device
         self.max_model_len = self.runner.max_model_len
@@ -275,94 +214,21 @@ class LLMEngine:
         # The engine-core process asks for compact per-step deltas (see `output_delta`) instead of
         # RequestOutputs: no full-text copies on the step path, and a small message to pickle.
         self.emit_deltas = False
-        self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self._pending: Optional[_Launched] = None   # async scheduling: the step launched but not finalised
+        self.last_result: Optional[StepResult] = None   # the latest step's (whether it replayed graphs)
         self._trace = StepTrace.from_env(self.device)   # None unless TP_OVERLAP_STEP_TRACE names a file
         self._ids = itertools.count()
         # A weak reference, so that registering for exit does not keep every engine (and its KV cache) alive.
         ref = weakref.ref(self)
         atexit.register(lambda: ref() is not None and ref().shutdown())
 
-    def _spawn_and_join(self, cfg: EngineConfig, world: int) -> None:
-        from datetime import timedelta
-
-        ctx = mp.get_context("spawn")
-        host, port = "127.0.0.1", _free_port()
-        self._errq = ctx.Queue()
-        store = dist.TCPStore(host, port, world, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=cfg.dist_timeout_s))
-        cfg_json = cfg.model_dump_json()
-        for r in range(1, world):
-            p = ctx.Process(target=worker_main, args=(cfg_json, r, world, host, port, self._errq), daemon=True)
-            p.start()
-            self._procs.append(p)
-        try:
-            deadline = time.monotonic() + cfg.dist_timeout_s
-            pending = [f"worker_ready/{r}" for r in range(1, world)]
-            while not store.check(pending):
-                dead = [i + 1 for i, p in enumerate(self._procs) if not p.is_alive()]
-                if dead:
-                    raise RuntimeError(f"worker rank(s) {dead} exited during start-up (a script that starts a TP "
-                                       f"engine needs an `if __name__ == '__main__':` guard: spawned workers "
-                                       f"re-import the main module)")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"workers did not start within dist_timeout_s={cfg.dist_timeout_s}")
-                time.sleep(0.05)
-            device, group, ctrl = init_distributed(cfg, 0, world, store)
-            self._owns_group = True
-            self.runner = ModelRunner(cfg, 0, world, group, ctrl, device)
-        except BaseException as e:
-            msg = self._worker_errors()
-            self._kill_workers()
-            if dist.is_initialized() and self._owns_group:
-                destroy_group_bounded()
-            raise RuntimeError(f"engine start failed: {e}" + (f"; workers: {msg}" if msg else "")) from e
-
-    def _worker_errors(self) -> str:
-        """What the workers reported before failing, and which of them are gone and how: a worker
-        killed by a signal reports nothing itself, and rank 0's own error (a closed socket, a
-        wait that gave up) may not say which rank it lost."""
-        time.sleep(0.2)
-        errs = []
-        while self._procs and not self._errq.empty():
-            errs.append(self._errq.get_nowait())
-        for rank, p in enumerate(self._procs, start=1):
-            code = p.exitcode
-            if code is not None and code < 0:
-                errs.append(f"rank {rank} was killed by {signal.Signals(-code).name}")
-            elif code is not None:
-                errs.append(f"rank {rank} exited with code {code}")
-            elif _stopped(p.pid):
-                errs.append(f"rank {rank} (pid {p.pid}) is stopped (SIGSTOP or a debugger)")
-        return "; ".join(errs)
-
-    def _kill_workers(self) -> None:
-        for p in self._procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        self._procs = []
-
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        try:
-            if self.is_driver and hasattr(self, "runner") and self.runner.world_size > 1 and self._broken is None:
-                self.runner.stop_workers()
-        except Exception:
-            pass   # a dead worker cannot be told to stop; it is killed below
-        finally:
-            if getattr(self, "_trace", None) is not None:
-                self._trace.close()
-            # Graphs hold NCCL work: drop them before the communicator, then leave the group while
-            # the workers leave theirs (see destroy_group_bounded), and only then reap them.
-            if hasattr(self, "runner"):
-                self.runner.release()
-            if self._owns_group and dist.is_initialized():
-                destroy_group_bounded()
-            self._kill_workers()
+        if getattr(self, "_trace", None) is not None:
+            self._trace.close()
+        self.workers.shutdown(stop_workers=self._broken is None)
 
     # ---- requests ----------------------------------------------------------------------------
     def _require_driver(self) -> None:
@@ -499,24 +365,20 @@ class LLMEngine:
         early = None
         rec = self._trace.start(batch, t_scheduled) if self._trace is not None else None
         try:
-            logits = self.runner.execute(step)
-            prompt_logits = [(seq, logits[r0:r0 + cnt].float()) for seq, r0, cnt in prompt_rows]
+            result = self.runner.execute(step)
+            prompt_logits = [(seq, result.logits[r0:r0 + cnt].float()) for seq, r0, cnt in prompt_rows]
         except Exception as e:
             self._fail(e)
         if pending is not None and any(s.grammar is not None and s.inflight for s in seqs):
             early = self._finalize(pending)
         try:
-            draw = None
+            sampling = None
             if seqs:
-                at = [r for _, r in sample_at]
-                # A decode batch samples every row: no index tensor to build and copy over.
-                sel = logits if at == list(range(logits.shape[0])) else logits[torch.tensor(at, device=logits.device)]
-                draw = sample_on_device(sel, [s.params for s in seqs], [s.generator for s in seqs], self.generator,
-                                        **self._sampling_state(seqs))
-            if step.share_sampled:
-                self.runner.share_sampled(draw.tokens if draw is not None else _no_tokens(self.device))
+                sampling = SamplingBatch([r for _, r in sample_at], [s.params for s in seqs],
+                                         [s.generator for s in seqs], **self._sampling_state(seqs))
+            result = self.runner.sample(result, sampling)
             if rec is not None:
-                self._trace.end(rec, self.runner.last_graph)
+                self._trace.end(rec, result.graph)
         except Exception as e:
             self._fail(e)
         for seq, n in zip(batch.seqs, batch.num_new):
@@ -528,12 +390,12 @@ class LLMEngine:
             # Known now: this token ends the sequence whatever it is, so the next step leaves it out.
             seq.last_inflight = (seq.num_output + seq.inflight >= p.max_tokens
                                  or seq.num_tokens >= self.max_model_len)
-        return _Launched(list(zip(batch.seqs, batch.num_new)), seqs, prompt_logits, *_to_host(draw),
-                         self.runner.last_error_slot), early
+        self.last_result = result
+        return _Launched(list(zip(batch.seqs, batch.num_new)), seqs, prompt_logits, result), early
 
     def _fail(self, e: Exception):
         # Ranks may now disagree about what was computed; nothing after this can be trusted.
-        workers = self._worker_errors() if self._procs else ""
+        workers = self.workers.errors()
         self._broken = e
         raise RuntimeError(f"model step failed: {e}" + (f"; workers: {workers}" if workers else "")) from e
 
@@ -556,7 +418,7 @@ class LLMEngine:
         deadline = time.monotonic() + bound
         while not ready.query():
             if time.monotonic() > deadline:
-                workers = self._worker_errors() if self._procs else ""
+                workers = self.workers.errors()
                 e = TimeoutError(f"the step did not finish within {bound:g} s: a rank is stuck outside the heap's "
                                  f"bounded waits, in a collective" + (f"; workers: {workers}" if workers else ""))
                 self._broken = e
@@ -564,7 +426,7 @@ class LLMEngine:
             time.sleep(self.READY_POLL_S)
 
     def _sampling_state(self, seqs: list[Sequence]) -> dict:
-        """The sampler's per-sequence inputs for this step: TokenState rows (acquired on a sequence's
+        """SamplingBatch's per-sequence state for this step: TokenState rows (acquired on a sequence's
         first sample) and the structured-output bitmask. A sequence that finished meanwhile (its extra
         step) samples unconstrained; its token is dropped."""
         live = [s.status is not Status.FINISHED for s in seqs]
@@ -598,14 +460,15 @@ class LLMEngine:
             seq.num_prompt_logits += chunk.shape[0]
         outputs = []
         if step.sampled:
-            if step.ready is not None:
-                self._wait_ready(step.ready)
+            result = step.result
+            if result.ready is not None:
+                self._wait_ready(result.ready)
             try:
-                self.runner.check_step(step.error_slot)   # no garbage tokens from a step that failed
+                self.runner.check_step(result.error_slot)   # no garbage tokens from a step that failed
             except Exception as e:
                 self._broken = e
                 raise RuntimeError(f"model step failed: {e}") from e
-            d = step.draw
+            d = result.draw
             toks = d.tokens.tolist()
             lps = d.logprobs.tolist() if d.logprobs is not None else [None] * len(toks)
             top_ids = d.top_ids.tolist() if d.top_ids is not None else None

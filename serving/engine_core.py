@@ -94,7 +94,7 @@ def run_core(cfg_json: str, requests, outputs, setup: Optional[Callable] = None,
         _send(outputs, ("ready", {
             "max_model_len": eng.max_model_len, "vocab_size": eng.mcfg.vocab_size, "eos_ids": sorted(eng.eos_ids),
             "num_blocks": eng.block_manager.num_blocks, "block_size": eng.cfg.block_size,
-            "worker_pids": [p.pid for p in eng._procs], "stats": eng.stats()}))
+            "worker_pids": [p.pid for p in eng.workers.procs], "stats": eng.stats()}))
         _serve(eng, requests, outputs)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass   # the server went away; nobody is left to tell
