@@ -1,7 +1,6 @@
-"""Host cost of the engine-core message path (serving/engine_core.py) for one step of N running
+"""Host cost of the engine-core message path (serving/engine/core_process.py) for one step of N running
 requests, on this machine's CPU: building the deltas and pickling them in the core, the pipe, and
-unpickling and rebuilding RequestOutputs in the server; against what the engine thread paid before
-(a RequestOutput per request per step).
+unpickling and rebuilding RequestOutputs in the server.
 
     python bench/core_message_cost.py --requests 128 --generated 200
 """
@@ -15,7 +14,9 @@ import statistics
 import time
 
 from tp_overlap_plugin.serving.config import SamplingParams
-from tp_overlap_plugin.serving.engine import LLMEngine, RequestStream, output_delta
+from tp_overlap_plugin.serving.engine.llm_engine import delta_of
+from tp_overlap_plugin.serving.engine.messages import ProcessedRequest, StepOutputs
+from tp_overlap_plugin.serving.engine.outputs import RequestStream
 from tp_overlap_plugin.serving.scheduler import Sequence, Status
 
 PROTO = pickle.HIGHEST_PROTOCOL
@@ -74,27 +75,24 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--generated", type=int, default=200, help="tokens each request has generated so far")
     a = ap.parse_args()
-    old_engine = LLMEngine.__new__(LLMEngine)   # only its `_output`, the RequestOutput the old path built
-    old_engine.emit_deltas = False
     print(f"| {a.requests} requests, {a.generated} tokens each | message bytes | core: deltas us | core: pickle us | "
-          f"old: RequestOutputs in the engine us | server: unpickle us | server: rebuild RequestOutputs us |")
-    print("|---|---|---|---|---|---|---|")
+          f"server: unpickle us | server: rebuild RequestOutputs us |")
+    print("|---|---|---|---|---|---|")
     size = 0
     for logprobs in (False, True):
         seqs = _sequences(a.requests, a.generated, logprobs)
-        deltas = [output_delta(s, " word", [s.tokens[-1]]) for s in seqs]
-        msg = ("step", deltas, [], STATS)
+        deltas = [delta_of(s, " word", [s.tokens[-1]]) for s in seqs]
+        msg = StepOutputs(deltas, [], STATS)
         blob = pickle.dumps(msg, PROTO)
         size = max(size, len(blob))
         streams = []
         for s in seqs:
-            st = RequestStream(s.request_id, None, s.prompt_ids, s.params)
+            st = RequestStream(s.request_id, ProcessedRequest(None, s.prompt_ids, s.params))
             st.text, st.token_ids, st.logprobs = s.text, list(s.output_ids), list(s.logprobs)
             streams.append(st)
         print(f"| logprobs={logprobs} | {len(blob)} "
-              f"| {_us(lambda: [output_delta(s, ' word', [s.tokens[-1]]) for s in seqs]):.0f} "
+              f"| {_us(lambda: [delta_of(s, ' word', [s.tokens[-1]]) for s in seqs]):.0f} "
               f"| {_us(lambda: pickle.dumps(msg, PROTO)):.0f} "
-              f"| {_us(lambda: [old_engine._output(s, ' word', [s.tokens[-1]]) for s in seqs]):.0f} "
               f"| {_us(lambda: pickle.loads(blob)):.0f} "
               f"| {_us(lambda: [st.output(d) for st, d in zip(streams, deltas)], n=30):.0f} |")
     print(f"\npipe, {size} B messages: {pipe_us(size):.1f} us each (receiver side, pipelined)")
