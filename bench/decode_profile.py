@@ -178,9 +178,7 @@ def measure_batch(eng, batch: int, async_mode: bool, args, bytes_per_token: int,
     seqs = []
     for _ in range(batch):
         ids = torch.randint(min(10, vocab - 1), vocab, (prompt_len,), generator=g).tolist()
-        seq = eng.make_sequence(None, ids, params)
-        eng.add_sequence(seq)
-        seqs.append(seq)
+        seqs.append(eng.scheduler.by_id[eng.add_request(None, ids, params)])
     t0 = time.perf_counter()
     while any(s.num_computed < len(s.prompt_ids) for s in seqs) or eng.scheduler.waiting:
         eng.step()

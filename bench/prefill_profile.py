@@ -71,7 +71,7 @@ def run_round(eng, prompts: int, prompt_len: int, seed: int) -> list[float]:
     vocab = eng.mcfg.vocab_size
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     for _ in range(prompts):
-        eng.add_sequence(eng.make_sequence(None, torch.randint(10, vocab, (prompt_len,), generator=g).tolist(), params))
+        eng.add_request(None, torch.randint(10, vocab, (prompt_len,), generator=g).tolist(), params)
     steps = []
     while eng.has_unfinished():
         t = time.perf_counter()

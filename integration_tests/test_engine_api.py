@@ -342,8 +342,8 @@ def test_dead_worker_fails_fast_and_cleanly():
     llm = LLM(_cfg(tensor_parallel_size=2, dist_timeout_s=20))
     try:
         assert llm.generate("alive", GREEDY)[0].finished
-        llm.engine._procs[0].kill()
-        llm.engine._procs[0].join(10)
+        llm.engine.workers.procs[0].kill()
+        llm.engine.workers.procs[0].join(10)
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match="model step failed"):
             llm.generate("dead", GREEDY)
@@ -384,7 +384,7 @@ def test_group_teardown_is_bounded(monkeypatch):
 
     import torch.distributed as dist
 
-    from tp_overlap_plugin.serving import runner
+    from tp_overlap_plugin.serving import distributed as runner
 
     release = threading.Event()
     monkeypatch.setattr(dist, "destroy_process_group", lambda: release.wait(30))

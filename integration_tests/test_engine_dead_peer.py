@@ -53,7 +53,7 @@ def _scenario(sig_name: str, out_path: str) -> None:
                        show_progress=False, dist_timeout_s=120,
                        tp_overlap={"dispatch": "overlap", "heap_timeout_s": 30})
     eng = LLMEngine(cfg)
-    worker = eng._procs[0].pid
+    worker = eng.workers.procs[0].pid
     with open(out_path + ".worker", "w") as f:  # the test ends it, whatever becomes of this process
         f.write(str(worker))
     result: dict = {"signal": sig_name}
@@ -70,7 +70,7 @@ def _scenario(sig_name: str, out_path: str) -> None:
         emitted, graph_steps = [], 0
         while len(emitted) < BEFORE_KILL:
             outs = eng.step()
-            graph_steps += eng.runner.last_graph
+            graph_steps += eng.last_result.graph
             _take(outs, emitted)
         result.update(before=list(emitted), graph_steps_before=graph_steps)
         eng.runner.heap.timeout_s = TIMEOUT_S
@@ -87,7 +87,7 @@ def _scenario(sig_name: str, out_path: str) -> None:
         except RuntimeError as e:
             result["raised"] = str(e)
         result.update(seconds=time.monotonic() - t0, steps_after=steps, emitted=emitted,
-                      last_graph=eng.runner.last_graph)
+                      last_graph=eng.last_result.graph)
         try:
             eng.step()
             result["after"] = None

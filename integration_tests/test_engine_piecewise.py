@@ -8,7 +8,7 @@ import torch
 
 from tp_overlap_plugin.serving import EngineConfig, LLMEngine
 from tp_overlap_plugin.serving.piecewise import bucket_for, default_token_counts
-from tp_overlap_plugin.serving.runner import StepInput
+from tp_overlap_plugin.serving.step_message import StepInput
 
 BS = 4
 
@@ -32,7 +32,7 @@ def _prepare(r) -> None:
     for k, v in r.kv_caches:
         k.copy_(torch.randn(k.shape, generator=g))
         v.copy_(torch.randn(v.shape, generator=g))
-    r.sampled[:4] = torch.tensor([11, 22, 33, 44])
+    r.sampled.buffer[:4] = torch.tensor([11, 22, 33, 44])
 
 
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -226,8 +226,8 @@ def main(dev="cpu"):
                    min_lens=(1,), dev=dev)
     _dispatch_case(14, [1, 19], [7, 19], heads=8, kv_heads=2, head_dim=16, page=4, dtype=torch.float32,
                    min_lens=(1,), dev=dev)
-    # The engine's in-graph step input fix-up (serving/runner.py): ids -1-k become sampled[k].
-    from tp_overlap_plugin.serving.runner import _resolve_refs_kernel
+    # The engine's in-graph step input fix-up (serving/sampled_ids.py): ids -1-k become sampled[k].
+    from tp_overlap_plugin.serving.sampled_ids import _resolve_refs_kernel
     ids = torch.tensor([5, -1, 7, -3, 0, -2] * 300, dtype=torch.int64, device=dev)
     sampled = torch.tensor([11, 12, 13, 14], dtype=torch.int64, device=dev)
     want = torch.where(ids < 0, sampled[(-ids - 1).clamp(min=0)], ids)

@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tp_overlap_plugin.heap import ALIGN, HeapExhaustedError, SHM_PREFIX, SymmetricHeap
+from tp_overlap_plugin.heap import ALIGN, HeapExhaustedError, SymmetricHeap
+from tp_overlap_plugin.heap_shm import SHM_PREFIX
 from tp_overlap_plugin.multirank import RankFailedError, run_ranks
 
 HEAP = 1 << 20

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tp_overlap_plugin.heap import IpcMemHandle, IpcRuntime, configure_runtime, runtime_signatures
+from tp_overlap_plugin.heap_ipc import IpcMemHandle, IpcRuntime, configure_runtime, runtime_signatures
 from tp_overlap_plugin.kernels import rma
 from tp_overlap_plugin.multirank import gpu_ranks_fit, run_ranks
 

@@ -480,7 +480,9 @@ def test_bad_requests_never_reach_the_engine_core(inproc_server, monkeypatch):
     engine, url = inproc_server
     sent = []
     real_send = engine.core.send
-    monkeypatch.setattr(engine.core, "send", lambda msg: (sent.append(msg[0]), real_send(msg)))
+    from tp_overlap_plugin.serving.engine.messages import AddRequest
+
+    monkeypatch.setattr(engine.core, "send", lambda msg: (sent.append(type(msg)), real_send(msg)))
     bad = [({"prompt": [5, 10 ** 6]}, "outside the vocabulary"),
            ({"prompt": "x" * (MAX_LEN + 5)}, "max_model_len"),
            ({"prompt": "hi", "logit_bias": {"999999": 1}}, "logit_bias"),
@@ -492,7 +494,7 @@ def test_bad_requests_never_reach_the_engine_core(inproc_server, monkeypatch):
         assert r.status_code == 400 and fragment in r.text, (extra, r.text)
     assert sent == [], "a rejected request travelled to the engine core"
     r = httpx.post(url + "/v1/completions", json={"model": "demo", "prompt": "hi", "max_tokens": 2}, timeout=30)
-    assert r.status_code == 200 and sent == ["add"], (r.text, sent)
+    assert r.status_code == 200 and sent == [AddRequest], (r.text, sent)
 
 
 def test_engine_failure_is_500_and_health_turns_503(inproc_server):
@@ -527,7 +529,7 @@ def test_killed_engine_core_fails_every_stream_and_the_health_check():
 
     eng = AsyncLLM(EngineConfig(model="demo", block_size=4, max_model_len=MAX_LEN, num_kv_blocks=64,
                                 show_progress=False, tensor_parallel_size=2, dist_timeout_s=30))
-    core, ranks = eng.core.pid, eng.core.info["worker_pids"]
+    core, ranks = eng.core.pid, eng.core.info.worker_pids
     assert len(ranks) == 1 and process_running(core) and process_running(ranks[0])
     app = build_app(eng, "demo")
 

@@ -154,12 +154,12 @@ def test_the_engine_names_the_model_shapes_the_table_lacks(cache, caplog):
     # a table for cpu at TP=2 that measured another model: the demo's layers are named, the start succeeds
     _put(cache / "dispatch" / "cpu-tp2.json",
          json.dumps(_table(gemv=[{"M": 1, "K": 4096, "N": 3072, "winner": "stock"}], all_reduce=[])))
-    caplog.set_level(logging.INFO, logger="tp_overlap_plugin.serving.runner")
+    caplog.set_level(logging.INFO, logger="tp_overlap_plugin.serving.layer_factory")
     with LLM(EngineConfig(tensor_parallel_size=2, tp_overlap=True, max_model_len=64, max_num_seqs=2,
                           max_num_batched_tokens=16, num_kv_blocks=16, show_progress=False, dist_timeout_s=60)) as llm:
         assert llm.generate("Hi", {"max_tokens": 1, "temperature": 0})[0].outputs[0].token_ids
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
-                and r.name == "tp_overlap_plugin.serving.runner"]
+                and r.name == "tp_overlap_plugin.serving.layer_factory"]
     assert len(warnings) == 1, warnings
     assert "no rows for this model's qkv K=128 N=128, o_proj K=64 N=128" in warnings[0]
     assert "`tp-overlap tune --tp 2 --model demo`" in warnings[0]

@@ -177,23 +177,24 @@ def test_replacement_ran_only_when_enabled(runs):
 
 
 def test_options_and_switches(monkeypatch):
-    from tp_overlap_plugin.vllm_plugin import DEFAULT_MAX_BYTES, Options, parse_options
+    from tp_overlap_plugin import options
+    from tp_overlap_plugin.options import DEFAULT_MAX_BYTES, TPOverlapOptions as Options
+    from tp_overlap_plugin.vllm_plugin import parse_options
 
     monkeypatch.delenv("TP_OVERLAP", raising=False)
     assert parse_options({}) is None
     assert parse_options({"tp_overlap": {}}) == Options()
     assert parse_options({"tp_overlap": {"enabled": False}}) is None
     assert parse_options({"tp_overlap": {"max_bytes": 1 << 16}}).max_bytes == 1 << 16
-    from tp_overlap_plugin import vllm_plugin
     from tp_overlap_plugin.collectives import DEFAULT_ONE_SHOT_BYTES, HeapAllReduce
     from tp_overlap_plugin.kernels.allreduce import CHUNK_BYTES
     # the heap sizing restates these, and must cover what the all-reduce allocates
-    assert vllm_plugin._AR_CHUNK_BYTES == CHUNK_BYTES and vllm_plugin._AR_ONE_SHOT_BYTES == DEFAULT_ONE_SHOT_BYTES
+    assert options._AR_CHUNK_BYTES == CHUNK_BYTES and options._AR_ONE_SHOT_BYTES == DEFAULT_ONE_SHOT_BYTES
     for world in (2, 3, 8):
         for max_bytes in (1, 1 << 16, 3 << 19, DEFAULT_MAX_BYTES, 1 << 30):
             need = HeapAllReduce.heap_bytes(world, max_bytes) + (64 << 10)
-            assert need <= Options(max_bytes=max_bytes).resolved_heap_size(world) < need + (1 << 20), (world, max_bytes)
-    assert Options(heap_size=1 << 22).resolved_heap_size(2) == 1 << 22
+            assert need <= Options(max_bytes=max_bytes).all_reduce_heap_bytes(world) < need + (1 << 20), (world, max_bytes)
+    assert Options(heap_size=1 << 22).all_reduce_heap_bytes(2) == 1 << 22
     with pytest.raises(ValueError, match="unknown option"):
         parse_options({"tp_overlap": {"max_byte": 1}})
     with pytest.raises(ValueError, match="must be an object"):

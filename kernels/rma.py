@@ -28,19 +28,19 @@ atomic read, one round trip for the program, after threads have polled on their 
 import triton
 import triton.language as tl
 
+from tp_overlap_plugin import error_slot
 from tp_overlap_plugin.kernels import triton_compat
 
-# error-slot words, mirrored in tp_overlap_plugin/heap.py
-_ERR_CODE = tl.constexpr(0)
-_ERR_RANK = tl.constexpr(1)
-_ERR_PEER = tl.constexpr(2)
-_ERR_FLAG_OFFSET = tl.constexpr(3)
-_ERR_EXPECTED = tl.constexpr(4)
-_ERR_SEEN = tl.constexpr(5)
-_ERR_TIMEOUT_NS = tl.constexpr(7)  # not an error: the wait bound, in ns, set by the host
-# error codes (word _ERR_CODE), mirrored in tp_overlap_plugin/heap.py
-ERR_STUCK = tl.constexpr(1)        # a wait gave up
-ERR_OVERWRITTEN = tl.constexpr(2)  # a peer began overwriting data while this rank read it (moved_past)
+# the error slot's words and codes: one layout with the host (tp_overlap_plugin/error_slot.py)
+_ERR_CODE = tl.constexpr(error_slot.ERR_CODE)
+_ERR_RANK = tl.constexpr(error_slot.ERR_RANK)
+_ERR_PEER = tl.constexpr(error_slot.ERR_PEER)
+_ERR_FLAG_OFFSET = tl.constexpr(error_slot.ERR_FLAG_OFFSET)
+_ERR_EXPECTED = tl.constexpr(error_slot.ERR_EXPECTED)
+_ERR_SEEN = tl.constexpr(error_slot.ERR_SEEN)
+_ERR_TIMEOUT_NS = tl.constexpr(error_slot.ERR_TIMEOUT_NS)  # not an error: the wait bound, in ns, set by the host
+ERR_STUCK = tl.constexpr(error_slot.ERR_STUCK)
+ERR_OVERWRITTEN = tl.constexpr(error_slot.ERR_OVERWRITTEN)
 
 # Defaults of constexpr parameters must be constexpr objects: Triton 3.6 passes a plain str
 # default through unwrapped and fails to compile the call.

@@ -14,8 +14,8 @@ import importlib
 # would run before the command's first line.
 _EXPORTS = {"EngineConfig": ".config", "ModelConfig": ".config", "SamplingParams": ".config",
             "StructuredOutput": ".config",
-            "LLM": ".engine", "AsyncLLM": ".engine", "LLMEngine": ".engine", "RequestOutput": ".engine",
-            "CompletionOutput": ".engine"}
+            "LLM": ".engine.llm", "AsyncLLM": ".engine.async_llm", "LLMEngine": ".engine.llm_engine",
+            "RequestOutput": ".engine.outputs", "CompletionOutput": ".engine.outputs"}
 
 __all__ = list(_EXPORTS)
 

@@ -228,6 +228,7 @@ class _Choice:
     finish_reason: Optional[str] = None
     prompt_logits: Any = None
     observed: bool = False
+    request: Any = None   # the engine's ProcessedRequest, once _make_choices has processed it
 
 
 class _EngineFailure(Exception):
@@ -332,7 +333,7 @@ class OpenAIServer:
             # stream starts and before anything reaches the engine-core process, so that a bad request
             # is a 400 and not an error halfway through an SSE stream.
             try:
-                self.engine.check_request(c.prompt_ids, c.params)
+                c.request = self.engine.process_request(c.prompt_ids, c.params)
             except RequestError as e:   # a sampling parameter, the same for every choice
                 raise ApiError(400, str(e), param=_API_PARAM.get(e.param, e.param)) from None
             except (ValueError, TypeError) as e:
@@ -344,7 +345,7 @@ class OpenAIServer:
 
     async def _pump(self, c: _Choice, q: asyncio.Queue) -> None:
         try:
-            async for out in self.engine.generate(c.prompt_ids, c.params, c.request_id):
+            async for out in self.engine.generate(c.request, request_id=c.request_id):
                 q.put_nowait((c, out))
         except asyncio.CancelledError:
             raise
@@ -901,7 +902,7 @@ def serve_main(a: argparse.Namespace) -> int:
     import uvicorn
 
     from .config import env_rank_world
-    from .engine import AsyncLLM
+    from .engine.async_llm import AsyncLLM
 
     logging.basicConfig(level=getattr(logging, a.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = engine_config_from_args(a)

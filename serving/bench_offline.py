@@ -25,7 +25,7 @@ import torch
 
 from .args import CliError, add_debug_arg, add_engine_args, engine_config_from_args
 from .config import EngineConfig, SamplingParams
-from .engine import LLM
+from .engine.llm import LLM
 from .workloads import lognormal_lengths
 
 
@@ -67,9 +67,8 @@ def _timed_run(llm: LLM, prompts: list[list[int]], output_lens: Union[int, list[
         while pending and len(submitted) - len(finished) < limit:
             prompt, n_out = pending.pop(0)
             params = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
-            seq = engine.make_sequence(None, prompt, params)
-            submitted[seq.request_id] = time.perf_counter()
-            engine.add_sequence(seq)
+            request = engine.process_request(prompt, params)
+            submitted[engine.add(None, request)] = time.perf_counter()
 
     submit()
     while len(finished) < len(prompts):

@@ -46,7 +46,7 @@ _SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature",
 def run_generate(a: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from .engine import LLM
+    from .engine.llm import LLM
 
     cfg = engine_config_from_args(a)
     try:

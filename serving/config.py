@@ -13,6 +13,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tp_overlap_plugin.options import TPOverlapOptions, options_from_env
+
 SHIPPED_CONFIGS = Path(__file__).parent / "model_configs"
 DEMO_MODEL = "demo"
 
@@ -171,33 +173,6 @@ def hub_snapshot(repo_id: str, weights: bool = True) -> Path:
     return path
 
 
-class TPOverlapConfig(BaseModel):
-    """The `tp_overlap` sub-config. Present (and enabled) means the TP layers come from the overlap
-    factory (tp_overlap_plugin/overlap_layers.py); absent means the stock path, exactly as before."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    enabled: bool = True
-    heap_size: Optional[int] = Field(None, ge=1 << 20, description="symmetric heap bytes per rank; "
-                                     "default: sized from the model's largest activation at max batch")
-    heap_timeout_s: Optional[float] = Field(None, gt=0, description="seconds a kernel waits on a peer before it "
-                                            "gives up and the step fails; default TP_OVERLAP_HEAP_TIMEOUT_S or 60")
-    dispatch: Literal["table", "overlap", "stock"] = Field(
-        "table", description="table: measured per-device choices (stock where unmeasured); "
-                             "overlap: always our kernels; stock: never")
-    dispatch_table: Optional[str] = Field(None, description="path of a dispatch table JSON to use instead")
-
-
-def _tp_overlap_from_env() -> Optional[TPOverlapConfig]:
-    """TP_OVERLAP=1 turns the flag on; TP_OVERLAP='{"dispatch": "overlap"}' also configures it."""
-    raw = os.environ.get("TP_OVERLAP", "").strip()
-    if raw in ("", "0", "false", "False"):
-        return None
-    if raw in ("1", "true", "True"):
-        return TPOverlapConfig()
-    return TPOverlapConfig.model_validate_json(raw)
-
-
 class EngineConfig(BaseModel):
     """Everything that shapes an engine instance. Validated on construction."""
 
@@ -232,8 +207,9 @@ class EngineConfig(BaseModel):
         None, description="buckets of the piecewise graphs; default: piecewise.default_token_counts")
     dist_timeout_s: float = Field(600.0, gt=0)
     show_progress: bool = True
-    tp_overlap: Optional[TPOverlapConfig] = Field(default_factory=_tp_overlap_from_env,
-                                                  description="overlapped TP kernels; true, false or a sub-config")
+    # The plugin's options (tp_overlap_plugin/options.py), validated by pydantic through the dataclass.
+    tp_overlap: Optional[TPOverlapOptions] = Field(default_factory=options_from_env,
+                                                   description="overlapped TP kernels; true, false or a sub-config")
 
     @model_validator(mode="before")
     @classmethod

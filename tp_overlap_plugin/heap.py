@@ -5,12 +5,14 @@ at the same offset in every rank's heap. A kernel reaches a peer's copy by trans
 pointer through `heap_bases` (kernels/rma.py): rank r's heap is mapped at `heap_bases[r]` in this
 process.
 
-Backends, chosen by device type (override with `backend=` or TP_OVERLAP_HEAP_BACKEND):
-  * "torch"  - torch symmetric memory (CUDA; ROCm where torch supports it).
-  * "ipc"    - cudaMalloc/hipMalloc + IPC handles through ctypes; the ROCm fallback.
+Backends, chosen by device type (override with `backend=` or TP_OVERLAP_HEAP_BACKEND), one module each:
+  * "torch"  - torch symmetric memory (CUDA; ROCm where torch supports it): heap_torch.py.
+  * "ipc"    - cudaMalloc/hipMalloc + IPC handles through ctypes; the ROCm fallback: heap_ipc.py.
   * "shm"    - a /dev/shm file per rank mmap'd by all ranks; the Triton interpreter on the CPU
                dereferences these addresses directly, one memory operation at a time under a lock
-               the ranks share (`_InterpreterMemoryLock`).
+               the ranks share (`InterpreterMemoryLock`): heap_shm.py.
+A backend is an object made from the heap (it reads rank, world_size, group, device and heap_size) with
+`map()` -> (this rank's uint8 buffer, every rank's buffer as mapped here) and `close()`.
 
 The first bytes of every heap hold a control block: an error slot that bounded spin-waits fill in
 when they give up (`check()` turns it into a RankTimeoutError) and the flags of the host barrier.
@@ -19,31 +21,22 @@ when they give up (`check()` turns it into a RankTimeoutError) and the flags of 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import fcntl
-import mmap
 import os
-import uuid
 import warnings
-import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from tp_overlap_plugin.error_slot import (ERR_CODE, ERR_EXPECTED, ERR_FLAG_OFFSET, ERR_OVERWRITTEN, ERR_PEER,
+                                          ERR_RANK, ERR_SEEN, ERR_TIMEOUT_NS, ERR_WORDS)
+from tp_overlap_plugin.heap_ipc import IpcBackend
+from tp_overlap_plugin.heap_shm import InterpreterMemoryLock, ShmBackend
+from tp_overlap_plugin.heap_torch import TorchSymmBackend
+
 ALIGN = 256
 DEFAULT_HEAP_SIZE = 256 << 20
 HEAP_SIZE_SETTING = "heap_size (TP_OVERLAP_HEAP_SIZE, or tp_overlap.heap_size in the engine config)"
-SHM_PREFIX = "tp_overlap-"
-
-# Error-slot layout (int64 words), mirrored in kernels/rma.py. Written only by a kernel whose wait gave
-# up, except ERR_TIMEOUT_NS: the wait bound that kernels read, set by the host.
-ERR_CODE, ERR_RANK, ERR_PEER, ERR_FLAG_OFFSET, ERR_EXPECTED, ERR_SEEN = range(6)
-ERR_TIMEOUT_NS = 7
-ERR_WORDS = 8
-ERR_TIMEOUT = 1      # a wait gave up (kernels/rma.py ERR_STUCK)
-ERR_OVERWRITTEN = 2  # a peer began overwriting rows this rank was reading (rma.ERR_OVERWRITTEN)
 
 
 class HeapExhaustedError(MemoryError):
@@ -265,8 +258,8 @@ class SymmetricHeap:
 
     def memory_lock(self):
         """A context in which host stores into the CPU heap are ordered with the interpreter's memory
-        operations of every rank (they take the same lock: _InterpreterMemoryLock); a no-op on GPUs."""
-        return _InterpreterMemoryLock.holding() if self.device.type == "cpu" else contextlib.nullcontext()
+        operations of every rank (they take the same lock: InterpreterMemoryLock); a no-op on GPUs."""
+        return InterpreterMemoryLock.holding() if self.device.type == "cpu" else contextlib.nullcontext()
 
     def check_if_free(self) -> None:
         """After a launch: check where reading the error slot costs nothing (the CPU). On a GPU it is a
@@ -303,402 +296,4 @@ class SymmetricHeap:
                 f"backend={self.backend_name}, used={self.used}/{self.heap_size})")
 
 
-# ---- backends ---------------------------------------------------------------------------------
-
-
-class _ShmBackend:
-    """A /dev/shm file per rank. Files are unlinked as soon as every rank has mapped them, so a
-    crash after setup leaves nothing behind; before that, an atexit hook and the harness clean up."""
-
-    def __init__(self, heap: SymmetricHeap):
-        self.heap = heap
-        self.maps: list[mmap.mmap] = []
-        self.paths: list[str] = []
-        self.lock: _InterpreterMemoryLock | None = None
-
-    def map(self):
-        h = self.heap
-        token = [uuid.uuid4().hex[:12] if h.rank == 0 else None]
-        dist.broadcast_object_list(token, src=dist.get_global_rank(h.group, 0), group=h.group)
-        path = f"/dev/shm/{SHM_PREFIX}{os.getpid()}-{token[0]}-r{h.rank}"
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        _register_unlink(path)
-        try:
-            os.ftruncate(fd, h.heap_size)
-        finally:
-            os.close(fd)
-        paths = [None] * h.world_size
-        dist.all_gather_object(paths, path, group=h.group)
-        buffers = []
-        for p in paths:
-            fd = os.open(p, os.O_RDWR)
-            try:
-                m = mmap.mmap(fd, h.heap_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(fd)
-            self.maps.append(m)
-            buffers.append(torch.frombuffer(m, dtype=torch.uint8))
-        # rank 0's file is the world's lock; opened before the unlink below, the fd outlives it
-        self.lock = _InterpreterMemoryLock(os.open(paths[0], os.O_RDWR))
-        dist.barrier(group=h.group)
-        _unlink_now(path)
-        return buffers[h.rank], buffers
-
-    def close(self):
-        # Tensors created by frombuffer pin the mmaps; dropping our references is enough.
-        self.maps.clear()
-        if self.lock is not None:
-            self.lock.release()
-
-
-class _InterpreterMemoryLock:
-    """Makes each of the Triton interpreter's memory operations whole with respect to other ranks.
-
-    The interpreter loads and stores an element with a libc memcpy, which copies a 2-byte element
-    as a 2-byte access plus a second access to its last byte (4- and 8-byte elements: two
-    overlapping accesses). Between processes that breaks what GPUs guarantee for aligned 16/32/64-
-    bit accesses (single-copy atomicity), and the Lamport all-reduce depends on it twice: a poll
-    could see a half-written element that no longer reads as NOT_YET, and a pusher's late second
-    access could land after the reader has consumed the element and put NOT_YET back, leaving a
-    value the next call takes as arrived. (Both were caught in CPU stress runs at 8 ranks; the
-    interpreter's atomics are not atomic across processes either.)
-
-    So every interpreter load, store and atomic takes an exclusive flock on rank 0's heap file,
-    which every rank of the world holds open. It is per operation (a whole tile), so spins still
-    interleave with the peers' pushes. A process-wide patch of triton.runtime.interpreter's
-    native module: the most recently mapped heap's lock applies (ranks map their heaps in the
-    same order, so they agree on it), and closing a heap falls back to the one mapped before."""
-
-    OPS = ("load", "store", "atomic_cas", "atomic_rmw")
-    _held: list["_InterpreterMemoryLock"] = []  # mapped heaps' locks, newest last
-
-    def __init__(self, fd: int):
-        self.fd = fd
-        # a heap in host memory is only ever run by the interpreter
-        from tp_overlap_plugin.kernels import triton_compat
-        native = triton_compat.interpreter_native()
-        if not isinstance(native, _LockedNative):
-            missing = [op for op in self.OPS if not hasattr(native, op)]
-            if missing:
-                raise RuntimeError(f"this Triton's interpreter has no {missing} in its native module; the CPU "
-                                   f"heap cannot make its memory operations atomic between ranks")
-            triton_compat.set_interpreter_native(_LockedNative(native))
-        self._held.append(self)
-
-    @classmethod
-    @contextlib.contextmanager
-    def holding(cls):
-        """The lock the interpreter's memory operations take now, held by the host (a flock: a full
-        fence on both sides)."""
-        fd = cls._held[-1].fd if cls._held else None
-        if fd is None:
-            yield
-            return
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-
-    def release(self) -> None:
-        if self in self._held:
-            self._held.remove(self)
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-class _LockedNative:
-    """triton.runtime.interpreter's native module, with the memory operations under the lock of
-    the newest mapped heap (`_InterpreterMemoryLock`); everything else passes through."""
-
-    def __init__(self, native):
-        self._native = native
-        for op in _InterpreterMemoryLock.OPS:
-            setattr(self, op, self._locked(getattr(native, op)))
-
-    def __getattr__(self, name):
-        return getattr(self._native, name)
-
-    @staticmethod
-    def _locked(fn):
-        def call(*args):
-            held = _InterpreterMemoryLock._held
-            if not held:
-                return fn(*args)
-            fd = held[-1].fd
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
-                return fn(*args)
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-        return call
-
-
-class _TorchSymmBackend:
-    def __init__(self, heap: SymmetricHeap):
-        self.heap = heap
-
-    def map(self):
-        import torch.distributed._symmetric_memory as symm_mem
-        h = self.heap
-        group_name = h.group.group_name  # torch >= 2.11 needs no enable_symm_mem_for_group first
-        with torch.cuda.device(h.device):
-            self.local = symm_mem.empty(h.heap_size, dtype=torch.uint8, device=h.device)
-            self.handle = symm_mem.rendezvous(self.local, group_name)
-        peers = [self.handle.get_buffer(r, (h.heap_size,), torch.uint8) if r != h.rank else self.local
-                 for r in range(h.world_size)]
-        return self.local, peers
-
-    def close(self):
-        pass
-
-
-class IpcMemHandle(ctypes.Structure):
-    """cudaIpcMemHandle_t / hipIpcMemHandle_t: a struct of 64 opaque bytes. IpcOpenMemHandle takes it
-    by value; ctypes passes an array as a pointer, which made cudaIpcOpenMemHandle fail (rc=1) on
-    H200. A Structure declared in argtypes is passed by value."""
-    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
-
-
-def runtime_signatures() -> dict:
-    """C signatures of the runtime calls the ipc backend makes, by name without the cuda/hip prefix:
-    name -> (restype, argtypes). Both runtimes declare them alike (errors are a C enum, an int)."""
-    err = ctypes.c_int
-    return {
-        "SetDevice": (err, [ctypes.c_int]),
-        "Malloc": (err, [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]),
-        "Free": (err, [ctypes.c_void_p]),
-        "IpcGetMemHandle": (err, [ctypes.POINTER(IpcMemHandle), ctypes.c_void_p]),
-        "IpcOpenMemHandle": (err, [ctypes.POINTER(ctypes.c_void_p), IpcMemHandle, ctypes.c_uint]),
-        "IpcCloseMemHandle": (err, [ctypes.c_void_p]),
-        "GetErrorString": (ctypes.c_char_p, [err]),
-    }
-
-
-def configure_runtime(lib, prefix: str):
-    """Set restype and argtypes of every runtime function the ipc backend calls on `lib` (a
-    ctypes.CDLL, or any object whose `<prefix><name>` attributes take them). Without argtypes ctypes
-    guesses each argument's C type from the Python value, and the guess is wrong for the handle."""
-    for name, (restype, argtypes) in runtime_signatures().items():
-        fn = getattr(lib, prefix + name)
-        fn.restype = restype
-        fn.argtypes = argtypes
-    return lib
-
-
-class IpcRuntime:
-    """The CUDA or HIP runtime calls behind the ipc backend, through ctypes with declared signatures."""
-
-    LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess = hipIpcMemLazyEnablePeerAccess
-
-    def __init__(self, lib, prefix: str):
-        self.lib = configure_runtime(lib, prefix)
-        self.prefix = prefix
-
-    def _call(self, name: str, *args) -> None:
-        rc = getattr(self.lib, self.prefix + name)(*args)
-        if rc != 0:
-            what = getattr(self.lib, self.prefix + "GetErrorString")(rc)
-            raise RuntimeError(f"{self.prefix}{name} failed with error code {rc}"
-                               f" ({what.decode(errors='replace') if what else 'no description'})")
-
-    def set_device(self, index: int) -> None:
-        self._call("SetDevice", index)
-
-    def malloc(self, nbytes: int) -> int:
-        ptr = ctypes.c_void_p()
-        self._call("Malloc", ctypes.byref(ptr), nbytes)
-        return ptr.value
-
-    def free(self, ptr: int) -> None:
-        self._call("Free", ptr)
-
-    def get_handle(self, ptr: int) -> bytes:
-        handle = IpcMemHandle()
-        self._call("IpcGetMemHandle", ctypes.byref(handle), ptr)
-        return bytes(handle)
-
-    def open_handle(self, handle: bytes) -> int:
-        ptr = ctypes.c_void_p()
-        self._call("IpcOpenMemHandle", ctypes.byref(ptr), IpcMemHandle.from_buffer_copy(handle),
-                   self.LAZY_ENABLE_PEER_ACCESS)
-        return ptr.value
-
-    def close_handle(self, ptr: int) -> None:
-        self._call("IpcCloseMemHandle", ptr)
-
-
-class _IpcBackend:
-    """Runtime malloc + IPC handles through ctypes (libamdhip64 on ROCm, libcudart on CUDA).
-
-    The heap must come from the runtime's own malloc (IPC on memory from torch's caching allocator
-    failed here), and peers' handles are opened on the local device: opening them under the
-    peer's device guard gave addresses the kernel faulted on. The runtime is told the device
-    itself: if this process has two copies of the runtime (torch's and a system one), torch's
-    device guard sets only its own copy's current device."""
-
-    def __init__(self, heap: SymmetricHeap):
-        self.heap = heap
-        hip = torch.version.hip is not None
-        self.rt = IpcRuntime(_load_runtime(hip), "hip" if hip else "cuda")
-        self.local_ptr = 0
-        self.opened: list[int] = []
-
-    def map(self):
-        h = self.heap
-        with torch.cuda.device(h.device):
-            self.rt.set_device(h.device.index)
-            self.local_ptr = self.rt.malloc(h.heap_size)
-            handles = [None] * h.world_size
-            dist.all_gather_object(handles, self.rt.get_handle(self.local_ptr), group=h.group)
-            ptrs = []
-            for r, handle in enumerate(handles):
-                if r == h.rank:
-                    ptrs.append(self.local_ptr)
-                    continue
-                peer_ptr = self.rt.open_handle(handle)
-                self.opened.append(peer_ptr)
-                ptrs.append(peer_ptr)
-        buffers = [_wrap_device_pointer(p, h.heap_size, h.device, owner=self) for p in ptrs]
-        return buffers[h.rank], buffers
-
-    def close(self):
-        with torch.cuda.device(self.heap.device):
-            torch.cuda.synchronize()
-            self.rt.set_device(self.heap.device.index)
-            for p in self.opened:
-                with contextlib.suppress(RuntimeError):
-                    self.rt.close_handle(p)
-            self.opened.clear()
-            if self.local_ptr:
-                with contextlib.suppress(RuntimeError):
-                    self.rt.free(self.local_ptr)
-                self.local_ptr = 0
-
-
-_BACKENDS = {"shm": _ShmBackend, "torch": _TorchSymmBackend, "ipc": _IpcBackend}
-
-
-_WRITE_VALUE: list = []  # the driver's stream write-value function, once loaded
-
-
-def _stream_write_value_fn():
-    """cuStreamWriteValue32 (the CUDA driver) or hipStreamWriteValue32 (the HIP runtime), through ctypes:
-    torch exposes no stream write-value for arbitrary device memory (torch 2.11-2.13 have one only
-    inside symmetric memory's private ops)."""
-    if not _WRITE_VALUE:
-        hip = torch.version.hip is not None
-        lib = _load_runtime(True) if hip else ctypes.CDLL("libcuda.so.1")
-        names = ["hipStreamWriteValue32"] if hip else ["cuStreamWriteValue32_v2", "cuStreamWriteValue32"]
-        fn = next((getattr(lib, n) for n in names if hasattr(lib, n)), None)
-        if fn is None:
-            raise RuntimeError(f"the GPU runtime has none of {names}; the copy-engine push needs a stream write-value")
-        fn.restype = ctypes.c_int
-        # (stream, address, value, flags): CUdeviceptr is a 64-bit integer, hip takes a void*
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64 if not hip else ctypes.c_void_p, ctypes.c_uint32,
-                       ctypes.c_uint]
-        _WRITE_VALUE.append(fn)
-    return _WRITE_VALUE[0]
-
-
-def stream_write_value32(word: torch.Tensor, value: int) -> None:
-    """Enqueue on the current stream a write of `value` into the 4-byte word `word` (device memory), as
-    a stream memory operation with default flags: the driver fences every earlier write of the
-    stream system-wide before it, copy-engine writes to peers included. Capturable in a graph (the
-    value is then fixed)."""
-    if word.element_size() * word.numel() < 4 or word.data_ptr() % 4:
-        raise ValueError("stream_write_value32 needs an aligned 4-byte word")
-    stream = torch.cuda.current_stream(word.device).cuda_stream
-    rc = _stream_write_value_fn()(stream, word.data_ptr(), value & 0xFFFFFFFF, 0)
-    if rc != 0:
-        raise RuntimeError(f"stream write-value failed with error code {rc}")
-
-
-def _load_runtime(hip: bool):
-    stem = "libamdhip64.so" if hip else "libcudart.so"
-    names = ([stem, stem + ".6", stem + ".7"] if hip else [stem, stem + ".13", stem + ".12"])
-    found = ctypes.util.find_library("amdhip64" if hip else "cudart")
-    if found:
-        names.insert(0, found)
-    # The copy torch already loaded comes first: one runtime, one device state, one set of mappings.
-    names[:0] = _loaded_libraries(stem)
-    if not hip:
-        # pip wheels of the CUDA runtime sit beside torch rather than on the loader path
-        try:
-            import nvidia.cuda_runtime as ncr  # type: ignore
-            for d in ncr.__path__:
-                for sub in ("lib", ""):
-                    libdir = os.path.join(d, sub)
-                    if os.path.isdir(libdir):
-                        names += [os.path.join(libdir, f) for f in sorted(os.listdir(libdir))
-                                  if f.startswith("libcudart.so")]
-        except ImportError:
-            pass
-    errors = []
-    for n in names:
-        try:
-            return ctypes.CDLL(n)
-        except OSError as e:
-            errors.append(f"{n}: {e}")
-    raise RuntimeError("heap backend 'ipc' could not load the GPU runtime: " + "; ".join(errors))
-
-
-def _loaded_libraries(stem: str) -> list[str]:
-    """Paths of shared objects named `stem*` already mapped into this process (Linux)."""
-    paths = []
-    with contextlib.suppress(OSError):
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.split(maxsplit=5)[-1].strip()
-                if os.path.basename(path).startswith(stem) and path not in paths:
-                    paths.append(path)
-    return paths
-
-
-class _DeviceArray:
-    def __init__(self, ptr: int, nbytes: int):
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "version": 3, "strides": None}
-
-
-def _wrap_device_pointer(ptr: int, nbytes: int, device: torch.device, owner) -> torch.Tensor:
-    t = torch.as_tensor(_DeviceArray(ptr, nbytes), device=device)
-    # keep the backend (which frees the memory) alive as long as any view exists
-    weakref.finalize(t, lambda o: None, owner)
-    return t
-
-
-# ---- /dev/shm hygiene -------------------------------------------------------------------------
-
-_pending_unlinks: set[str] = set()
-
-
-def _unlink_now(path: str) -> None:
-    _pending_unlinks.discard(path)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def _unlink_all() -> None:
-    for p in list(_pending_unlinks):
-        _unlink_now(p)
-
-
-def _register_unlink(path: str) -> None:
-    if not _pending_unlinks:
-        import atexit
-        atexit.register(_unlink_all)
-    _pending_unlinks.add(path)
-
-
-def remove_stale_shm(pids) -> list[str]:
-    """Remove heap files created by the given (dead) processes; the harness calls this."""
-    removed = []
-    pids = {str(p) for p in pids}
-    for name in os.listdir("/dev/shm"):
-        if name.startswith(SHM_PREFIX) and name[len(SHM_PREFIX):].split("-", 1)[0] in pids:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join("/dev/shm", name))
-                removed.append(name)
-    return removed
+_BACKENDS = {"shm": ShmBackend, "torch": TorchSymmBackend, "ipc": IpcBackend}

@@ -13,7 +13,7 @@ Every tensor the model passes between "row layer output" and "column layer input
 factory's *residual layout*; the model only applies token-wise operations to it (RMSNorm, add), so it
 never needs to know which layout that is.
 
-* Stock (`StockTPLayers`, this file): the residual holds all T tokens on every rank, replicated.
+* Stock (`TPLayers` itself, this file): the residual holds all T tokens on every rank, replicated.
 * Sequence-parallel (the overlap path, added by another module): the residual holds T/W rows per rank.
   Column layers then all-gather their input while they multiply (AG-GEMM), row layers reduce-scatter
   their output (GEMM-RS), the embedding reduce-scatters, and the LM head gathers once.
@@ -289,7 +289,9 @@ class ParallelLMHead(nn.Module):
 
 
 class TPLayers:
-    """Factory for the stock layers: column = local GEMM, row = local GEMM + all-reduce (vLLM's layout)."""
+    """The layer factory: the interface every factory keeps, and its stock implementation (column =
+    local GEMM, row = local GEMM + all-reduce, vLLM's layout). The overlap factory subclasses it
+    (overlap_layers.OverlapTPLayers)."""
 
     name = "stock"
 
@@ -311,5 +313,3 @@ class TPLayers:
     def lm_head(self, vocab_size: int, hidden: int, tied_to: VocabParallelEmbedding | None = None) -> ParallelLMHead:
         return ParallelLMHead(self.tp, vocab_size, hidden, self.dtype, self.device, tied_to)
 
-
-StockTPLayers = TPLayers

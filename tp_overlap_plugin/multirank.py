@@ -189,7 +189,7 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, device: str = "cpu", hea
                 p.kill()
         for p in procs:
             p.join(timeout=5)
-        from tp_overlap_plugin.heap import remove_stale_shm
+        from tp_overlap_plugin.heap_shm import remove_stale_shm
         remove_stale_shm(p.pid for p in procs)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(store_file.name)
@@ -280,7 +280,7 @@ def _rank_main(fnref, where, rank, world_size, store_path, device, heap_size, he
             with contextlib.suppress(Exception):
                 heap.close()
         # skip destroy_process_group: it can block on a peer that died; the process exits anyway
-        from tp_overlap_plugin.heap import _unlink_all
+        from tp_overlap_plugin.heap_shm import _unlink_all
         _unlink_all()  # os._exit skips atexit
         with contextlib.suppress(Exception):
             results_q.close()

@@ -28,8 +28,9 @@ from tp_overlap_plugin.collectives import (alloc_row_slots, cache_modifiers, res
 from tp_overlap_plugin.decode_config import FMA_MAX_ROWS, MAX_ROWS, DecodeConfig, pick_decode_config
 from tp_overlap_plugin.gemm_config import (TileConfig, gemm_all_reduce_config, pick_config,  # noqa: F401
                                            prefers_cublas)
-from tp_overlap_plugin.heap import SymmetricHeap, stream_write_value32
+from tp_overlap_plugin.heap import SymmetricHeap
 from tp_overlap_plugin.launch import Launcher
+from tp_overlap_plugin.stream_write import stream_write_value32
 from tp_overlap_plugin.kernels import triton_compat
 from tp_overlap_plugin.kernels.lamport import peers_pow2, tile_elems
 from tp_overlap_plugin.kernels.gemm import gemm_kernel

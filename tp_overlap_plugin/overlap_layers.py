@@ -77,14 +77,15 @@ def warm_up_token_counts(max_tokens: int, world: int, buckets=()) -> list[int]:
     return sorted(shard | rows_up_to(max_tokens))
 
 
-def required_heap_bytes(hidden: int, max_tokens: int, world: int, dtype: torch.dtype) -> int:
+def required_heap_bytes(hidden: int, max_tokens: int, world: int, dtype: torch.dtype,
+                        all_reduce_bytes: int = ALL_REDUCE_BYTES) -> int:
     """Heap for one model: AG-GEMM's [W - 1, T/W, hidden] receive buffer and GEMM-RS's two halves of
     the same shape (every column layer reads, and every row layer writes, the hidden size; one op of
     each serves all layers), the all-reduce's, the fused all-reduce + norm's and GEMM + all-reduce's
     receive slots (row layers output the hidden size: one op of each), flags."""
     elsize = torch.empty((), dtype=dtype).element_size()
     rows = -(-max_tokens // world)
-    return (3 * max(world - 1, 1) * rows * hidden * elsize + HeapAllReduce.heap_bytes(world, ALL_REDUCE_BYTES)
+    return (3 * max(world - 1, 1) * rows * hidden * elsize + HeapAllReduce.heap_bytes(world, all_reduce_bytes)
             + HeapAllReduceNorm.heap_bytes(world, hidden, fused_norm_rows(hidden, max_tokens, dtype), dtype)
             + GemmAllReduce.heap_bytes(world, gemm_ar_rows(max_tokens), hidden, dtype) + (16 << 20))
 
@@ -93,9 +94,10 @@ class OverlapTPLayers(TPLayers):
     name = "overlap"
 
     def __init__(self, tp: TPGroup, dtype: torch.dtype, device, heap: Optional[SymmetricHeap], max_tokens: int,
-                 dispatcher: Optional[Dispatcher] = None):
+                 dispatcher: Optional[Dispatcher] = None, all_reduce_bytes: int = ALL_REDUCE_BYTES):
         """`heap` is None only at TP=1: nothing is communicated, and the layers are the local matmuls
-        (the decode matmul where the table picks it)."""
+        (the decode matmul where the table picks it). `all_reduce_bytes`: the all-reduce's capacity
+        (tp_overlap.max_bytes); larger messages take the stock all-reduce."""
         super().__init__(tp, dtype, device)
         if heap is None and tp.world_size > 1:
             raise ValueError(f"the overlap layers at TP={tp.world_size} need a symmetric heap")
@@ -108,7 +110,7 @@ class OverlapTPLayers(TPLayers):
         self._ag: dict[int, AllGatherGemm] = {}
         self._rs: dict[int, GemmReduceScatter] = {}
         self._ops: set[tuple[str, int, int]] = set()  # (op, K, N) of every linear layer built
-        self.all_reduce = (HeapAllReduce(heap, ALL_REDUCE_BYTES, device_group=tp.group,
+        self.all_reduce = (HeapAllReduce(heap, all_reduce_bytes, device_group=tp.group,
                                          auto_one_shot_bytes=self.dispatcher.one_shot_max_bytes)
                            if heap is not None else None)
         self._norms: dict[int, HeapAllReduceNorm] = {}  # the fused all-reduce + norm, per hidden size

