@@ -10,6 +10,7 @@ Strict mode: `"max_tokens": "10"` or `"prompt": [true]` are type errors, as in t
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal, Optional, Union
@@ -253,6 +254,12 @@ def _now() -> int:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(payload: Union[str, dict]) -> str:
+    """One server-sent event: a chunk (a dict, as JSON) or the closing `[DONE]`."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
 
 
 class CompletionResponse(_Response):
