@@ -427,38 +427,102 @@ def test_a_killed_server_takes_its_engine_core_and_ranks_along():
         assert _group_members(pgid) == [], "the engine core or its rank outlived the killed server"
 
 
-def test_sigint_past_shutdown_timeout_aborts_the_stream_and_exits():
-    # A stream far longer than --shutdown-timeout: the server cuts it off (aborting it in the engine),
-    # shuts the engine down and exits cleanly instead of waiting for the generation to end.
-    with ServerProcess(ARGS + ["--max-model-len", "2048", "--shutdown-timeout", "1", "--log-level", "info"]) as srv:
-        lines: list[str] = []
-        started = threading.Event()
+class _Stream(threading.Thread):
+    """A long completion stream read on a thread: its SSE data lines and when the last one came."""
 
-        def stream():
-            body = {"model": "demo", "prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-            try:
-                with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+    def __init__(self, url: str, stream: bool = True):
+        super().__init__(daemon=True)
+        self.url, self.stream = url, stream
+        self.lines: list[str] = []
+        self.started = threading.Event()
+        self.ended_at: float = 0.0
+        self.response = None
+
+    def run(self):
+        body = {"model": "demo", "prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "stream": self.stream}
+        try:
+            if self.stream:
+                with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=60) as r:
                     for line in r.iter_lines():
                         if line:
-                            lines.append(line)
-                            started.set()
-            except httpx.HTTPError:
-                pass       # the server closing the connection mid-stream is what is expected here
-            started.set()
+                            self.lines.append(line)
+                            self.started.set()
+            else:
+                self.started.set()
+                self.response = httpx.post(self.url + "/v1/completions", json=body, timeout=60)
+        finally:
+            self.ended_at = time.monotonic()
+            self.started.set()
 
-        t = threading.Thread(target=stream)
-        t.start()
-        assert started.wait(30)
+    def chunks(self) -> list[dict]:
+        return [json.loads(line[6:]) for line in self.lines if line.startswith("data: {")]
+
+
+def _refused_while_draining(url: str) -> None:
+    """New requests (a new connection, or /health) get a 503 in OpenAI's shape that says why."""
+    deadline = time.monotonic() + 20
+    while True:
+        r = httpx.post(url + "/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 2}, timeout=10)
+        if r.status_code == 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert "shutting down" in err["message"] and err["type"] == "service_unavailable_error", err
+    assert httpx.get(url + "/health", timeout=10).status_code == 503
+
+
+def _ends_with_abort(stream: _Stream) -> None:
+    assert stream.lines[-1] == "data: [DONE]", stream.lines[-3:]
+    finishes = [c["choices"][0]["finish_reason"] for c in stream.chunks() if c["choices"]]
+    assert finishes[-1] == "abort" and finishes[:-1] == [None] * (len(finishes) - 1), finishes[-3:]
+
+
+def test_first_sigint_drains_then_aborts_each_stream_with_a_final_chunk():
+    # A stream far longer than --shutdown-timeout: after SIGINT new requests get a 503, the stream runs on for
+    # the grace period, then ends with a finish_reason "abort" chunk and [DONE], and the server exits.
+    with ServerProcess(ARGS + ["--max-model-len", "2048", "--shutdown-timeout", "3", "--log-level", "info"]) as srv:
+        stream = _Stream(srv.url)
+        stream.start()
+        assert stream.started.wait(30)
         t0 = time.monotonic()
         srv.proc.send_signal(signal.SIGINT)
-        rc = srv.proc.wait(timeout=60)
-        t.join(30)
-        assert rc == 0, srv.log_tail()
-        assert time.monotonic() - t0 < 30
-        assert lines and "data: [DONE]" not in lines
-        log = srv.log_tail()
-        assert "cut off by the server shutting down" in log and "engine shut down" in log
-        assert "Traceback" not in log
+        _refused_while_draining(srv.url)
+        stream.join(30)
+        rc = srv.proc.wait(timeout=30)
+        log = srv.log_tail(100)
+        assert rc == 0, log
+        assert stream.ended_at - t0 >= 2.5, "aborted before --shutdown-timeout was over"
+        _ends_with_abort(stream)
+        assert "--shutdown-timeout (3 s) is over: aborting the 1 request in flight" in log and "engine shut down" in log
+        assert "Traceback" not in log and "without completing response" not in log, log
+
+
+def test_second_sigint_aborts_at_once():
+    with ServerProcess(ARGS + ["--max-model-len", "2048", "--shutdown-timeout", "120", "--log-level", "info"]) as srv:
+        streams = [_Stream(srv.url), _Stream(srv.url, stream=False)]
+        for s in streams:
+            s.start()
+            assert s.started.wait(30)
+        deadline = time.monotonic() + 30
+        while 'tp_overlap_num_requests_running{model_name="demo"} 2.0' not in httpx.get(srv.url + "/metrics").text:
+            assert time.monotonic() < deadline, "the non-streaming request did not start"
+            time.sleep(0.05)
+        srv.proc.send_signal(signal.SIGINT)
+        _refused_while_draining(srv.url)
+        time.sleep(1)
+        assert streams[0].is_alive() and streams[1].is_alive(), "the first SIGINT must let requests run on"
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGINT)
+        for s in streams:
+            s.join(30)
+        rc = srv.proc.wait(timeout=30)
+        log = srv.log_tail(100)
+        assert rc == 0 and time.monotonic() - t0 < 20, log
+        _ends_with_abort(streams[0])
+        r = streams[1].response
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "abort", r.text
+        assert "a second signal: aborting the 2 requests in flight" in log and "Traceback" not in log, log
 
 
 def test_torchrun_launch_serves_the_same_text(client):

@@ -17,6 +17,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import time
 from typing import Optional
 
@@ -35,6 +36,7 @@ try:
     from .server_errors import (ERROR_RESPONSES, ApiError, check_encodable, describe_validation_errors,
                                 error_response, internal_error_body, is_json_media_type)
     from .server_middleware import ApiKeyGuard, ErrorBarrier, ResponseCounter
+    from .server_shutdown import ABORT_GRACE_S, DrainGuard, DrainingServer, InFlight
     from .serving_chat import OpenAIServingChat
     from .serving_completion import OpenAIServingCompletion
     from .serving_tokenization import OpenAIServingTokenization
@@ -66,9 +68,11 @@ class OpenAIServer:
         self.api_key = api_key
         self.max_model_len = engine.max_model_len
         self.metrics = ServerMetrics(served_model_name, self._stats)
-        self.completion = OpenAIServingCompletion(engine, served_model_name, self.metrics)
-        self.chat = OpenAIServingChat(engine, served_model_name, self.metrics)
-        self.tokenization = OpenAIServingTokenization(engine, served_model_name, self.metrics)
+        self.in_flight = InFlight()
+        shared = (engine, served_model_name, self.metrics, self.in_flight)
+        self.completion = OpenAIServingCompletion(*shared)
+        self.chat = OpenAIServingChat(*shared)
+        self.tokenization = OpenAIServingTokenization(*shared)
         self.app = self._build_app()
 
     def _stats(self) -> Optional[dict]:
@@ -154,22 +158,35 @@ class OpenAIServer:
             return VersionResponse(version=version)
 
         inner = ApiKeyGuard(app, self.api_key) if self.api_key else app
-        wrapped = ResponseCounter(ErrorBarrier(inner), server.metrics)
+        wrapped = ResponseCounter(ErrorBarrier(DrainGuard(inner, self.in_flight)), server.metrics)
         # Route tables and the OpenAPI schema stay reachable on the FastAPI object.
         wrapped.fastapi = app
         return wrapped
 
 
 def build_app(engine, served_model_name: str, api_key: Optional[str] = None, model_root: Optional[str] = None):
-    """The ASGI app for an AsyncLLM (the FastAPI object is its `.fastapi`)."""
-    return OpenAIServer(engine, served_model_name, api_key, model_root).app
+    """The ASGI app for an AsyncLLM (the FastAPI object is its `.fastapi`, the requests in flight its
+    `.in_flight`)."""
+    server = OpenAIServer(engine, served_model_name, api_key, model_root)
+    server.app.in_flight = server.in_flight
+    return server.app
 
 
 # ---- command line ---------------------------------------------------------------------------------
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port: it must be in 0-65535")
+    return port
+
+
 def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 for all)")
-    g.add_argument("--port", type=int, default=8000, help="TCP port")
+    g.add_argument("--port", type=_port, default=8000, help="TCP port")
     # Read from the environment at start, not as the option's default: --help would print the key.
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
@@ -177,10 +194,26 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the --model value)")
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="on SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are aborted")
+                   help="on the first SIGINT/SIGTERM the server takes no new requests (they get a 503) and gives "
+                        "those in flight this many seconds to finish; then it aborts them (streams end with "
+                        "finish_reason 'abort' and [DONE]) and exits. A second signal aborts at once")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the server's and uvicorn's log level")
     g.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the engine loads: a port that cannot be had fails in a second,
+    not after minutes of loading weights. (uvicorn starts listening on it once it serves.)"""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise CliError(f"the server could not listen on {host}:{port}: {e.strerror or e}",
+                       hint="choose another --port, or stop what uses it", status=1) from None
+    return sock
 
 
 def serve_main(a: argparse.Namespace) -> int:
@@ -209,41 +242,34 @@ def serve_main(a: argparse.Namespace) -> int:
                                                                  launched[0], signum))
         AsyncLLM(cfg)
         return 0
+    sock = _listen(a.host, a.port)
     # Until uvicorn takes over the signals, a SIGTERM must unwind the engine start (which then stops the
     # workers it spawned) instead of killing this process and orphaning them.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         engine = AsyncLLM(cfg)
     except Exception as e:
+        sock.close()
         # Nothing is served without an engine: exit with the reason, not a server that answers 503.
         raise CliError(f"the engine did not start: {e}", hint=DEBUG_HINT, status=1) from e
     finally:
         signal.signal(signal.SIGTERM, previous)
-    if not engine.is_driver:      # a torchrun worker rank: it served rank 0's steps until shutdown
-        return 0
     try:
         name = a.served_model_name or cfg.model
         app = build_app(engine, name, a.api_key or os.environ.get("TP_OVERLAP_API_KEY"), model_root=cfg.model)
         logger.info("engine ready in %.1f s: model %s, tp=%d, max_model_len=%d, %d KV blocks of %d tokens",
                     time.perf_counter() - t0, cfg.model, cfg.tensor_parallel_size, engine.max_model_len,
                     engine.num_blocks, cfg.block_size)
+        # By then every request has ended (server_shutdown.py); this only bounds the closing of connections.
         config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=not a.no_access_log,
-                                timeout_graceful_shutdown=a.shutdown_timeout, lifespan="off")
-        # uvicorn handles SIGINT/SIGTERM: stop accepting, let in-flight requests finish (or cancel them after
-        # --shutdown-timeout, which aborts them in the engine); the engine and its workers stop below.
-        # Afterwards uvicorn re-raises the signal under the handlers it found; with the defaults that would
-        # kill this process before the engine is shut down, so those handlers only log.
+                                timeout_graceful_shutdown=ABORT_GRACE_S, lifespan="off")
+        # DrainingServer handles SIGINT/SIGTERM while serving (server_shutdown.py); the engine and its workers
+        # stop below. A signal after it returns, while the engine stops, only logs.
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda signum, frame: logger.info("signal %d handled; stopping the engine", signum))
-        try:
-            uvicorn.Server(config).run()
-        except SystemExit as e:      # uvicorn exits this way when it cannot bind, after logging why
-            if e.code:
-                raise CliError(f"the server could not listen on {a.host}:{a.port} (uvicorn exited with {e.code}; "
-                               f"its reason is logged above)", hint="choose another --port, or stop what uses it",
-                               status=1) from None
-            raise
+            signal.signal(sig, lambda signum, frame: logger.info("signal %d: the engine is stopping", signum))
+        DrainingServer(config, app.in_flight, a.shutdown_timeout).run(sockets=[sock])
     finally:
+        sock.close()
         engine.shutdown()
         logger.info("engine shut down")
     return 0

@@ -23,12 +23,15 @@ from .metrics import ServerMetrics
 from .protocol import UsageInfo, sse
 from .server_errors import API_PARAM, ApiError, describe_validation_errors, error_body, internal_error_body
 from .server_logprobs import LogprobFormatter
+from .server_shutdown import InFlight
 
 logger = logging.getLogger("tp_overlap.server")
 
 # One request may not occupy more than this many engine sequences (prompts x n), so a single client
 # cannot queue an unbounded amount of work.
 MAX_CHOICES_PER_REQUEST = 256
+# Queued in place of an output: the choice was aborted by a server shutting down.
+_ABORTED = object()
 
 
 @dataclass
@@ -69,8 +72,8 @@ class SSEResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         except asyncio.CancelledError:
-            # uvicorn cancels the streams still open when --shutdown-timeout runs out. The request ends
-            # here either way; one line in the log says so instead of a traceback per stream.
+            # uvicorn cancels the streams still open when it is told to leave without waiting (a third
+            # signal). The request ends here either way; one line in the log says so, not a traceback.
             logger.warning("stream %s was cut off by the server shutting down; its request is aborted",
                            self.response_id)
         finally:
@@ -78,12 +81,14 @@ class SSEResponse(StreamingResponse):
 
 
 class OpenAIServing:
-    """The state every handler reads: the engine, the served model's name and limits, the metrics."""
+    """The state every handler reads: the engine, the served model's name and limits, the metrics, the
+    requests in flight."""
 
-    def __init__(self, engine, model_name: str, metrics: ServerMetrics):
+    def __init__(self, engine, model_name: str, metrics: ServerMetrics, in_flight: InFlight):
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
+        self.in_flight = in_flight
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.logprobs = LogprobFormatter(engine.tokenizer)
@@ -159,16 +164,35 @@ class OpenAIServing:
         except BaseException as e:
             q.put_nowait((c, e))
 
-    async def _run(self, choices: list[Choice], endpoint: str) -> AsyncIterator[tuple[Choice, Any]]:
-        """Outputs of all choices as they come. Closing or cancelling this iterator aborts what is left."""
+    async def _run(self, choices: list[Choice], endpoint: str) -> AsyncIterator[tuple[Choice, str]]:
+        """(choice, new text) of all choices as their outputs come; a choice's last one has its
+        `finish_reason` set. Closing or cancelling this iterator aborts what is left. A server shutting
+        down (`InFlight.abort_all`) ends the unfinished choices with finish_reason "abort"."""
         q: asyncio.Queue = asyncio.Queue()
         self.metrics.prompt_tokens.labels(self.model_name).inc(
             sum(len(ids) for ids in {c.prompt_index: c.prompt_ids for c in choices}.values()))
         tasks = [asyncio.create_task(self._pump(c, q)) for c in choices]
+
+        def abort():
+            # Cancelling a pump ends its engine stream, which aborts the engine request (once it was
+            # sent: no abort can overtake its request); the marker ends the choice here.
+            for c, t in zip(choices, tasks):
+                if not t.done():
+                    t.cancel()
+                    q.put_nowait((c, _ABORTED))
+
+        unregister = self.in_flight.register(abort)
         remaining = len(choices)
         try:
             while remaining:
                 c, out = await q.get()
+                if out is _ABORTED:
+                    if c.finish_reason is None:
+                        c.finish_reason = "abort"
+                        remaining -= 1
+                        self._observe(c, endpoint)
+                        yield c, ""
+                    continue
                 if isinstance(out, BaseException):
                     c.finish_reason = "error"
                     self._observe(c, endpoint)
@@ -188,8 +212,9 @@ class OpenAIServing:
                     c.prompt_logits = out.prompt_logits
                     remaining -= 1
                     self._observe(c, endpoint)
-                yield c, out
+                yield c, out.delta_text
         finally:
+            unregister()
             for t in tasks:
                 t.cancel()
             for c in choices:

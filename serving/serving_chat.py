@@ -51,15 +51,15 @@ class OpenAIServingChat(OpenAIServing):
                         yield ChatCompletionStreamResponse(id=base, model=self.model_name, choices=[
                             ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))
                         ]).model_dump()
-                    async for c, out in it:
+                    async for c, text in it:
                         new_ids = c.token_ids[sent[c.index]:]
-                        finish = c.finish_reason if out.finished else None
-                        if not (out.delta_text or finish or (req.logprobs and new_ids)):
+                        finish = c.finish_reason
+                        if not (text or finish or (req.logprobs and new_ids)):
                             continue
                         k = sent[c.index]
                         lp = self.logprobs.chat(new_ids, c.logprobs[k:], c.top_logprobs[k:]) if req.logprobs else None
                         sent[c.index] = len(c.token_ids)
-                        delta = DeltaMessage(content=out.delta_text) if out.delta_text else DeltaMessage()
+                        delta = DeltaMessage(content=text) if text else DeltaMessage()
                         chunk = ChatCompletionStreamResponse(id=base, model=self.model_name, choices=[
                             ChatCompletionStreamChoice(index=c.index, delta=delta, logprobs=lp,
                                                        finish_reason=finish)]).model_dump()

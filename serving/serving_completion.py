@@ -46,19 +46,19 @@ class OpenAIServingCompletion(OpenAIServing):
                             offsets[c.index] = len(text)
                             yield CompletionStreamResponse(id=base, model=self.model_name, choices=[
                                 CompletionStreamChoice(index=c.index, text=text)]).model_dump()
-                    async for c, out in it:
+                    async for c, text in it:
                         new_ids = c.token_ids[sent[c.index]:]
-                        finish = c.finish_reason if out.finished else None
-                        if not (out.delta_text or finish or (want_lp and new_ids)):
+                        finish = c.finish_reason
+                        if not (text or finish or (want_lp and new_ids)):
                             continue
                         lp = None
                         if want_lp:
                             lp = self.logprobs.completion(new_ids, c.logprobs[sent[c.index]:],
                                                            c.top_logprobs[sent[c.index]:], offsets[c.index])
                         sent[c.index] = len(c.token_ids)
-                        offsets[c.index] += len(out.delta_text)
+                        offsets[c.index] += len(text)
                         yield CompletionStreamResponse(id=base, model=self.model_name, choices=[
-                            CompletionStreamChoice(index=c.index, text=out.delta_text, logprobs=lp,
+                            CompletionStreamChoice(index=c.index, text=text, logprobs=lp,
                                                    finish_reason=finish)]).model_dump()
 
             return self._stream(base, chunks(), req.stream_options, lambda: CompletionStreamResponse(
