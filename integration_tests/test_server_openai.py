@@ -56,6 +56,36 @@ def test_models_health_version(server, client):
     assert isinstance(v["version"], str) and v["version"]
 
 
+def test_what_sdks_and_agent_frameworks_send(client):
+    """models.retrieve; the developer role (a system message); the fields SDKs send by default, accepted
+    and ignored; streamed chat with stream_options; what cannot be honoured is refused, naming the field."""
+    card = client.models.retrieve("demo")
+    assert card.id == "demo" and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found" and "'gpt-4o' does not exist" in e.value.body["message"]
+
+    def chat(first_role, **kw):
+        msgs = [{"role": first_role, "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+        return client.chat.completions.create(model="demo", messages=msgs, max_tokens=12, temperature=0, **kw)
+
+    plain = chat("system")
+    sdk_defaults = dict(store=True, metadata={"run": "ci"}, service_tier="auto", parallel_tool_calls=False,
+                        tool_choice="none", reasoning_effort="low", prompt_cache_key="k", safety_identifier="u1")
+    for out in (chat("developer"), chat("developer", **sdk_defaults)):
+        assert out.choices[0].message.content == plain.choices[0].message.content
+        assert out.usage == plain.usage
+
+    chunks = list(chat("developer", stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == plain.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+    with pytest.raises(openai.BadRequestError) as e:
+        chat("system", tool_choice="required")
+    assert e.value.body["param"] == "tool_choice" and "cannot be honoured" in e.value.body["message"]
+
+
 def test_completion_matches_offline_engine_and_reports_usage(client, offline):
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ref = offline.generate(PROMPTS, sp)

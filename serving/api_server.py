@@ -4,9 +4,10 @@
     tp-overlap serve --model /models/Llama-3.1-8B --tp 2 --api-key secret
 
 Routes: POST /v1/completions (serving_completion.py), POST /v1/chat/completions (serving_chat.py), both
-streaming as SSE with `stream: true`; GET /v1/models; POST /tokenize and /detokenize (vLLM's shapes,
-serving_tokenization.py); GET and HEAD /health, GET /metrics (Prometheus), GET /version. Errors use
-OpenAI's body (server_errors.py); the middlewares are in server_middleware.py.
+streaming as SSE with `stream: true`; GET /v1/models and /v1/models/{model}; POST /tokenize and
+/detokenize (vLLM's shapes, serving_tokenization.py); GET and HEAD /health, GET /metrics (Prometheus),
+GET /version. Errors use OpenAI's body (server_errors.py); the middlewares are in server_middleware.py,
+the shutdown in server_shutdown.py.
 
 This module assembles the app and runs it from the command line.
 """
@@ -135,10 +136,19 @@ class OpenAIServer:
         async def detokenize(req: DetokenizeRequest):
             return server.tokenization.detokenize(req)
 
+        def card() -> ModelCard:
+            return ModelCard(id=server.model_name, root=server.model_root, max_model_len=server.max_model_len)
+
         @app.get("/v1/models", response_model=ModelList, responses={401: ERROR_RESPONSES[401]})
         async def models():
-            return ModelList(data=[ModelCard(id=server.model_name, root=server.model_root,
-                                             max_model_len=server.max_model_len)])
+            return ModelList(data=[card()])
+
+        # `:path`: a served name may be a Hub id with a slash (org/name).
+        @app.get("/v1/models/{model:path}", response_model=ModelCard,
+                 responses={401: ERROR_RESPONSES[401], 404: ERROR_RESPONSES[404]})
+        async def model(model: str):
+            server.completion.check_model(model)
+            return card()
 
         @app.get("/health", responses={503: {"description": "the engine is dead"}})
         async def health():

@@ -99,7 +99,8 @@ class ResponseCounter:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        route = scope["path"] if scope["path"] in self._ROUTES else "other"
+        path = scope["path"]
+        route = path if path in self._ROUTES else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
         async def counting_send(message):
             if message["type"] == "http.response.start":

@@ -4,6 +4,7 @@ choice."""
 from __future__ import annotations
 
 import contextlib
+import logging
 
 from fastapi import Request
 
@@ -13,14 +14,20 @@ from .protocol import (ChatCompletionChoice, ChatCompletionRequest, ChatCompleti
 from .server_errors import ApiError
 from .serving_base import OpenAIServing
 
+logger = logging.getLogger("tp_overlap.server")
+
 
 class OpenAIServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, request: Request):
         self.check_model(req.model)
+        ignored = req.ignored_fields()
+        if ignored:
+            logger.debug("chat request: ignoring %s (they change nothing on this server)",
+                         ", ".join(f"{k}={v!r}" for k, v in ignored.items()))
         if self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer, so no chat template; use /v1/completions with "
                                 "token ids", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [m.for_template() for m in req.messages]
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
         except ValueError as e:

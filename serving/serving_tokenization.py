@@ -15,7 +15,7 @@ class OpenAIServingTokenization(OpenAIServing):
         if req.prompt is not None:
             ids = list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False))
         else:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            messages = [m.for_template() for m in req.messages]
             try:
                 text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
             except ValueError as e:
