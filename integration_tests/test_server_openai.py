@@ -2,6 +2,7 @@
 not, n > 1, stop strings, usage, echo/logprobs; TP=2 serves the same greedy text as TP=1; SIGTERM stops
 the server and its workers. A real `tp-overlap serve` process on 127.0.0.1 with the demo model."""
 
+import codecs
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import torch
 
 from tp_overlap_plugin.serving import LLM, EngineConfig, SamplingParams
 from tp_overlap_plugin.serving.testing import ServerProcess, free_port
+from tp_overlap_plugin.serving.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -299,6 +301,51 @@ def test_top_logprobs_in_both_apis_streamed_and_not(client, offline):
     assert [(t.token, t.bytes, [a.token for a in t.top_logprobs]) for t in streamed] == \
         [(t.token, t.bytes, [a.token for a in t.top_logprobs]) for t in content]
     assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-5)
+
+
+def _legacy_key(token_id: int) -> str:
+    """OpenAI's key of a demo-tokenizer token: its text, or `bytes:\\xNN` for a byte that is no whole character."""
+    if token_id < 0x80:
+        return chr(token_id)
+    if token_id < 256:
+        return f"bytes:\\x{token_id:02x}"
+    return ByteTokenizer().decode([token_id], skip_special_tokens=False)    # <|eos|>, ..., <|t300|>
+
+
+def test_legacy_top_logprobs_give_every_token_its_own_key(client, offline):
+    # Issue 40: pieces of UTF-8 characters all decoded to "\ufffd" and shared one key; a sampled piece showed
+    # another piece's log-probability (-4.33 for -5.97).
+    sp = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True, logprobs=True, top_logprobs=20)
+    ref = offline.generate("Grüße", sp)[0].outputs[0]
+    out = client.completions.create(model="demo", prompt="Grüße", max_tokens=24, temperature=1.0, seed=3, logprobs=20,
+                                    extra_body={"ignore_eos": True}).choices[0]
+    lp = out.logprobs
+    assert out.text == ref.text and lp.tokens == [_legacy_key(t) for t in ref.token_ids]
+    assert any(t >= 0x80 for t in ref.token_ids)
+    for key, sampled, alts, top, t in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, ref.top_logprobs,
+                                          ref.token_ids):
+        want = {_legacy_key(i): v for i, v in top} | {_legacy_key(t): sampled}
+        assert alts.keys() == want.keys() and list(alts.values()) == pytest.approx(list(want.values()), abs=1e-4)
+        assert alts[key] == pytest.approx(sampled, abs=1e-6)
+    assert sum(len(a) >= 20 and sum(k.startswith("bytes:") for k in a) >= 2 for a in lp.top_logprobs) >= 12
+    # A token's offset: the characters of the text that the tokens before it decided (an unfinished character
+    # is not decided yet); the same, chunk by chunk, in a stream.
+    def decided_before(i):
+        text, tail = offline.tokenizer.decode(ref.token_ids[:i]), []
+        for t in reversed(ref.token_ids[:i]):
+            if t >= 256:
+                break
+            tail.insert(0, t)
+        unfinished = codecs.utf_8_decode(bytes(tail), "replace", False)[1] < len(tail)
+        return len(text) - unfinished      # (an unfinished character reads as one U+FFFD in `text`)
+
+    decided = [decided_before(i) for i in range(24)]
+    assert lp.text_offset == decided
+    streamed = client.completions.create(model="demo", prompt="Grüße", max_tokens=24, temperature=1.0, seed=3,
+                                         logprobs=20, stream=True, extra_body={"ignore_eos": True})
+    chunks = [ch.choices[0].logprobs for ch in streamed if ch.choices and ch.choices[0].logprobs]
+    assert sum((x.text_offset for x in chunks), []) == decided
+    assert sum((x.tokens for x in chunks), []) == lp.tokens
 
 
 def test_penalties_bias_and_json_schema(client, offline):

@@ -38,12 +38,12 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.stream:
             async def chunks():
                 sent = {c.index: 0 for c in choices}
-                offsets = {c.index: 0 for c in choices}
+                offsets = {c.index: self.logprobs.offsets() for c in choices}
                 async with contextlib.aclosing(self._run(choices, "completions")) as it:
                     if req.echo:
                         for c in choices:
                             text = echo_text(c)
-                            offsets[c.index] = len(text)
+                            offsets[c.index] = self.logprobs.offsets(len(text))
                             yield CompletionStreamResponse(id=base, model=self.model_name, choices=[
                                 CompletionStreamChoice(index=c.index, text=text)]).model_dump()
                     async for c, text in it:
@@ -56,7 +56,6 @@ class OpenAIServingCompletion(OpenAIServing):
                             lp = self.logprobs.completion(new_ids, c.logprobs[sent[c.index]:],
                                                            c.top_logprobs[sent[c.index]:], offsets[c.index])
                         sent[c.index] = len(c.token_ids)
-                        offsets[c.index] += len(text)
                         yield CompletionStreamResponse(id=base, model=self.model_name, choices=[
                             CompletionStreamChoice(index=c.index, text=text, logprobs=lp,
                                                    finish_reason=finish)]).model_dump()
@@ -74,9 +73,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 if req.echo:
                     p_lps, p_tops = prompt_logprobs(c.prompt_ids, c.prompt_logits, req.logprobs)
                     lp = self.logprobs.completion(c.prompt_ids + c.token_ids, p_lps + c.logprobs,
-                                                   p_tops + c.top_logprobs, 0)
+                                                   p_tops + c.top_logprobs, self.logprobs.offsets())
                 else:
-                    lp = self.logprobs.completion(c.token_ids, c.logprobs, c.top_logprobs, 0)
+                    lp = self.logprobs.completion(c.token_ids, c.logprobs, c.top_logprobs, self.logprobs.offsets())
             out_choices.append(CompletionChoice(index=c.index, text=text, logprobs=lp,
                                                 finish_reason=c.finish_reason))
         return CompletionResponse(id=base, model=self.model_name, choices=out_choices, usage=self._usage(choices))

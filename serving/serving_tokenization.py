@@ -24,7 +24,7 @@ class OpenAIServingTokenization(OpenAIServing):
                 ids = self._encode_chat(text)
             else:
                 ids = list(self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens))
-        strs = [self.logprobs.token_str(t) for t in ids] if req.return_token_strs else None
+        strs = [self.tokenizer.decode([t]) for t in ids] if req.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
 
     def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
