@@ -119,3 +119,27 @@ def test_serve_on_a_busy_port_ends_with_one_error_line():
     *_, error, hint = proc.stderr.strip().splitlines()
     assert error.startswith(f"tp-overlap serve: error: the server could not listen on 127.0.0.1:{port}"), error
     assert hint == "  hint: choose another --port, or stop what uses it"
+
+
+def test_serve_checks_its_port_before_loading_the_engine(monkeypatch, capsys):
+    import socket
+
+    from tp_overlap_plugin.serving import engine
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--port", "99999"])
+    assert exit_.value.code == 2
+    error, hint = _error_lines(capsys)
+    assert error.endswith("argument --port: 99999 is not a TCP port: it must be in 0-65535"), error
+
+    def no_engine(*args, **kw):
+        raise AssertionError("the engine was started before the port was checked")
+
+    monkeypatch.setattr(engine, "AsyncLLM", no_engine)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 1
+    error, hint = _error_lines(capsys)
+    assert error == f"tp-overlap serve: error: the server could not listen on 127.0.0.1:{port}: Address already in use"

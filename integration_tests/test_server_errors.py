@@ -137,6 +137,9 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]},
      ["'image_url' are not supported"]),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, ["unsupported parameter 'tools'"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     ["'tool_choice'", "a named function' cannot be honoured"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "extreme"}, ["'reasoning_effort'"]),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, ["top_logprobs needs logprobs=true"]),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
      ["less than or equal to 20"]),
@@ -405,7 +408,7 @@ def test_unexpected_exception_is_a_json_500_and_the_connection_stays_open(inproc
     import http.client
     import json
 
-    from tp_overlap_plugin.serving.api_server import OpenAIServer
+    from tp_overlap_plugin.serving.server_logprobs import LogprobFormatter
 
     _, url = inproc_server
 
@@ -414,7 +417,7 @@ def test_unexpected_exception_is_a_json_500_and_the_connection_stays_open(inproc
 
     # logprobs=0 formats log-probabilities in the handler: before the response without streaming, after
     # the status line (mid-stream) with it.
-    monkeypatch.setattr(OpenAIServer, "_completion_logprobs", broken)
+    monkeypatch.setattr(LogprobFormatter, "completion", broken)
     conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=30)
     try:
         def call(method, path, body=None):
@@ -444,11 +447,11 @@ def test_unexpected_exception_is_a_json_500_and_the_connection_stays_open(inproc
 def test_a_stream_that_ends_early_is_logged_with_its_id(inproc_server, monkeypatch, caplog):
     """A stream cut by an exception after its first chunk ends with an error event and [DONE], and the log
     names the stream and has the traceback; a client that hangs up mid-stream is logged with the id too."""
-    from tp_overlap_plugin.serving.api_server import OpenAIServer
+    from tp_overlap_plugin.serving.server_logprobs import LogprobFormatter
 
     _, url = inproc_server
     caplog.set_level(logging.INFO, logger="tp_overlap.server")
-    real, calls = OpenAIServer._completion_logprobs, []
+    real, calls = LogprobFormatter.completion, []
 
     def second_chunk_fails(*args, **kw):
         calls.append(1)
@@ -456,7 +459,7 @@ def test_a_stream_that_ends_early_is_logged_with_its_id(inproc_server, monkeypat
             raise RuntimeError("injected bug")
         return real(*args, **kw)
 
-    monkeypatch.setattr(OpenAIServer, "_completion_logprobs", second_chunk_fails)
+    monkeypatch.setattr(LogprobFormatter, "completion", second_chunk_fails)
     body = {"model": "demo", "prompt": "hello", "max_tokens": 4, "ignore_eos": True, "logprobs": 0, "stream": True}
     r = httpx.post(url + "/v1/completions", json=body, timeout=30)
     events = _data(r.text.splitlines())

@@ -2,6 +2,7 @@
 not, n > 1, stop strings, usage, echo/logprobs; TP=2 serves the same greedy text as TP=1; SIGTERM stops
 the server and its workers. A real `tp-overlap serve` process on 127.0.0.1 with the demo model."""
 
+import codecs
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import torch
 
 from tp_overlap_plugin.serving import LLM, EngineConfig, SamplingParams
 from tp_overlap_plugin.serving.testing import ServerProcess, free_port
+from tp_overlap_plugin.serving.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -54,6 +56,36 @@ def test_models_health_version(server, client):
     assert httpx.get(server.url + "/health").status_code == 200
     v = httpx.get(server.url + "/version").json()
     assert isinstance(v["version"], str) and v["version"]
+
+
+def test_what_sdks_and_agent_frameworks_send(client):
+    """models.retrieve; the developer role (a system message); the fields SDKs send by default, accepted
+    and ignored; streamed chat with stream_options; what cannot be honoured is refused, naming the field."""
+    card = client.models.retrieve("demo")
+    assert card.id == "demo" and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found" and "'gpt-4o' does not exist" in e.value.body["message"]
+
+    def chat(first_role, **kw):
+        msgs = [{"role": first_role, "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+        return client.chat.completions.create(model="demo", messages=msgs, max_tokens=12, temperature=0, **kw)
+
+    plain = chat("system")
+    sdk_defaults = dict(store=True, metadata={"run": "ci"}, service_tier="auto", parallel_tool_calls=False,
+                        tool_choice="none", reasoning_effort="low", prompt_cache_key="k", safety_identifier="u1")
+    for out in (chat("developer"), chat("developer", **sdk_defaults)):
+        assert out.choices[0].message.content == plain.choices[0].message.content
+        assert out.usage == plain.usage
+
+    chunks = list(chat("developer", stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == plain.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+    with pytest.raises(openai.BadRequestError) as e:
+        chat("system", tool_choice="required")
+    assert e.value.body["param"] == "tool_choice" and "cannot be honoured" in e.value.body["message"]
 
 
 def test_completion_matches_offline_engine_and_reports_usage(client, offline):
@@ -271,6 +303,51 @@ def test_top_logprobs_in_both_apis_streamed_and_not(client, offline):
     assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-5)
 
 
+def _legacy_key(token_id: int) -> str:
+    """OpenAI's key of a demo-tokenizer token: its text, or `bytes:\\xNN` for a byte that is no whole character."""
+    if token_id < 0x80:
+        return chr(token_id)
+    if token_id < 256:
+        return f"bytes:\\x{token_id:02x}"
+    return ByteTokenizer().decode([token_id], skip_special_tokens=False)    # <|eos|>, ..., <|t300|>
+
+
+def test_legacy_top_logprobs_give_every_token_its_own_key(client, offline):
+    # Issue 40: pieces of UTF-8 characters all decoded to "\ufffd" and shared one key; a sampled piece showed
+    # another piece's log-probability (-4.33 for -5.97).
+    sp = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True, logprobs=True, top_logprobs=20)
+    ref = offline.generate("Grüße", sp)[0].outputs[0]
+    out = client.completions.create(model="demo", prompt="Grüße", max_tokens=24, temperature=1.0, seed=3, logprobs=20,
+                                    extra_body={"ignore_eos": True}).choices[0]
+    lp = out.logprobs
+    assert out.text == ref.text and lp.tokens == [_legacy_key(t) for t in ref.token_ids]
+    assert any(t >= 0x80 for t in ref.token_ids)
+    for key, sampled, alts, top, t in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, ref.top_logprobs,
+                                          ref.token_ids):
+        want = {_legacy_key(i): v for i, v in top} | {_legacy_key(t): sampled}
+        assert alts.keys() == want.keys() and list(alts.values()) == pytest.approx(list(want.values()), abs=1e-4)
+        assert alts[key] == pytest.approx(sampled, abs=1e-6)
+    assert sum(len(a) >= 20 and sum(k.startswith("bytes:") for k in a) >= 2 for a in lp.top_logprobs) >= 12
+    # A token's offset: the characters of the text that the tokens before it decided (an unfinished character
+    # is not decided yet); the same, chunk by chunk, in a stream.
+    def decided_before(i):
+        text, tail = offline.tokenizer.decode(ref.token_ids[:i]), []
+        for t in reversed(ref.token_ids[:i]):
+            if t >= 256:
+                break
+            tail.insert(0, t)
+        unfinished = codecs.utf_8_decode(bytes(tail), "replace", False)[1] < len(tail)
+        return len(text) - unfinished      # (an unfinished character reads as one U+FFFD in `text`)
+
+    decided = [decided_before(i) for i in range(24)]
+    assert lp.text_offset == decided
+    streamed = client.completions.create(model="demo", prompt="Grüße", max_tokens=24, temperature=1.0, seed=3,
+                                         logprobs=20, stream=True, extra_body={"ignore_eos": True})
+    chunks = [ch.choices[0].logprobs for ch in streamed if ch.choices and ch.choices[0].logprobs]
+    assert sum((x.text_offset for x in chunks), []) == decided
+    assert sum((x.tokens for x in chunks), []) == lp.tokens
+
+
 def test_penalties_bias_and_json_schema(client, offline):
     kw = dict(frequency_penalty=1.0, presence_penalty=0.5, logit_bias={"65": 4.0, "110": -100})
     out = _greedy(client, PROMPTS[1], n_tokens=12, extra={"repetition_penalty": 1.2}, **kw)
@@ -294,6 +371,60 @@ def test_penalties_bias_and_json_schema(client, offline):
     obj = client.completions.create(model="demo", prompt=PROMPTS[2], max_tokens=40, temperature=0,
                                     extra_body={"response_format": {"type": "json_object"}})
     assert isinstance(json.loads(obj.choices[0].text), dict)
+
+
+# Strings with length limits, enums (with escapes and non-ASCII), nested objects, arrays; a top-level array.
+JSON_SCHEMAS = [
+    {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 5}},
+     "required": ["a", "b"]},
+    {"type": "object", "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 8},
+                                      "tags": {"type": "array", "items": {"type": "string", "maxLength": 3},
+                                               "minItems": 1, "maxItems": 3}},
+     "required": ["name", "tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"color": {"enum": ["red", "ünï", 'say "hi"']},
+                                      "size": {"type": "integer", "minimum": 1, "maximum": 9},
+                                      "inner": {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                                                                 "note": {"type": "string",
+                                                                                          "maxLength": 4}},
+                                                "required": ["ok", "note"]}},
+     "required": ["color", "inner"]},
+    {"type": "array", "items": {"type": "object", "properties": {"k": {"enum": [1, 2, None]}, "v": {"type": "number"}},
+                                "required": ["k"]}, "minItems": 1, "maxItems": 2},
+]
+
+
+def test_json_schema_replies_parse_and_validate_across_seeds_and_temperatures(client):
+    """Every reply the grammar finished is JSON that validates against its schema. The first schema is issue
+    40's: at temperature 1, seeds 0-19, 12 of 20 replies held raw control characters in the bounded string."""
+    import concurrent.futures
+
+    import jsonschema
+
+    cases = [(JSON_SCHEMAS[0], 1.0, 0, 20)] + [(sch, t, 7, 3) for sch in JSON_SCHEMAS for t in (0.7, 1.5)]
+
+    def ask(case):
+        schema, temperature, seed, n = case
+        fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        out = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "JSON, please"}],
+                                             max_tokens=80, temperature=temperature, seed=seed, n=n,
+                                             response_format=fmt)
+        return schema, out.choices
+
+    finished = 0
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        for schema, choices in pool.map(ask, cases):
+            for c in choices:
+                assert c.finish_reason in ("stop", "length"), c
+                if c.finish_reason == "stop":
+                    finished += 1
+                    jsonschema.validate(json.loads(c.message.content), schema)
+    print(f"{finished} of {sum(c[3] for c in cases)} replies finished")
+    assert finished >= 40, finished
+    # A reply that max_tokens cuts inside the JSON says so.
+    cut = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "JSON"}], max_tokens=4,
+                                         response_format={"type": "json_schema", "json_schema": {
+                                             "name": "s", "schema": JSON_SCHEMAS[1]}})
+    assert cut.choices[0].finish_reason == "length" and len(cut.choices[0].message.content) <= 4
 
 
 # ---- tensor parallelism and shutdown --------------------------------------------------------------
@@ -373,38 +504,102 @@ def test_a_killed_server_takes_its_engine_core_and_ranks_along():
         assert _group_members(pgid) == [], "the engine core or its rank outlived the killed server"
 
 
-def test_sigint_past_shutdown_timeout_aborts_the_stream_and_exits():
-    # A stream far longer than --shutdown-timeout: the server cuts it off (aborting it in the engine),
-    # shuts the engine down and exits cleanly instead of waiting for the generation to end.
-    with ServerProcess(ARGS + ["--max-model-len", "2048", "--shutdown-timeout", "1", "--log-level", "info"]) as srv:
-        lines: list[str] = []
-        started = threading.Event()
+class _Stream(threading.Thread):
+    """A long completion stream read on a thread: its SSE data lines and when the last one came."""
 
-        def stream():
-            body = {"model": "demo", "prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-            try:
-                with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+    def __init__(self, url: str, stream: bool = True):
+        super().__init__(daemon=True)
+        self.url, self.stream = url, stream
+        self.lines: list[str] = []
+        self.started = threading.Event()
+        self.ended_at: float = 0.0
+        self.response = None
+
+    def run(self):
+        body = {"model": "demo", "prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "stream": self.stream}
+        try:
+            if self.stream:
+                with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=60) as r:
                     for line in r.iter_lines():
                         if line:
-                            lines.append(line)
-                            started.set()
-            except httpx.HTTPError:
-                pass       # the server closing the connection mid-stream is what is expected here
-            started.set()
+                            self.lines.append(line)
+                            self.started.set()
+            else:
+                self.started.set()
+                self.response = httpx.post(self.url + "/v1/completions", json=body, timeout=60)
+        finally:
+            self.ended_at = time.monotonic()
+            self.started.set()
 
-        t = threading.Thread(target=stream)
-        t.start()
-        assert started.wait(30)
+    def chunks(self) -> list[dict]:
+        return [json.loads(line[6:]) for line in self.lines if line.startswith("data: {")]
+
+
+def _refused_while_draining(url: str) -> None:
+    """New requests (a new connection, or /health) get a 503 in OpenAI's shape that says why."""
+    deadline = time.monotonic() + 20
+    while True:
+        r = httpx.post(url + "/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 2}, timeout=10)
+        if r.status_code == 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert "shutting down" in err["message"] and err["type"] == "service_unavailable_error", err
+    assert httpx.get(url + "/health", timeout=10).status_code == 503
+
+
+def _ends_with_abort(stream: _Stream) -> None:
+    assert stream.lines[-1] == "data: [DONE]", stream.lines[-3:]
+    finishes = [c["choices"][0]["finish_reason"] for c in stream.chunks() if c["choices"]]
+    assert finishes[-1] == "abort" and finishes[:-1] == [None] * (len(finishes) - 1), finishes[-3:]
+
+
+def test_first_sigint_drains_then_aborts_each_stream_with_a_final_chunk():
+    # A stream far longer than --shutdown-timeout: after SIGINT new requests get a 503, the stream runs on for
+    # the grace period, then ends with a finish_reason "abort" chunk and [DONE], and the server exits.
+    with ServerProcess(ARGS + ["--max-model-len", "2048", "--shutdown-timeout", "3", "--log-level", "info"]) as srv:
+        stream = _Stream(srv.url)
+        stream.start()
+        assert stream.started.wait(30)
         t0 = time.monotonic()
         srv.proc.send_signal(signal.SIGINT)
-        rc = srv.proc.wait(timeout=60)
-        t.join(30)
-        assert rc == 0, srv.log_tail()
-        assert time.monotonic() - t0 < 30
-        assert lines and "data: [DONE]" not in lines
-        log = srv.log_tail()
-        assert "cut off by the server shutting down" in log and "engine shut down" in log
-        assert "Traceback" not in log
+        _refused_while_draining(srv.url)
+        stream.join(30)
+        rc = srv.proc.wait(timeout=30)
+        log = srv.log_tail(100)
+        assert rc == 0, log
+        assert stream.ended_at - t0 >= 2.5, "aborted before --shutdown-timeout was over"
+        _ends_with_abort(stream)
+        assert "--shutdown-timeout (3 s) is over: aborting the 1 request in flight" in log and "engine shut down" in log
+        assert "Traceback" not in log and "without completing response" not in log, log
+
+
+def test_second_sigint_aborts_at_once():
+    with ServerProcess(ARGS + ["--max-model-len", "2048", "--shutdown-timeout", "120", "--log-level", "info"]) as srv:
+        streams = [_Stream(srv.url), _Stream(srv.url, stream=False)]
+        for s in streams:
+            s.start()
+            assert s.started.wait(30)
+        deadline = time.monotonic() + 30
+        while 'tp_overlap_num_requests_running{model_name="demo"} 2.0' not in httpx.get(srv.url + "/metrics").text:
+            assert time.monotonic() < deadline, "the non-streaming request did not start"
+            time.sleep(0.05)
+        srv.proc.send_signal(signal.SIGINT)
+        _refused_while_draining(srv.url)
+        time.sleep(1)
+        assert streams[0].is_alive() and streams[1].is_alive(), "the first SIGINT must let requests run on"
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGINT)
+        for s in streams:
+            s.join(30)
+        rc = srv.proc.wait(timeout=30)
+        log = srv.log_tail(100)
+        assert rc == 0 and time.monotonic() - t0 < 20, log
+        _ends_with_abort(streams[0])
+        r = streams[1].response
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "abort", r.text
+        assert "a second signal: aborting the 2 requests in flight" in log and "Traceback" not in log, log
 
 
 def test_torchrun_launch_serves_the_same_text(client):

@@ -3,16 +3,19 @@
 The request models list exactly the fields the engine can honour and forbid everything else: a client
 that sends `tools` or `functions` gets a 400 that names the field, instead of an answer that quietly
 differs from what it asked for. Fields that OpenAI clients send with their neutral defaults
-(`best_of == n`, `suffix: null`, ...) are accepted at those values only.
+(`best_of == n`, `suffix: null`, ...) are accepted at those values only; fields that SDKs and agent
+frameworks send and that change nothing here (`store`, `metadata`, `reasoning_effort`, ...) are accepted
+and ignored (ChatCompletionRequest.IGNORED).
 
 Strict mode: `"max_tokens": "10"` or `"prompt": [true]` are type errors, as in the OpenAI API.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
@@ -255,6 +258,12 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def sse(payload: Union[str, dict]) -> str:
+    """One server-sent event: a chunk (a dict, as JSON) or the closing `[DONE]`."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
 class CompletionResponse(_Response):
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -294,13 +303,18 @@ class TextContentPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        ..., description="'developer' is OpenAI's newer name for the system message, and is rendered as one")
     content: Union[str, list[TextContentPart]]
 
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
         return "\n".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, str]:
+        """The message as the chat template takes it."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -311,6 +325,35 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                         description="this many most likely tokens at each position (needs logprobs)")
     add_generation_prompt: bool = True
+    # Fields that OpenAI's SDKs and agent frameworks send and that change nothing here: accepted, logged at
+    # debug level (IGNORED), and otherwise ignored. A value that would ask for something this server does
+    # not do (tools) is refused, naming the field.
+    store: Optional[bool] = Field(None, description="ignored: this server keeps no completions")
+    metadata: Optional[dict[str, str]] = Field(None, description="ignored: kept only with stored completions")
+    service_tier: Optional[Literal["auto", "default", "flex", "scale", "priority"]] = Field(
+        None, description="ignored: one tier")
+    parallel_tool_calls: Optional[bool] = Field(None, description="ignored: no tools are called")
+    tool_choice: Optional[Literal["none", "auto"]] = Field(
+        None, description="'none', or 'auto' (which without tools means none); tool calls are not supported")
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = Field(
+        None, description="ignored: the models served here answer without a reasoning phase")
+    prompt_cache_key: Optional[str] = Field(None, description="ignored: prefix caching needs no key")
+    safety_identifier: Optional[str] = Field(None, description="ignored: recorded nowhere")
+    IGNORED: ClassVar[tuple[str, ...]] = ("store", "metadata", "service_tier", "parallel_tool_calls", "tool_choice",
+                                          "reasoning_effort", "prompt_cache_key", "safety_identifier")
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _no_tool_calls(cls, v):
+        if v is not None and v not in ("none", "auto"):
+            shown = v if isinstance(v, str) else "a named function"
+            raise ValueError(f"tool_choice {shown!r} cannot be honoured: this server calls no tools; send 'none' "
+                             f"or leave it out")
+        return v
+
+    def ignored_fields(self) -> dict[str, Any]:
+        """The fields of IGNORED that the client set."""
+        return {k: getattr(self, k) for k in self.IGNORED if getattr(self, k) is not None}
 
     @field_validator("top_logprobs")
     @classmethod

@@ -8,13 +8,21 @@ scheduling). Once the JSON is complete the grammar allows only the end-of-sequen
 output ends there.
 
 Both kinds are compiled without free whitespace (compact JSON, `", "` and `": "` separators): a model
-that may put whitespace anywhere can also put it there forever."""
+that may put whitespace anywhere can also put it there forever.
+
+Every finished output must parse and validate against its schema, so two gaps of xgrammar's schema
+converter (0.2.8, and its main branch of 2026-08) are closed here:
+- A string with minLength/maxLength becomes a bounded repetition of `[^"\\\r\n]`: raw control characters
+  pass, which JSON forbids, and no escape can be written (mlc-ai/xgrammar#800). `_json_schema_grammar`
+  replaces that repeated character with one JSON string character.
+- Some keywords it ignores, with a log line only (`not`, `uniqueItems`, a length beside a `pattern`, ...):
+  an output could then break them. Such a schema is refused, naming the keyword and where it is."""
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -27,6 +35,89 @@ _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 def _clean_error(e: Exception) -> str:
     msg = str(e).strip()
     return _XGR_PREFIX.sub("", msg).strip() or type(e).__name__
+
+
+# How xgrammar prints the repeated character of a length-bounded string (module docstring).
+_UNESCAPED_CHARACTER = r'[^\"\\\r\n]'
+# One character of a JSON string, as maxLength counts them (code points of the decoded string): a code
+# point other than `"`, `\`, the controls U+0000-U+001F and the surrogates (their UTF-8 is invalid, and
+# decodes to three U+FFFD); a short escape; or \uXXXX of a code point outside the surrogates (a pair of
+# them would be one character spelled as two escapes).
+_JSON_CHARACTER_RULE = (r'(([^\0-\x1f\"\\\uD800-\uDFFF]) | ("\\" [\"\\/bfnrt]) | ("\\u" (([0-9A-Ca-c] '
+                        r'[0-9A-Fa-f]{3}) | ([Dd] [0-7] [0-9A-Fa-f]{2}) | ([EeFf] [0-9A-Fa-f]{3}))))')
+# The printed grammar's tokens: a quoted literal (also a Regex's argument), a character class, the rest.
+_EBNF_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|[^"\[]+', re.DOTALL)
+_ESCAPE = re.compile(r'\\(x[0-9A-Fa-f]{2}|.)', re.DOTALL)
+
+
+def _reparsable(token: str) -> str:
+    # The printer writes U+0080-U+00FF as \xHH, and the parser reads \x with every hex digit that follows:
+    # "é1" would come back as U+0E91. \u00HH has the fixed length that reads back right.
+    return _ESCAPE.sub(lambda m: "\\u00" + m.group(1)[1:] if m.group(1)[0] == "x" else m.group(0), token)
+
+
+def _json_schema_grammar(xgr, schema: dict) -> Optional[str]:
+    """The schema's grammar as EBNF with every length-bounded string's character made a JSON string
+    character (module docstring); None when the schema has no such string, and xgrammar's own grammar
+    is right as it is."""
+    ebnf = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+    if _UNESCAPED_CHARACTER not in ebnf:
+        return None
+    rule = "json_string_character"
+    while re.search(rf"\b{rule}\b", ebnf):
+        rule += "_"
+    out = []
+    for m in _EBNF_TOKEN.finditer(ebnf):
+        token = m.group(0)
+        if token == _UNESCAPED_CHARACTER:
+            token = rule
+        elif token[0] in '"[':
+            token = _reparsable(token)
+        out.append(token)
+    return "".join(out) + f"\n{rule} ::= {_JSON_CHARACTER_RULE}\n"
+
+
+# Keywords xgrammar's converter ignores: an output that follows the grammar may break them.
+_IGNORED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "uniqueItems",
+                     "contains", "minContains", "maxContains")
+# Keywords whose value is a schema, a list of schemas, or a name -> schema map (the places to look further).
+_SUBSCHEMA = ("items", "additionalProperties", "propertyNames", "unevaluatedProperties",
+              "unevaluatedItems", "additionalItems")
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def _check_honoured(schema: Any, where: str = "schema") -> None:
+    """ValueError naming the first keyword of `schema` the grammar would not enforce, and where it is."""
+    if not isinstance(schema, dict):
+        return
+    for k in _IGNORED_KEYWORDS:
+        if k in schema:
+            raise ValueError(f"{where}.{k}: the keyword {k!r} is not supported in structured output")
+    lengths = [k for k in ("minLength", "maxLength") if k in schema]
+    if lengths and ("pattern" in schema or "format" in schema):
+        if "pattern" in schema:
+            raise ValueError(f"{where}: {lengths[0]} together with 'pattern' is not supported in structured "
+                             f"output; put the length into the pattern (e.g. ^[a-z]{{0,5}}$)")
+        raise ValueError(f"{where}: {lengths[0]} together with 'format' is not supported in structured output")
+    if "multipleOf" in schema and schema.get("type") != "integer":
+        raise ValueError(f"{where}.multipleOf: multipleOf of a non-integer is not supported in structured output")
+    if "multipleOf" in schema and any(k in schema for k in ("minimum", "maximum", "exclusiveMinimum",
+                                                             "exclusiveMaximum")):
+        raise ValueError(f"{where}.multipleOf: multipleOf together with a range is not supported in "
+                         f"structured output")
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        raise ValueError(f"{where}.allOf: an allOf of more than one schema is not supported in structured output")
+    for k in _SUBSCHEMA:
+        _check_honoured(schema.get(k), f"{where}.{k}")
+    for k in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(k), list):
+            for i, sub in enumerate(schema[k]):
+                _check_honoured(sub, f"{where}.{k}[{i}]")
+    for k in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(k), dict):
+            for name, sub in schema[k].items():
+                _check_honoured(sub, f"{where}.{k}.{name}")
 
 
 class StructuredOutputs:
@@ -78,7 +169,11 @@ class StructuredOutputs:
         try:
             if so.json_object:
                 return compiler.compile_json_schema({"type": "object"}, any_whitespace=False)
-            return compiler.compile_json_schema(json.dumps(so.json_schema), any_whitespace=False)
+            _check_honoured(so.json_schema)
+            ebnf = _json_schema_grammar(self._xgr(), so.json_schema)
+            if ebnf is None:
+                return compiler.compile_json_schema(json.dumps(so.json_schema), any_whitespace=False)
+            return compiler.compile_grammar(ebnf)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"the JSON schema cannot be used: {_clean_error(e)}") from None
 

@@ -1,0 +1,113 @@
+"""ASGI middlewares of the server, outermost first: `ResponseCounter` (responses by route and status for
+/metrics), `ErrorBarrier` (an exception no handler answered becomes OpenAI's 500, or an error event in a
+stream), `DrainGuard` (503 while the server shuts down), `ApiKeyGuard` (the bearer token)."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+
+from fastapi.responses import JSONResponse
+
+from .metrics import ServerMetrics
+from .protocol import sse
+from .server_errors import error_response, internal_error_body
+
+logger = logging.getLogger("tp_overlap.server")
+
+
+class ErrorBarrier:
+    """ASGI middleware: an exception no handler turned into a response ends here, as a JSON 500 in OpenAI's
+    shape, or, once a stream has started, as an error event that closes the stream.
+
+    Starlette re-raises an exception after its handler has sent the 500, and uvicorn then drops the
+    connection without `Connection: close`, so a keep-alive client's next request fails with a reset. This
+    middleware keeps the exception from reaching uvicorn, and the connection stays usable."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = {"started": False, "done": False, "sse": False}
+
+        async def tracking_send(message):
+            if message["type"] == "http.response.start":
+                state["started"] = True
+                ctype = dict(message.get("headers") or []).get(b"content-type", b"")
+                state["sse"] = ctype.startswith(b"text/event-stream")
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                state["done"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            if state["done"]:
+                return      # the exception handler answered (and logged) already
+            logger.error("unhandled error on %s", scope.get("path"), exc_info=exc)
+            body = internal_error_body(exc)
+            with contextlib.suppress(Exception):   # the client may be gone
+                if not state["started"]:
+                    await JSONResponse(body, status_code=500)(scope, receive, send)
+                elif state["sse"]:
+                    await send({"type": "http.response.body", "body": (sse(body) + sse("[DONE]")).encode(),
+                                "more_body": False})
+                else:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class ApiKeyGuard:
+    """ASGI middleware: /v1/*, /tokenize and /detokenize need `Authorization: Bearer <key>`. Checked before
+    the body is parsed, so an unauthenticated client learns nothing about its request. /health, /metrics
+    and /version stay open."""
+
+    GUARDED = ("/v1", "/tokenize", "/detokenize")
+
+    def __init__(self, app, key: str):
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith(self.GUARDED):
+            auth = b""
+            for k, v in scope.get("headers", []):
+                if k == b"authorization":
+                    auth = v
+            if not hmac.compare_digest(auth, self.expected):
+                msg = "missing API key" if not auth else "invalid API key"
+                resp = error_response(401, f"{msg}: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class ResponseCounter:
+    """ASGI middleware counting responses by route and status for /metrics."""
+
+    _ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
+               "/metrics", "/version"}
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        route = path if path in self._ROUTES else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.http_responses.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+    def __getattr__(self, name):
+        return getattr(self.app, name)

@@ -1,0 +1,313 @@
+"""What the completions and chat handlers share (vLLM's `OpenAIServing`): the model check, prompt
+encoding and context limits, one engine request per choice (`Choice`), running them with abort on
+disconnect, and the SSE envelope of a stream.
+
+Every choice of a request is one engine request; a client that goes away (or a cancelled handler) aborts
+all of its choices, so their KV blocks are free before the engine's next step."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+
+from .config import RequestError, SamplingParams
+from .metrics import ServerMetrics
+from .protocol import UsageInfo, sse
+from .server_errors import API_PARAM, ApiError, describe_validation_errors, error_body, internal_error_body
+from .server_logprobs import LogprobFormatter
+from .server_shutdown import InFlight
+
+logger = logging.getLogger("tp_overlap.server")
+
+# One request may not occupy more than this many engine sequences (prompts x n), so a single client
+# cannot queue an unbounded amount of work.
+MAX_CHOICES_PER_REQUEST = 256
+# Queued in place of an output: the choice was aborted by a server shutting down.
+_ABORTED = object()
+
+
+@dataclass
+class Choice:
+    """One engine request: choice `index` of the response."""
+
+    index: int
+    request_id: str
+    prompt_index: int
+    prompt_ids: list[int]
+    prompt_text: Optional[str]
+    params: SamplingParams
+    arrival: float
+    first_token: Optional[float] = None
+    last_token: Optional[float] = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    text: str = ""
+    finish_reason: Optional[str] = None
+    prompt_logits: Any = None
+    observed: bool = False
+    request: Any = None   # the engine's ProcessedRequest, once _make_choices has processed it
+
+
+class EngineFailure(Exception):
+    pass
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that always closes its body iterator, also when the client disconnected
+    or the handler was cancelled, so the iterator's cleanup (aborting engine requests) runs at once."""
+
+    def __init__(self, content, response_id: str, **kw):
+        super().__init__(content, **kw)
+        self.response_id = response_id
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except asyncio.CancelledError:
+            # uvicorn cancels the streams still open when it is told to leave without waiting (a third
+            # signal). The request ends here either way; one line in the log says so, not a traceback.
+            logger.warning("stream %s was cut off by the server shutting down; its request is aborted",
+                           self.response_id)
+        finally:
+            await self.body_iterator.aclose()
+
+
+class OpenAIServing:
+    """The state every handler reads: the engine, the served model's name and limits, the metrics, the
+    requests in flight."""
+
+    def __init__(self, engine, model_name: str, metrics: ServerMetrics, in_flight: InFlight):
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        self.in_flight = in_flight
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.logprobs = LogprobFormatter(engine.tokenizer)
+
+    def check_model(self, name: Optional[str]) -> None:
+        if name is not None and name != self.model_name:
+            raise ApiError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer; send the prompt as token ids", param="prompt")
+        return list(self.tokenizer.encode(text)) if text else []
+
+    def _encode_chat(self, text: str) -> list[int]:
+        # Chat templates usually write the BOS token themselves; encoding with special tokens would then
+        # add a second one. Keep the tokenizer's own prefix only when the template did not write it.
+        with_special = list(self.tokenizer.encode(text))
+        plain = list(self.tokenizer.encode(text, add_special_tokens=False))
+        prefix = with_special[:len(with_special) - len(plain)]
+        if prefix and plain[:len(prefix)] == prefix:
+            return plain
+        return with_special
+
+    def _check_context(self, n_prompt: int, max_tokens: int, param: str) -> None:
+        limit = self.max_model_len
+        if n_prompt + max_tokens > limit:
+            raise ApiError(400, f"this model's context is {limit} tokens (max_model_len) but the request needs "
+                                f"{n_prompt + max_tokens}: {n_prompt} prompt tokens + {param}={max_tokens}; "
+                                f"shorten the prompt or lower {param}", param=param, code="context_length_exceeded")
+
+    def _make_choices(self, base_id: str, prompts: list[tuple[Optional[str], list[int]]], n: int,
+                      params_kw: dict, seed: Optional[int]) -> list[Choice]:
+        if len(prompts) * n > MAX_CHOICES_PER_REQUEST:
+            raise ApiError(400, f"the request asks for {len(prompts)} prompts x n={n} = {len(prompts) * n} "
+                                f"completions; at most {MAX_CHOICES_PER_REQUEST} per request", param="n")
+        now = time.monotonic()
+        choices = []
+        for pi, (text, ids) in enumerate(prompts):
+            for j in range(n):
+                kw = dict(params_kw)
+                if seed is not None:
+                    # Distinct but reproducible streams for the n samples of one seeded request.
+                    kw["seed"] = seed + j
+                try:
+                    sp = SamplingParams(**kw)
+                except ValidationError as e:
+                    msg, param = describe_validation_errors(e.errors())
+                    raise ApiError(400, msg, param=param) from None
+                idx = pi * n + j
+                choices.append(Choice(idx, f"{base_id}-{idx}", pi, ids, text, sp, now))
+        for c in choices:
+            # The engine's own checks (vocabulary, length, tokenizer needs, grammar) here, before any
+            # stream starts and before anything reaches the engine-core process, so that a bad request
+            # is a 400 and not an error halfway through an SSE stream.
+            try:
+                c.request = self.engine.process_request(c.prompt_ids, c.params)
+            except RequestError as e:   # a sampling parameter, the same for every choice
+                raise ApiError(400, str(e), param=API_PARAM.get(e.param, e.param)) from None
+            except (ValueError, TypeError) as e:
+                where = f"prompt {c.prompt_index}: " if len(prompts) > 1 else ""
+                raise ApiError(400, f"{where}{e}", param="prompt") from None
+            except RuntimeError as e:
+                raise ApiError(500, f"the engine cannot accept requests: {e}", code="engine_error") from None
+        return choices
+
+    async def _pump(self, c: Choice, q: asyncio.Queue) -> None:
+        try:
+            async for out in self.engine.generate(c.request, request_id=c.request_id):
+                q.put_nowait((c, out))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            q.put_nowait((c, e))
+
+    async def _run(self, choices: list[Choice], endpoint: str) -> AsyncIterator[tuple[Choice, str]]:
+        """(choice, new text) of all choices as their outputs come; a choice's last one has its
+        `finish_reason` set. Closing or cancelling this iterator aborts what is left. A server shutting
+        down (`InFlight.abort_all`) ends the unfinished choices with finish_reason "abort"."""
+        q: asyncio.Queue = asyncio.Queue()
+        self.metrics.prompt_tokens.labels(self.model_name).inc(
+            sum(len(ids) for ids in {c.prompt_index: c.prompt_ids for c in choices}.values()))
+        tasks = [asyncio.create_task(self._pump(c, q)) for c in choices]
+
+        def abort():
+            # Cancelling a pump ends its engine stream, which aborts the engine request (once it was
+            # sent: no abort can overtake its request); the marker ends the choice here.
+            for c, t in zip(choices, tasks):
+                if not t.done():
+                    t.cancel()
+                    q.put_nowait((c, _ABORTED))
+
+        unregister = self.in_flight.register(abort)
+        remaining = len(choices)
+        try:
+            while remaining:
+                c, out = await q.get()
+                if out is _ABORTED:
+                    if c.finish_reason is None:
+                        c.finish_reason = "abort"
+                        remaining -= 1
+                        self._observe(c, endpoint)
+                        yield c, ""
+                    continue
+                if isinstance(out, BaseException):
+                    c.finish_reason = "error"
+                    self._observe(c, endpoint)
+                    raise EngineFailure(str(out))
+                now = time.monotonic()
+                if out.delta_token_ids:
+                    if c.first_token is None:
+                        c.first_token = now
+                    c.last_token = now
+                comp = out.outputs[0]
+                c.token_ids = list(comp.token_ids)
+                c.logprobs = list(comp.logprobs or [])
+                c.top_logprobs = list(comp.top_logprobs or [])
+                c.text = comp.text
+                if out.finished:
+                    c.finish_reason = comp.finish_reason
+                    c.prompt_logits = out.prompt_logits
+                    remaining -= 1
+                    self._observe(c, endpoint)
+                yield c, out.delta_text
+        finally:
+            unregister()
+            for t in tasks:
+                t.cancel()
+            for c in choices:
+                if c.finish_reason is None:
+                    self.engine.abort(c.request_id)
+                    c.finish_reason = "abort"
+                    self._observe(c, endpoint)
+
+    def _observe(self, c: Choice, endpoint: str) -> None:
+        if not c.observed:
+            c.observed = True
+            self.metrics.observe_sequence(endpoint, c.finish_reason, c.arrival, c.first_token, c.last_token,
+                                          len(c.token_ids))
+
+    async def _collect(self, choices: list[Choice], endpoint: str, request: Request) -> None:
+        """Run to completion; a client that disconnects meanwhile cancels (and so aborts) the request."""
+
+        async def consume():
+            async with contextlib.aclosing(self._run(choices, endpoint)) as it:
+                async for _ in it:
+                    pass
+
+        async def disconnected():
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.5)
+
+        work = asyncio.create_task(consume())
+        watch = asyncio.create_task(disconnected())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+        if work.cancelled():
+            raise ApiError(499, "the client disconnected")
+        exc = work.exception()
+        if isinstance(exc, EngineFailure):
+            raise ApiError(500, f"the engine failed while generating: {exc}", code="engine_error")
+        if exc is not None:
+            raise exc
+
+    def _usage(self, choices: list[Choice]) -> UsageInfo:
+        prompt = sum(len(ids) for ids in {c.prompt_index: c.prompt_ids for c in choices}.values())
+        done = sum(len(c.token_ids) for c in choices)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
+
+    def _stream(self, response_id: str, chunks, stream_options, usage_chunk) -> "SSEResponse":
+        """The SSE envelope both streaming endpoints share: chunks, the optional usage chunk, `[DONE]`.
+        The status line goes out before the first chunk, so a failure mid-stream becomes an error event and
+        `[DONE]`, here rather than in _ErrorBarrier, which knows no request. Every stream that ends early
+        says so in the log with its response id (its choices' engine request ids are `<response id>-<i>`)."""
+        include_usage = bool(stream_options and stream_options.include_usage)
+
+        async def events():
+            self.metrics.in_flight.labels(self.model_name).inc()
+            sent, finished = 0, False
+            try:
+                async with contextlib.aclosing(chunks) as it:
+                    async for chunk in it:
+                        yield sse(chunk)
+                        sent += 1
+                if include_usage:
+                    yield sse(usage_chunk())
+                finished = True
+                yield sse("[DONE]")
+            except EngineFailure as e:
+                logger.error("stream %s: the engine failed after %d chunks: %s", response_id, sent, e)
+                yield sse(error_body(500, f"the engine failed while generating: {e}", code="engine_error"))
+                yield sse("[DONE]")
+            except Exception as e:
+                logger.exception("stream %s: unexpected error after %d chunks", response_id, sent)
+                yield sse(internal_error_body(e))
+                yield sse("[DONE]")
+            except BaseException:
+                # Cancelled (Starlette saw the client disconnect, or the server stops): not an error of
+                # the server's, but the stream did not end, and _run aborts its engine requests.
+                if not finished:
+                    logger.info("stream %s ended after %d chunks: the client disconnected or the server is "
+                                "stopping; its engine requests are aborted", response_id, sent)
+                raise
+            finally:
+                self.metrics.in_flight.labels(self.model_name).dec()
+
+        return SSEResponse(events(), response_id, media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _complete(self, choices: list[Choice], endpoint: str, request: Request) -> None:
+        self.metrics.in_flight.labels(self.model_name).inc()
+        try:
+            await self._collect(choices, endpoint, request)
+        finally:
+            self.metrics.in_flight.labels(self.model_name).dec()

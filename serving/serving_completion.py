@@ -1,0 +1,81 @@
+"""POST /v1/completions (OpenAI's legacy completions API, with vLLM's extensions)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+from fastapi import Request
+
+from .protocol import (CompletionChoice, CompletionRequest, CompletionResponse, CompletionStreamChoice,
+                       CompletionStreamResponse, new_id)
+from .server_errors import ApiError
+from .server_logprobs import prompt_logprobs
+from .serving_base import Choice, OpenAIServing
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create(self, req: CompletionRequest, request: Request):
+        self.check_model(req.model)
+        prompts: list[tuple[Optional[str], list[int]]] = []
+        for p in req.prompts():
+            prompts.append((p, self._encode(p)) if isinstance(p, str) else (None, list(p)))
+        for i, (_, ids) in enumerate(prompts):
+            if not ids:
+                raise ApiError(400, f"prompt {i} is empty; at least one token is required", param="prompt")
+            self._check_context(len(ids), req.max_tokens, "max_tokens")
+        want_lp = req.logprobs is not None
+        kw = dict(req.sampling_kwargs(), max_tokens=req.max_tokens, logprobs=want_lp,
+                  top_logprobs=req.logprobs or 0, prompt_logits=req.echo and want_lp)
+        base = new_id("cmpl")
+        choices = self._make_choices(base, prompts, req.n, kw, req.seed)
+
+        def echo_text(c: Choice) -> str:
+            if c.prompt_text is not None:
+                return c.prompt_text
+            return self.tokenizer.decode(c.prompt_ids) if self.tokenizer is not None else ""
+
+        if req.stream:
+            async def chunks():
+                sent = {c.index: 0 for c in choices}
+                offsets = {c.index: self.logprobs.offsets() for c in choices}
+                async with contextlib.aclosing(self._run(choices, "completions")) as it:
+                    if req.echo:
+                        for c in choices:
+                            text = echo_text(c)
+                            offsets[c.index] = self.logprobs.offsets(len(text))
+                            yield CompletionStreamResponse(id=base, model=self.model_name, choices=[
+                                CompletionStreamChoice(index=c.index, text=text)]).model_dump()
+                    async for c, text in it:
+                        new_ids = c.token_ids[sent[c.index]:]
+                        finish = c.finish_reason
+                        if not (text or finish or (want_lp and new_ids)):
+                            continue
+                        lp = None
+                        if want_lp:
+                            lp = self.logprobs.completion(new_ids, c.logprobs[sent[c.index]:],
+                                                           c.top_logprobs[sent[c.index]:], offsets[c.index])
+                        sent[c.index] = len(c.token_ids)
+                        yield CompletionStreamResponse(id=base, model=self.model_name, choices=[
+                            CompletionStreamChoice(index=c.index, text=text, logprobs=lp,
+                                                   finish_reason=finish)]).model_dump()
+
+            return self._stream(base, chunks(), req.stream_options, lambda: CompletionStreamResponse(
+                id=base, model=self.model_name, choices=[], usage=self._usage(choices)).model_dump())
+
+        await self._complete(choices, "completions", request)
+        out_choices = []
+        for c in choices:
+            text, lp = c.text, None
+            if req.echo:
+                text = echo_text(c) + c.text
+            if want_lp:
+                if req.echo:
+                    p_lps, p_tops = prompt_logprobs(c.prompt_ids, c.prompt_logits, req.logprobs)
+                    lp = self.logprobs.completion(c.prompt_ids + c.token_ids, p_lps + c.logprobs,
+                                                   p_tops + c.top_logprobs, self.logprobs.offsets())
+                else:
+                    lp = self.logprobs.completion(c.token_ids, c.logprobs, c.top_logprobs, self.logprobs.offsets())
+            out_choices.append(CompletionChoice(index=c.index, text=text, logprobs=lp,
+                                                finish_reason=c.finish_reason))
+        return CompletionResponse(id=base, model=self.model_name, choices=out_choices, usage=self._usage(choices))
