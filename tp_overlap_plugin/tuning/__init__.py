@@ -10,5 +10,9 @@ are command lines over these modules.
   fused_ops     AG-GEMM / GEMM-RS against the sequential collective + GEMM
   gemm_ar       GEMM + all-reduce in one kernel against F.linear + an all-reduce
   rules         measurements -> the dispatch table (the "never slower than stock" decisions)
-  tune          the command: phases over W ranks, cache, resume, evidence
+  plan          what one tune run measures: per phase its items, the heap, the time estimate
+  store         the measurements, per device and TP size, one file per phase, resumable
+  phases        the phases as the W ranks run them (shared out, or collective)
+  report        the store -> the tables and the evidence (markdown, PNG)
+  tune          the command: the plan, the ranks, the tables
 """

@@ -1,0 +1,142 @@
+"""The tables and the evidence of `tp-overlap tune`, made from everything in its store: the dispatch
+table and the GEMM config table (written atomically into the cache under their locks), the evidence
+markdown and a PNG beside them."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from pathlib import Path
+
+from tp_overlap_plugin import tables
+from tp_overlap_plugin.tuning.plan import PHASES, Plan
+from tp_overlap_plugin.tuning.shapes import LAYER_OPS
+from tp_overlap_plugin.tuning.store import store_dir
+
+
+def build_tables(device_name: str, world: int, plan: Plan) -> dict:
+    """The dispatch table and (for the GEMM core) the config table from everything in the store
+    (every model tuned here at this TP size), written atomically into the cache under the lock; the
+    evidence markdown and PNG beside them. Returns the paths."""
+    from tp_overlap_plugin.tuning import gemm_configs as gc
+    from tp_overlap_plugin.tuning import rules
+    stored = {}
+    for phase in PHASES:
+        path = store_dir(device_name, world, phase) / f"{phase}.json"
+        if path.exists():
+            try:
+                stored[phase] = json.loads(path.read_text())
+            except ValueError as e:
+                print(f"tp-overlap tune: skipping {path}: {e}", file=sys.stderr)
+    if not stored:
+        return {}
+    env = next(iter(stored.values()))["environment"]
+    env = {**env, "date": datetime.date.today().isoformat()}
+    out = {}
+    models = sorted({r.get("shape", "").split(" ")[0] for p in ("gemv", "gemm_ar") if p in stored
+                     for r in stored[p]["rows"].values()} - {""})
+    command = tables.tune_command(world, plan.model)
+
+    def rows(phase):
+        return list(stored[phase]["rows"].values()) if phase in stored else []
+    ar = rows("all_reduce")
+    overlap = {"environment": env, "sweep": {r_key: r for r_key, r in stored["fused_ops"]["rows"].items()}} \
+        if "fused_ops" in stored else None
+    foundation = {"rank0": {"all_reduce": sorted([r for r in ar if "tokens" not in r], key=lambda r: r["bytes"])}} \
+        if "all_reduce" in stored else None
+    table = rules.build(overlap, foundation, {"environment": env, "rows": rows("gemm_ar")} if "gemm_ar" in stored else None,
+                        {"environment": env, "rows": rows("gemv")} if "gemv" in stored else None, env=env, margin=plan.margin,
+                        command=command, extra={"models": models, "tuned_by": "tp-overlap tune"})
+    path = tables.cached_path("dispatch", device_name, world)
+    with tables.locked(path):
+        tables.write_atomic(path, json.dumps(table, indent=1))
+    out["dispatch"] = path
+    md = rules.markdown(table, [(LAYER_OPS[layer], k, n) for layer, k, n in plan.dims.layers(world)], plan.model)
+    norm_rows = [r for r in ar if "tokens" in r]
+    if norm_rows:
+        md += _norm_markdown(norm_rows)
+    if "gemm_configs" in stored:
+        g = stored["gemm_configs"]
+        payload = {"environment": {**g["environment"], "tp": world}, "candidates": g.get("candidates", {"large": [], "small": []}),
+                   "results": sorted(g["rows"].values(), key=lambda e: (-e["M"], e["K"], e["N"])),
+                   "stopped": None, "crashed": g.get("crashed", {})}
+        gtable, gmd = gc.build_table(payload)
+        gtable["source"] = "tp-overlap tune"
+        gpath = tables.cached_path("gemm", device_name)
+        with tables.locked(gpath):
+            tables.write_atomic(gpath, gc.dump_table(gtable))
+        # the results file `bench/gemm_configs.py table` rebuilds the table and its markdown from
+        tables.write_atomic(store_dir(device_name, world, "gemm_configs") / "gemm-configs-results.json",
+                            json.dumps(payload, indent=1))
+        out["gemm"] = gpath
+        md += "\n# GEMM core configs\n\n" + gmd
+    stem = tables.cache_dir() / "evidence" / f"{tables.device_key(device_name)}-tp{world}"
+    tables.write_atomic(stem.with_suffix(".md"), _header(table, plan) + md)
+    out["evidence"] = stem.with_suffix(".md")
+    png = _chart(table, stem.with_suffix(".png"))
+    out["png"] = png or "no PNG: matplotlib is not installed (pip install matplotlib)"
+    return out
+
+
+def _header(table: dict, plan: Plan) -> str:
+    return (f"# tp-overlap tune: {table['device']}, TP={table['world']}\n\n"
+            f"Measured {table['date']} under torch {table['torch']}, Triton {table['triton']}, driver "
+            f"{table.get('driver')}; models {', '.join(table.get('models', [])) or plan.model}. Each row was timed "
+            f"in {plan.repeats} interleaved repeat(s); ours is chosen only where it won by {table['margin']}x in every "
+            f"repeat. Ratios are stock/ours, median [min–max] over the repeats.\n\nRegenerate: `{table['command']}`.\n\n")
+
+
+def _norm_markdown(rows: list[dict]) -> str:
+    from tp_overlap_plugin.tuning.results import md_table
+    mode = "graph" if any("fused_graph_us" in r for r in rows) else "eager"
+    out = (f"\n## Fused all-reduce + add + RMSNorm ({mode}, µs)\n\nAgainst an all-reduce followed by the add + norm "
+           "kernel; the engine takes the fused kernel where our all-reduce is chosen.\n\n")
+    return out + md_table(["hidden", "T", "fused", "ours then norm", "NCCL then norm", "NCCL+norm / fused"],
+                          [[r["hidden"], r["tokens"], r.get(f"fused_{mode}_us"), r.get(f"ours_then_norm_{mode}_us"),
+                            r.get(f"nccl_then_norm_{mode}_us"),
+                            r.get(f"nccl_then_norm_{mode}_us", float("nan")) / r.get(f"fused_{mode}_us", float("nan"))]
+                           for r in sorted(rows, key=lambda r: (r["hidden"], r["tokens"]))])
+
+
+def _chart(table: dict, path: Path) -> str | None:
+    """Every row's ratio stock/ours with its spread over the repeats, per section; None without
+    matplotlib."""
+    from tp_overlap_plugin.tuning.results import pyplot
+    plt = pyplot()
+    if plt is None:
+        return None
+    sections = [("GEMV vs F.linear", [(f"{r['shape']} M={r['M']}", r.get("ratio"), r["winner"] != "stock",
+                                       r["cublas_us"] / r["gemv_us"]) for r in table.get("gemv", [])]),
+                ("AG/RS vs sequential", [(f"{r['op']} M={r['M']} {r['K']}x{r['N']}", r.get("ratio"),
+                                          r["winner"] != "stock", r["speedup"]) for r in table["gemm"]]),
+                ("all-reduce vs NCCL (graph)", [(f"{r['bytes'] >> 10} KB", r.get("graph_ratio"),
+                                                 r["graph_winner"] != "stock",
+                                                 (r["nccl_graph_us"] or 0) / (r["ours_graph_us"] or 1))
+                                                for r in table["all_reduce"]]),
+                ("GEMM+AR vs best stock (graph)", [(f"{r['shape']} M={r['M']}", r.get("graph_ratio"),
+                                                    r["graph_winner"] != "stock",
+                                                    (r["graph_best_stock_us"] or 0) / (r["graph_us"] or 1))
+                                                   for r in table.get("gemm_all_reduce", [])])]
+    sections = [(t, rows) for t, rows in sections if rows]
+    if not sections:
+        return None
+    fig, axes = plt.subplots(len(sections), 1, figsize=(max(8, 0.3 * max(len(r) for _, r in sections)),
+                                                        3.2 * len(sections)), squeeze=False)
+    for ax, (title, rows) in zip(axes[:, 0], sections):
+        xs = range(len(rows))
+        med = [r[1][1] if r[1] else r[3] for r in rows]
+        err = [[m - (r[1][0] if r[1] else m) for m, r in zip(med, rows)],
+               [(r[1][2] if r[1] else m) - m for m, r in zip(med, rows)]]
+        ax.bar(xs, [m - 1 for m in med], bottom=1, color=["tab:green" if r[2] else "tab:gray" for r in rows], alpha=0.6)
+        ax.errorbar(xs, med, yerr=err, fmt="o", color="black", capsize=3, markersize=3)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.axhline(table["margin"], color="tab:green", linewidth=0.8, linestyle="--")
+        ax.set_xticks(list(xs), [r[0] for r in rows], rotation=60, ha="right", fontsize=6)
+        ax.set_title(f"{title}: stock/ours, median and min-max over repeats (green: ours chosen)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
