@@ -120,17 +120,18 @@ def _gemm_configs(ctx, plan, todo, keep, go, crashed):
     import torch
 
     from tp_overlap_plugin.tuning import gemm_configs as gc
+    from tp_overlap_plugin.tuning.timing import capture_stream
     large, small = plan_candidates(plan)
     large = [c for c in large if c.label() not in crashed]
     small = [c for c in small if c.label() not in crashed]
-    timer = gc.Timer(ctx.device)
+    stream = capture_stream(ctx.device)
     failed: dict = {}
     gen = torch.Generator(device=ctx.device).manual_seed(ctx.rank)
     l2 = gc.l2_bytes(ctx.device)
 
     def measure(it):
         cands = (large if it["M"] >= gc.LARGE_FROM else []) + (small if it["M"] <= gc.SMALL_UPTO else [])
-        entry = gc.measure_entry(it["M"], it["K"], it["N"], it["names"], cands, timer, failed, gen, l2,
+        entry = gc.measure_entry(it["M"], it["K"], it["N"], it["names"], cands, ctx.device, stream, failed, gen, l2,
                                  dry_run=plan.device == "cpu")
         if "stopped" in entry:  # the CUDA context is gone: end the run, keeping the rows measured before
             raise RuntimeError(f"GEMM config sweep stopped: {entry['stopped']}")
