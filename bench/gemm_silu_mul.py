@@ -180,7 +180,7 @@ def main(argv=None):
     log("time", "stock, ours + silu_mul, fused")
     res["rows"] = measure(dev, shapes, ms, gpu)
     res["margin"] = MARGIN
-    res["table_rows"] = gemm_silu_mul_rows(res, MARGIN)
+    res["table_rows"] = gemm_silu_mul_rows({f"{r['shape']}/{r['M']}": r for r in res["rows"]}, MARGIN)
     publish(args.out, "gemm-silu-mul", res, markdown(res))
     if args.into_table:
         with open(args.into_table) as f:

@@ -6,29 +6,20 @@ from __future__ import annotations
 
 import datetime
 import json
-import sys
 from pathlib import Path
 
 from tp_overlap_plugin import tables
 from tp_overlap_plugin.tuning.plan import PHASES, Plan
 from tp_overlap_plugin.tuning.shapes import LAYER_OPS
-from tp_overlap_plugin.tuning.store import store_dir
+from tp_overlap_plugin.tuning.store import load_phase, store_dir
 
 
 def build_tables(device_name: str, world: int, plan: Plan) -> dict:
-    """The dispatch table and (for the GEMM core) the config table from everything in the store
-    (every model tuned here at this TP size), written atomically into the cache under the lock; the
-    evidence markdown and PNG beside them. Returns the paths."""
-    from tp_overlap_plugin.tuning import gemm_configs as gc
+    """The dispatch table and the config tables from everything in the store (every model tuned here
+    at this TP size), written atomically into the cache under their locks; the evidence markdown and
+    PNG beside them. Returns the paths."""
     from tp_overlap_plugin.tuning import rules
-    stored = {}
-    for phase in PHASES:
-        path = store_dir(device_name, world, phase) / f"{phase}.json"
-        if path.exists():
-            try:
-                stored[phase] = json.loads(path.read_text())
-            except ValueError as e:
-                print(f"tp-overlap tune: skipping {path}: {e}", file=sys.stderr)
+    stored = {p: d for p in PHASES if (d := load_phase(device_name, world, p)) is not None}
     if not stored:
         return {}
     env = next(iter(stored.values()))["environment"]
@@ -36,40 +27,19 @@ def build_tables(device_name: str, world: int, plan: Plan) -> dict:
     out = {}
     models = sorted({r.get("shape", "").split(" ")[0] for p in ("gemv", "gemm_ar") if p in stored
                      for r in stored[p]["rows"].values()} - {""})
-    command = tables.tune_command(world, plan.model)
-
-    def rows(phase):
-        return list(stored[phase]["rows"].values()) if phase in stored else []
-    ar = rows("all_reduce")
-    overlap = {"environment": env, "sweep": {r_key: r for r_key, r in stored["fused_ops"]["rows"].items()}} \
-        if "fused_ops" in stored else None
-    foundation = {"rank0": {"all_reduce": sorted([r for r in ar if "tokens" not in r], key=lambda r: r["bytes"])}} \
-        if "all_reduce" in stored else None
-    table = rules.build(overlap, foundation, {"environment": env, "rows": rows("gemm_ar")} if "gemm_ar" in stored else None,
-                        {"environment": env, "rows": rows("gemv")} if "gemv" in stored else None, env=env, margin=plan.margin,
-                        command=command, extra={"models": models, "tuned_by": "tp-overlap tune"})
+    table = rules.build({p: d["rows"] for p, d in stored.items()}, env, margin=plan.margin,
+                        command=tables.tune_command(world, plan.model),
+                        extra={"models": models, "tuned_by": "tp-overlap tune"})
     path = tables.cached_path("dispatch", device_name, world)
     with tables.locked(path):
         tables.write_atomic(path, json.dumps(table, indent=1))
     out["dispatch"] = path
     md = rules.markdown(table, [(LAYER_OPS[layer], k, n) for layer, k, n in plan.dims.layers(world)], plan.model)
-    norm_rows = [r for r in ar if "tokens" in r]
+    norm_rows = [r for r in stored.get("all_reduce", {"rows": {}})["rows"].values() if "tokens" in r]
     if norm_rows:
         md += _norm_markdown(norm_rows)
     if "gemm_configs" in stored:
-        g = stored["gemm_configs"]
-        payload = {"environment": {**g["environment"], "tp": world}, "candidates": g.get("candidates", {"large": [], "small": []}),
-                   "results": sorted(g["rows"].values(), key=lambda e: (-e["M"], e["K"], e["N"])),
-                   "stopped": None, "crashed": g.get("crashed", {})}
-        gtable, gmd = gc.build_table(payload)
-        gtable["source"] = "tp-overlap tune"
-        gpath = tables.cached_path("gemm", device_name)
-        with tables.locked(gpath):
-            tables.write_atomic(gpath, gc.dump_table(gtable))
-        # the results file `bench/gemm_configs.py table` rebuilds the table and its markdown from
-        tables.write_atomic(store_dir(device_name, world, "gemm_configs") / "gemm-configs-results.json",
-                            json.dumps(payload, indent=1))
-        out["gemm"] = gpath
+        out["gemm"], gmd = write_gemm_table(device_name, world, stored["gemm_configs"])
         md += "\n# GEMM core configs\n\n" + gmd
     stem = tables.cache_dir() / "evidence" / f"{tables.device_key(device_name)}-tp{world}"
     tables.write_atomic(stem.with_suffix(".md"), _header(table, plan) + md)
@@ -77,6 +47,25 @@ def build_tables(device_name: str, world: int, plan: Plan) -> dict:
     png = _chart(table, stem.with_suffix(".png"))
     out["png"] = png or "no PNG: matplotlib is not installed (pip install matplotlib)"
     return out
+
+
+def write_gemm_table(device_name: str, world: int, stored: dict) -> tuple[Path, str]:
+    """The GEMM config table of the gemm_configs phase's rows (`stored`: the phase's file), into the
+    cache; returns its path and markdown."""
+    from tp_overlap_plugin.tuning import gemm_configs as gc
+    payload = {"environment": {**stored["environment"], "tp": world},
+               "candidates": stored.get("candidates", {"large": [], "small": []}),
+               "results": sorted(stored["rows"].values(), key=lambda e: (-e["M"], e["K"], e["N"])),
+               "stopped": None, "crashed": stored.get("crashed", {})}
+    gtable, gmd = gc.build_table(payload)
+    gtable["source"] = "tp-overlap tune"
+    gpath = tables.cached_path("gemm", device_name)
+    with tables.locked(gpath):
+        tables.write_atomic(gpath, gc.dump_table(gtable))
+    # the results file `bench/gemm_configs.py table` rebuilds the table and its markdown from
+    tables.write_atomic(store_dir(device_name, world, "gemm_configs") / "gemm-configs-results.json",
+                        json.dumps(payload, indent=1))
+    return gpath, gmd
 
 
 def _header(table: dict, plan: Plan) -> str:

@@ -1,7 +1,7 @@
 """The dispatcher's table from measurements: the one copy of its decision rules ("never slower than
-stock"). `build` takes the measurements in the formats of the sweeps that make them (fused_ops rows
-as bench/overlap.py writes them, allreduce rows as bench/foundation.py does, gemm_ar and gemv rows);
-`tp-overlap tune` and bench/make_dispatch_table.py both call it.
+stock"). `build` reads the rows as `tp-overlap tune`'s store holds them, per phase {key: row}
+(tuning/store.py); tune calls it on its store, and bench/make_dispatch_table.py on bench runs put into
+that form.
 
 A row picks ours only when ours wins by MARGIN (the run-to-run noise seen here is ~2%) in every
 interleaved repeat: with repeats, each repeat's ratio stock/ours must reach the margin, and the table
@@ -55,7 +55,7 @@ def auto_algorithm(r: dict) -> str:
     return "two_shot" if r["bytes"] > DEFAULT_ONE_SHOT_BYTES and "ours_two_shot_graph_us" in r else "one_shot"
 
 
-def gemm_all_reduce_rows(gemm_ar: dict, margin: float = MARGIN) -> list[dict]:
+def gemm_all_reduce_rows(measured: dict, margin: float = MARGIN) -> list[dict]:
     """Per measured (M, K, N): GEMM + all-reduce against the faster of what runs without it (F.linear
     + NCCL or + our all-reduce; with the norm after it, + NCCL + norm or + our fused all-reduce +
     norm), in CUDA graphs and eager. A mode that was not measured is "stock".
@@ -65,7 +65,7 @@ def gemm_all_reduce_rows(gemm_ar: dict, margin: float = MARGIN) -> list[dict]:
     the variants differ, so an eager "win" would be noise. Decode steps, where this op applies,
     run in CUDA graphs."""
     rows = []
-    for r in gemm_ar["rows"]:
+    for r in measured.values():
         row = {"M": r["M"], "K": r["K"], "N": r["N"], "shape": r["shape"]}
         for mode in ("graph", "eager"):
             for prefix, ours, others in (("", "gemm_ar", ("linear_nccl", "linear_ours")),
@@ -83,11 +83,11 @@ def gemm_all_reduce_rows(gemm_ar: dict, margin: float = MARGIN) -> list[dict]:
     return rows
 
 
-def _two_way_rows(rows: list[dict], stock: str, ours: str, winner: str, margin: float) -> list[dict]:
+def _two_way_rows(measured: dict, stock: str, ours: str, winner: str, margin: float) -> list[dict]:
     """Per measured (M, K, N): the time under `ours` against the time under `stock` (each with its
     repeats beside it); `winner` where ours won every repeat by the margin, else "stock"."""
     out = []
-    for r in rows:
+    for r in measured.values():
         rs = ratios(_repeats(r, stock), _repeats(r, ours))
         row = {"M": r["M"], "K": r["K"], "N": r["N"], "shape": r["shape"], ours: r[ours], stock: r[stock],
                "winner": winner if wins(rs, margin) else "stock"}
@@ -97,29 +97,24 @@ def _two_way_rows(rows: list[dict], stock: str, ours: str, winner: str, margin: 
     return out
 
 
-def gemv_rows(gemv: dict, margin: float = MARGIN) -> list[dict]:
+def gemv_rows(measured: dict, margin: float = MARGIN) -> list[dict]:
     """Per measured (M, K, N): our GEMV against F.linear in CUDA graphs (one GPU: a rank's local
     matmul involves no peer)."""
-    return _two_way_rows(gemv["rows"], "cublas_us", "gemv_us", "gemv", margin)
+    return _two_way_rows(measured, "cublas_us", "gemv_us", "gemv", margin)
 
 
-def gemm_silu_mul_rows(run: dict, margin: float = MARGIN) -> list[dict]:
+def gemm_silu_mul_rows(measured: dict, margin: float = MARGIN) -> list[dict]:
     """Per measured (M, K, N = gate | up): gate_up with SiLU-mul in our GEMM's epilogue against cuBLAS
-    and the SiLU-mul kernel, in CUDA graphs on one GPU (bench/gemm_silu_mul.py)."""
-    return _two_way_rows(run["rows"], "stock_ms", "fused_ms", "fused", margin)
+    and the SiLU-mul kernel, in CUDA graphs on one GPU (tuning/silu_mul.py). A row whose fused output
+    failed its float64 check has no time: unmeasured, so stock."""
+    return _two_way_rows({k: r for k, r in measured.items() if "fused_ms" in r}, "stock_ms", "fused_ms", "fused",
+                         margin)
 
 
-def _same_machine(flag: str, run: dict, env: dict) -> None:
-    renv = run["environment"]
-    if (renv["device"], renv["tp"]) != (env["device"], env["tp"]):
-        raise ValueError(f"{flag} ran on {renv['device']} at TP={renv['tp']}, --overlap on {env['device']} "
-                         f"at TP={env['tp']}: one table is for one device and world size")
-
-
-def gemm_rows(overlap: dict, margin: float = MARGIN) -> list[dict]:
+def gemm_rows(measured: dict, margin: float = MARGIN) -> list[dict]:
     """Per measured (op, M, K, N): our AG-GEMM / GEMM-RS against the sequential collective + GEMM."""
     gemm = []
-    for key, r in {**overlap.get("shapes", {}), **overlap.get("sweep", {})}.items():
+    for key, r in measured.items():
         if not isinstance(r.get("ours"), float) or not isinstance(r.get("sequential"), float):
             continue
         rs = ratios(_repeats(r, "sequential"), _repeats(r, "ours"))
@@ -132,10 +127,11 @@ def gemm_rows(overlap: dict, margin: float = MARGIN) -> list[dict]:
     return gemm
 
 
-def all_reduce_rows(all_reduce: list[dict], margin: float = MARGIN) -> list[dict]:
-    """Per message size: our all-reduce as "auto" runs it against NCCL, in CUDA graphs and eager."""
+def all_reduce_rows(measured: dict, margin: float = MARGIN) -> list[dict]:
+    """Per message size: our all-reduce as "auto" runs it against NCCL, in CUDA graphs and eager (the
+    phase's fused all-reduce + norm rows are the evidence's, not the table's)."""
     ar = []
-    for r in all_reduce:
+    for r in sorted((r for r in measured.values() if "bytes" in r), key=lambda r: r["bytes"]):
         algorithm = auto_algorithm(r)
         g, ng = r.get(f"ours_{algorithm}_graph_us"), r.get("nccl_graph_us")
         e, ne = r.get(f"ours_{algorithm}_eager_us"), r.get("nccl_eager_us")
@@ -151,30 +147,25 @@ def all_reduce_rows(all_reduce: list[dict], margin: float = MARGIN) -> list[dict
     return ar
 
 
-def build(overlap: dict | None, foundation: dict | None, gemm_ar: dict | None = None, gemv: dict | None = None,
-          *, env: dict | None = None, margin: float = MARGIN, command: str | None = None,
-          extra: dict | None = None) -> dict:
-    """The table from the measurements there are (TP=1 has no collectives: gemv rows only). `env`:
-    the run's environment (default: the overlap run's)."""
-    env = env or overlap["environment"]
+# the store's phases whose rows make a section of the table, and how
+SECTIONS = (("fused_ops", "gemm", gemm_rows), ("all_reduce", "all_reduce", all_reduce_rows),
+            ("gemm_ar", "gemm_all_reduce", gemm_all_reduce_rows), ("gemv", "gemv", gemv_rows),
+            ("silu_mul", "gemm_silu_mul", gemm_silu_mul_rows))
+
+
+def build(phases: dict, env: dict, *, command: str, margin: float = MARGIN, extra: dict | None = None) -> dict:
+    """The table from the measurements there are, per phase as tune's store holds them ({phase: {key:
+    row}}; TP=1 has no collectives: its table has the local matmuls' rows only). "gemm" and
+    "all_reduce" are always there (empty where unmeasured); the other sections where their phase is.
+    `env`: the runs' environment (device, TP size, date, versions)."""
     table = {"device": env["device"], "world": env["tp"], "date": env["date"], "torch": env["torch"],
              "triton": env["triton"]}
     if "driver" in env:
         table["driver"] = env["driver"]
-    table.update({"margin": margin, "one_shot_max_bytes": DEFAULT_ONE_SHOT_BYTES,
-                  "gemm": gemm_rows(overlap, margin) if overlap else [],
-                  "all_reduce": all_reduce_rows(foundation["rank0"]["all_reduce"], margin) if foundation else [],
-                  "command": command or "python bench/overlap.py --tp W && python bench/foundation.py --tp W && "
-                                        "python bench/make_dispatch_table.py --overlap ... --foundation ..."})
-    for flag, run, key, rows, script in (("--gemm-ar", gemm_ar, "gemm_all_reduce", gemm_all_reduce_rows, "gemm_ar"),
-                                         ("--gemv", gemv, "gemv", gemv_rows, "gemv")):
-        if run is None:
-            continue
-        if overlap is not None:
-            _same_machine(flag, run, env)
-        table[key] = rows(run, margin)
-        if command is None:
-            table["command"] += f" {flag} ... (python bench/{script}.py --tp W)"
+    table.update({"margin": margin, "one_shot_max_bytes": DEFAULT_ONE_SHOT_BYTES, "command": command})
+    for phase, key, rows in SECTIONS:
+        if phase in phases or key in ("gemm", "all_reduce"):
+            table[key] = rows(phases.get(phase, {}), margin)
     table.update(extra or {})
     return table
 

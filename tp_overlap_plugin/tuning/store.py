@@ -11,10 +11,13 @@ from pathlib import Path
 from tp_overlap_plugin import tables
 
 
+# one GPU's measurements, for a config table per device that every TP size's shapes go into
+DEVICE_PHASES = ("gemm_configs", "decode_configs")
+
+
 def store_dir(device_name: str, world: int, phase: str | None = None) -> Path:
-    """Where a phase's rows are kept: per device and TP size, except the GEMM configs' (one GPU's
-    measurements, for the one config table per device that every TP size's shapes go into)."""
-    if phase == "gemm_configs":
+    """Where a phase's rows are kept: per device and TP size, except DEVICE_PHASES' (per device)."""
+    if phase in DEVICE_PHASES:
         return tables.cache_dir() / "measurements" / tables.device_key(device_name)
     return tables.cache_dir() / "measurements" / f"{tables.device_key(device_name)}-tp{world}"
 
@@ -55,3 +58,17 @@ def save_rows(directory: Path, phase: str, env: dict, rows: dict, extra: dict | 
         tables.write_atomic(path, json.dumps(data, indent=1))
 
 
+
+
+def load_phase(device_name: str, world: int, phase: str) -> dict | None:
+    """A phase's file as stored (its environment, rows and extras, whatever versions measured them);
+    None where there is none or it does not parse."""
+    path = store_dir(device_name, world, phase) / f"{phase}.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        print(f"tp-overlap tune: skipping {path}: {e}", file=sys.stderr)
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("rows"), dict) else None
