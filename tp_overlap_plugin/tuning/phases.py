@@ -9,13 +9,15 @@ import sys
 import time
 
 from tp_overlap_plugin import tables
+from tp_overlap_plugin.tuning import report
 from tp_overlap_plugin.tuning.plan import PHASES, Plan, plan_candidates
 from tp_overlap_plugin.tuning.store import load_rows, save_rows, store_dir
 
 
-def _env(ctx, plan: Plan) -> dict:
-    from tp_overlap_plugin.tuning.results import environment
-    env = environment(plan.world, on_gpu=plan.device == "cuda", model=plan.model)
+def environment(plan: Plan) -> dict:
+    """The store's environment of this rank's measurements: the run's, and the versions they depend on."""
+    from tp_overlap_plugin.tuning import results
+    env = results.environment(plan.world, on_gpu=plan.device == "cuda", model=plan.model)
     env.update(tables.versions(plan.device))
     return env
 
@@ -51,7 +53,7 @@ def _bar(ctx, phase: str, total: int, done: int):
                 bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]")
 
 
-def _agree(ctx, value):
+def agree(ctx, value):
     """Rank 0's value on every rank (todo lists and the budget's go/stop must be alike everywhere)."""
     import torch.distributed as dist
     box = [value]
@@ -65,14 +67,15 @@ def tune_rank(ctx, plan: Plan, deadline: float, force: bool, crashed: dict, cach
     import torch.distributed as dist
     os.environ["TP_OVERLAP_CACHE"] = cache  # the parent's cache, whatever this process inherited
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
-    env = _agree(ctx, _env(ctx, plan) if ctx.rank == 0 else None)
+    env = agree(ctx, environment(plan) if ctx.rank == 0 else None)
     summary = {"environment": env, "phases": {}}
     for phase in PHASES:
         items = plan.items.get(phase)
         if not items:
             continue
+        t0 = time.monotonic()
         directory = store_dir(env["device"], plan.world, phase)
-        have = _agree(ctx, set() if force or ctx.rank else set(load_rows(directory, phase, env)))
+        have = agree(ctx, set() if force or ctx.rank else _kept(ctx, directory, phase, env))
         todo = [it for it in items if it["key"] not in have]
         bar = _bar(ctx, phase, len(items), len(items) - len(todo))
         state = {"measured": 0, "stopped": None}
@@ -85,7 +88,7 @@ def tune_rank(ctx, plan: Plan, deadline: float, force: bool, crashed: dict, cach
                 _bar.update(len(rows))
 
         def go() -> bool:
-            ok = _agree(ctx, time.time() < deadline if ctx.rank == 0 else None)
+            ok = agree(ctx, time.time() < deadline if ctx.rank == 0 else None)
             if not ok:
                 state["stopped"] = "the time budget ran out"
             return ok
@@ -94,12 +97,39 @@ def tune_rank(ctx, plan: Plan, deadline: float, force: bool, crashed: dict, cach
         finally:
             if bar is not None:
                 bar.close()
+        if phase in TABLES_AFTER:
+            _write_table(ctx, phase, env, plan.world)
         summary["phases"][phase] = {"items": len(items), "resumed": len(items) - len(todo),
-                                    "measured": state["measured"], "stopped": state["stopped"]}
+                                    "measured": state["measured"], "stopped": state["stopped"],
+                                    "wall_s": time.monotonic() - t0}
         dist.barrier(group=ctx.group)
     if ctx.heap is not None:
         ctx.heap.check()
     return summary
+
+
+def _kept(ctx, directory, phase: str, env: dict) -> set:
+    """The keys of the phase's stored rows that need no measuring again: measured under these versions,
+    and a GEMV row only if it timed the config the decode table picks now."""
+    rows = load_rows(directory, phase, env)
+    if phase == "gemv":
+        from tp_overlap_plugin.decode_config import pick_decode_config
+        return {key for key, r in rows.items()
+                if r.get("config") == pick_decode_config(r["M"], r["N"], r["K"], ctx.device).label()}
+    return set(rows)
+
+
+def _write_table(ctx, phase: str, env: dict, world: int) -> None:
+    """After a config phase, its table from the store into the cache (rank 0), and every rank's
+    lookups read it from then on: the later phases measure on the configs that will be served."""
+    import torch.distributed as dist
+
+    from tp_overlap_plugin import decode_config, gemm_config
+    if ctx.rank == 0:
+        TABLES_AFTER[phase](env["device"], world)
+    dist.barrier(group=ctx.group)
+    gemm_config.find_table.cache_clear()
+    decode_config.load_table.cache_clear()
 
 
 def _shared_out(ctx, todo: list, measure, keep, go) -> None:
@@ -139,6 +169,35 @@ def _gemm_configs(ctx, plan, todo, keep, go, crashed):
     extra = {"candidates": {"large": [c.to_dict() for c in large], "small": [c.to_dict() for c in small]},
              "crashed": crashed}
     _shared_out(ctx, todo, measure, lambda rows: keep(rows, extra), go)
+
+
+def _decode_configs(ctx, plan, todo, keep, go, crashed):
+    import torch
+
+    from tp_overlap_plugin.tuning import decode_configs as dc
+    from tp_overlap_plugin.tuning.timing import capture_stream
+    cands = dc.candidates(plan.device)
+    stream = capture_stream(ctx.device)
+    failed: dict = {}
+    gen = torch.Generator(device=ctx.device).manual_seed(ctx.rank)
+
+    def measure(it):
+        return {it["key"]: dc.measure_entry(it["M"], it["K"], it["N"], it["names"], cands, ctx.device, stream,
+                                            failed, gen)}
+    extra = {"candidates": {c.label(): c.to_dict() for c in cands}}
+    _shared_out(ctx, todo, measure, lambda rows: keep(rows, extra), go)
+
+
+def _silu_mul(ctx, plan, todo, keep, go, crashed):
+    import torch
+
+    from tp_overlap_plugin.tuning import silu_mul
+    gen = torch.Generator(device=ctx.device).manual_seed(ctx.rank)
+
+    def measure(it):
+        return {it["key"]: silu_mul.measure_row(it["shape"], it["M"], it["K"], it["N"], ctx.device,
+                                                repeats=plan.repeats, gen=gen)}
+    _shared_out(ctx, todo, measure, keep, go)
 
 
 def _gemv(ctx, plan, todo, keep, go, crashed):
@@ -219,7 +278,9 @@ def _gemm_ar(ctx, plan, todo, keep, go, crashed):
         keep({it["key"]: row})
 
 
-PHASE_RUNNERS = {"gemm_configs": _gemm_configs, "gemv": _gemv, "all_reduce": _all_reduce, "fused_ops": _fused_ops,
-                 "gemm_ar": _gemm_ar}
+PHASE_RUNNERS = {"gemm_configs": _gemm_configs, "decode_configs": _decode_configs, "gemv": _gemv,
+                 "silu_mul": _silu_mul, "all_reduce": _all_reduce, "fused_ops": _fused_ops, "gemm_ar": _gemm_ar}
 
 
+# the config phases whose table the later phases run on
+TABLES_AFTER = {"gemm_configs": report.write_gemm_table, "decode_configs": report.write_decode_table}

@@ -14,12 +14,13 @@ from tp_overlap_plugin.tuning.shapes import LAYER_OPS
 from tp_overlap_plugin.tuning.store import load_phase, store_dir
 
 
-def build_tables(device_name: str, world: int, plan: Plan) -> dict:
-    """The dispatch table and the config tables from everything in the store (every model tuned here
-    at this TP size), written atomically into the cache under their locks; the evidence markdown and
-    PNG beside them. Returns the paths."""
+def build_tables(device_name: str, world: int, plan: Plan, summary: dict | None = None) -> dict:
+    """The dispatch table (with the engine's verdict) and the config tables from everything in the
+    store (every model tuned here at this TP size), written atomically into the cache under their
+    locks; the evidence markdown (with this run's wall time per phase: `summary`) and PNG beside them.
+    Returns the paths."""
     from tp_overlap_plugin.tuning import rules
-    stored = {p: d for p in PHASES if (d := load_phase(device_name, world, p)) is not None}
+    stored = {p: d for p in PHASES + ("engine",) if (d := load_phase(device_name, world, p)) is not None}
     if not stored:
         return {}
     env = next(iter(stored.values()))["environment"]
@@ -28,7 +29,7 @@ def build_tables(device_name: str, world: int, plan: Plan) -> dict:
     models = sorted({r.get("shape", "").split(" ")[0] for p in ("gemv", "gemm_ar") if p in stored
                      for r in stored[p]["rows"].values()} - {""})
     table = rules.build({p: d["rows"] for p, d in stored.items()}, env, margin=plan.margin,
-                        command=tables.tune_command(world, plan.model),
+                        engine_margin=plan.engine_margin, command=tables.tune_command(world, plan.model),
                         extra={"models": models, "tuned_by": "tp-overlap tune"})
     path = tables.cached_path("dispatch", device_name, world)
     with tables.locked(path):
@@ -38,9 +39,14 @@ def build_tables(device_name: str, world: int, plan: Plan) -> dict:
     norm_rows = [r for r in stored.get("all_reduce", {"rows": {}})["rows"].values() if "tokens" in r]
     if norm_rows:
         md += _norm_markdown(norm_rows)
-    if "gemm_configs" in stored:
-        out["gemm"], gmd = write_gemm_table(device_name, world, stored["gemm_configs"])
-        md += "\n# GEMM core configs\n\n" + gmd
+    for kind, phase, title, write in (("gemm", "gemm_configs", "GEMM core configs", write_gemm_table),
+                                      ("decode", "decode_configs", "Decode matmul configs", write_decode_table)):
+        written = write(device_name, world) if phase in stored else None
+        if written:
+            out[kind], tmd = written
+            md += f"\n# {title}\n\n" + tmd
+    if summary:
+        md += run_markdown(plan, summary)
     stem = tables.cache_dir() / "evidence" / f"{tables.device_key(device_name)}-tp{world}"
     tables.write_atomic(stem.with_suffix(".md"), _header(table, plan) + md)
     out["evidence"] = stem.with_suffix(".md")
@@ -49,10 +55,13 @@ def build_tables(device_name: str, world: int, plan: Plan) -> dict:
     return out
 
 
-def write_gemm_table(device_name: str, world: int, stored: dict) -> tuple[Path, str]:
-    """The GEMM config table of the gemm_configs phase's rows (`stored`: the phase's file), into the
-    cache; returns its path and markdown."""
+def write_gemm_table(device_name: str, world: int) -> tuple[Path, str] | None:
+    """The GEMM config table of the gemm_configs phase's stored rows into the cache; its path and
+    markdown (None: nothing measured)."""
     from tp_overlap_plugin.tuning import gemm_configs as gc
+    stored = load_phase(device_name, world, "gemm_configs")
+    if not stored or not stored["rows"]:
+        return None
     payload = {"environment": {**stored["environment"], "tp": world},
                "candidates": stored.get("candidates", {"large": [], "small": []}),
                "results": sorted(stored["rows"].values(), key=lambda e: (-e["M"], e["K"], e["N"])),
@@ -68,12 +77,48 @@ def write_gemm_table(device_name: str, world: int, stored: dict) -> tuple[Path, 
     return gpath, gmd
 
 
+def write_decode_table(device_name: str, world: int) -> tuple[Path, str] | None:
+    """The decode matmul's config table of the decode_configs phase's stored rows into the cache; its
+    path and markdown (None: nothing measured)."""
+    from tp_overlap_plugin.tuning import decode_configs as dc
+    stored = load_phase(device_name, world, "decode_configs")
+    if not stored or not stored["rows"]:
+        return None
+    rows = list(stored["rows"].values())
+    env = {**stored["environment"], "date": datetime.date.today().isoformat()}
+    table = dc.build_table(rows, stored.get("candidates", {}), env, tables.tune_command())
+    path = tables.cached_path("decode", device_name)
+    with tables.locked(path):
+        tables.write_atomic(path, json.dumps(table, indent=1) + "\n")
+    return path, dc.markdown(rows)
+
+
 def _header(table: dict, plan: Plan) -> str:
     return (f"# tp-overlap tune: {table['device']}, TP={table['world']}\n\n"
             f"Measured {table['date']} under torch {table['torch']}, Triton {table['triton']}, driver "
             f"{table.get('driver')}; models {', '.join(table.get('models', [])) or plan.model}. Each row was timed "
             f"in {plan.repeats} interleaved repeat(s); ours is chosen only where it won by {table['margin']}x in every "
             f"repeat. Ratios are stock/ours, median [min–max] over the repeats.\n\nRegenerate: `{table['command']}`.\n\n")
+
+
+def run_markdown(plan: Plan, summary: dict) -> str:
+    """This run's wall time per phase, against the plan's estimate (bench/notes/tune.md: the cost
+    model, items x seconds per item, that estimates a run at another TP size from these)."""
+    from tp_overlap_plugin.tuning.results import md_table
+    est = plan.phase_estimates_s()
+    phases = summary["phases"]
+    rows = [[p, s["items"], s["resumed"], s["measured"], s["wall_s"],
+             s["wall_s"] / s["measured"] if s["measured"] else "-", est.get(p, "-"),
+             s["stopped"] or (f"both engines built in {s['build_s']:.0f} s" if "build_s" in s else "")]
+            for p, s in phases.items()]
+    rest = summary["wall_s"] - sum(s["wall_s"] for s in phases.values())
+    rows.append(["start: ranks, preflight, tables", "", "", "", rest, "", est["start"],
+                 f"preflight {summary['preflight_s']:.0f} s" if "preflight_s" in summary else ""])
+    return (f"\n# This run: wall time per phase (s)\n\nTP={plan.world}, {'quick' if plan.quick else 'full'}, "
+            f"{summary['wall_s']:.0f} s in all. A single-GPU phase is shared out over the {plan.world} rank(s); the "
+            f"engine phase's time includes building both engines.\n\n" + md_table(
+                ["phase", "items", "kept from before", "measured", "wall", "per measured item", "estimated", "note"],
+                rows))
 
 
 def _norm_markdown(rows: list[dict]) -> str:

@@ -18,6 +18,13 @@ from tp_overlap_plugin.dispatch import Dispatcher
 from tp_overlap_plugin.tuning.results import md_table
 
 MARGIN = 1.02
+# The engine's verdict (tune's engine phase, tuning/engine_check.py): a step size keeps the flag only
+# where the flag's whole step beat the stock engine's by this much in every interleaved repeat. Lower
+# than an op's MARGIN: a step's time sums a few hundred ops and host work whose independent noise
+# averages out, and each repeat already averages several steps; the closest stock-vs-flag pairs seen
+# end to end spread 0.3% (issue 39: TP=2 prefill-b32 0.987-0.990 over 3 pairs, H200x4), and 1% is
+# three times that. A real win smaller than 1% is given up to stay never slower than stock.
+ENGINE_MARGIN = 1.01
 # The engine's all-reduce runs algorithm "auto": one-shot up to the op's one-shot limit (collectives.
 # DEFAULT_ONE_SHOT_BYTES), two-shot above; so that is the time the table compares with NCCL. Each rank
 # of a one-shot reads every peer's whole message, W - 1 times a ring's traffic: with v1 at 2 MB it won
@@ -106,8 +113,8 @@ def gemv_rows(measured: dict, margin: float = MARGIN) -> list[dict]:
 def gemm_silu_mul_rows(measured: dict, margin: float = MARGIN) -> list[dict]:
     """Per measured (M, K, N = gate | up): gate_up with SiLU-mul in our GEMM's epilogue against cuBLAS
     and the SiLU-mul kernel, in CUDA graphs on one GPU (tuning/silu_mul.py). A row whose fused output
-    failed its float64 check has no time: unmeasured, so stock."""
-    return _two_way_rows({k: r for k, r in measured.items() if "fused_ms" in r}, "stock_ms", "fused_ms", "fused",
+    failed its float64 check is left out: unmeasured, so stock."""
+    return _two_way_rows({k: r for k, r in measured.items() if r.get("ok", True)}, "stock_ms", "fused_ms", "fused",
                          margin)
 
 
@@ -153,11 +160,13 @@ SECTIONS = (("fused_ops", "gemm", gemm_rows), ("all_reduce", "all_reduce", all_r
             ("silu_mul", "gemm_silu_mul", gemm_silu_mul_rows))
 
 
-def build(phases: dict, env: dict, *, command: str, margin: float = MARGIN, extra: dict | None = None) -> dict:
+def build(phases: dict, env: dict, *, command: str, margin: float = MARGIN, engine_margin: float = ENGINE_MARGIN,
+          extra: dict | None = None) -> dict:
     """The table from the measurements there are, per phase as tune's store holds them ({phase: {key:
     row}}; TP=1 has no collectives: its table has the local matmuls' rows only). "gemm" and
-    "all_reduce" are always there (empty where unmeasured); the other sections where their phase is.
-    `env`: the runs' environment (device, TP size, date, versions)."""
+    "all_reduce" are always there (empty where unmeasured); the other sections where their phase is,
+    the engine's verdict ("engine", by `engine_margin`) too. `env`: the runs' environment (device, TP
+    size, date, versions)."""
     table = {"device": env["device"], "world": env["tp"], "date": env["date"], "torch": env["torch"],
              "triton": env["triton"]}
     if "driver" in env:
@@ -166,8 +175,40 @@ def build(phases: dict, env: dict, *, command: str, margin: float = MARGIN, extr
     for phase, key, rows in SECTIONS:
         if phase in phases or key in ("gemm", "all_reduce"):
             table[key] = rows(phases.get(phase, {}), margin)
+    if "engine" in phases:
+        table.update(engine_margin=engine_margin, engine=engine_rows(phases["engine"], engine_margin))
     table.update(extra or {})
     return table
+
+
+def step_verdict(r: dict, margin: float = ENGINE_MARGIN) -> str:
+    """How a measured step size runs (one of dispatch.STEP_RUNS): "flag" where the flag's step (its layout and
+    per-op choices, as the table makes them) beat the stock engine's by the margin in every repeat;
+    else "replicated" where the flag's per-op choices in the replicated layout did (measured where the
+    flag's step was sequence-parallel: the layout, then the ops, are the suspects in turn; against
+    the stock engine's times of that round); else "stock", every op of the step."""
+    if wins(ratios(_repeats(r, "stock_ms"), _repeats(r, "flag_ms")), margin):
+        return "flag"
+    if wins(ratios(_repeats(r, "replicated_stock_ms"), _repeats(r, "replicated_ms")), margin):
+        return "replicated"
+    return "stock"
+
+
+def engine_rows(measured: dict, margin: float = ENGINE_MARGIN) -> list[dict]:
+    """Per model and measured step size: the stock engine's step, the flag's, and (where measured) the
+    flag's ops in the replicated layout, ms per step in CUDA graphs as served; the verdict ("runs")."""
+    rows = []
+    for r in measured.values():
+        row = {"model": r["model"], "kind": r["kind"], "M": r["tokens"], "shapes": r["shapes"], "layout": r["layout"],
+               "stock_ms": r["stock_ms"], "flag_ms": r["flag_ms"]}
+        _spread(row, "ratio", ratios(_repeats(r, "stock_ms"), _repeats(r, "flag_ms")))
+        if "replicated_ms" in r:
+            row.update(replicated_ms=r["replicated_ms"], replicated_stock_ms=r["replicated_stock_ms"])
+            _spread(row, "replicated_ratio", ratios(_repeats(r, "replicated_stock_ms"), _repeats(r, "replicated_ms")))
+        row["runs"] = step_verdict(r, margin)
+        rows.append(row)
+    rows.sort(key=lambda r: (r["model"], r["M"], r["kind"]))
+    return rows
 
 
 def _fused_markdown(t: dict, layer_ops, layer_name: str) -> str:
@@ -200,6 +241,22 @@ def _all_reduce_markdown(t: dict) -> str:
         + [r["graph_winner"], r["ours_eager_us"], r["nccl_eager_us"]]
         + ([_ratio(r, "eager_ratio", "-")] if spread else []) + [r["eager_winner"]] for r in t["all_reduce"]])
     return md
+
+
+def engine_markdown(t: dict) -> str:
+    spread = any("ratio" in r for r in t["engine"])
+    md = (f"\n## The engine's verdict: whole steps, stock engine against the flag (ms per step, CUDA graphs as "
+          f"served)\n\nA step size keeps the flag only where its step beat stock's by {t['engine_margin']}x in every "
+          "interleaved repeat; else the flag's ops in the replicated layout where they did (measured where the flag's "
+          "step was sequence-parallel), else it runs stock. Between measured sizes a step runs as the more cautious of "
+          "its neighbours.\n\n")
+    return md + md_table(
+        ["model", "step", "tokens", "flag's layout", "stock", "flag"] + (["stock/flag [min–max]"] if spread else [])
+        + ["flag's ops replicated", "stock/that", "runs"],
+        [[r["model"], r["kind"], r["M"], r["layout"], r["stock_ms"], r["flag_ms"]]
+         + ([_ratio(r, "ratio", r["stock_ms"] / r["flag_ms"])] if spread else [])
+         + [r.get("replicated_ms", "-"), _ratio(r, "replicated_ratio", r["replicated_stock_ms"] / r["replicated_ms"])
+            if "replicated_ms" in r else "-", r["runs"]] for r in t["engine"]])
 
 
 def _ratio(row: dict, key: str, value: float):
@@ -235,6 +292,14 @@ def markdown(t: dict, layer_ops=None, layer_name: str = "Llama-3-8B") -> str:
                         + ([_ratio(r, "norm_graph_ratio", "-")] if spread else [])
                         + [r["norm_graph_winner"], r["eager_us"], r["eager_winner"], r["norm_eager_us"],
                            r["norm_eager_winner"]] for r in t["gemm_all_reduce"]])
+    if t.get("engine"):
+        md += engine_markdown(t)
+    if t.get("gemm_silu_mul"):
+        md += ("\n## gate_up + SiLU-mul: cuBLAS + the SiLU-mul kernel against the fused kernel (ms, CUDA graphs, "
+               "one GPU)\n\n")
+        md += md_table(["layer", "M", "K", "N", "stock", "fused", "stock/fused", "chosen"],
+                       [[r["shape"], r["M"], r["K"], r["N"], r["stock_ms"], r["fused_ms"],
+                         _ratio(r, "ratio", r["stock_ms"] / r["fused_ms"]), r["winner"]] for r in t["gemm_silu_mul"]])
     if "gemv" in t:
         md += ("\n## Decode-sized local matmuls: our GEMV against F.linear (µs, CUDA graphs, one GPU)\n\n")
         md += md_table(["layer", "M", "K", "N", "F.linear", "gemv", "F.linear/gemv", "chosen"],

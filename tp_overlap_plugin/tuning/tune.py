@@ -6,7 +6,10 @@ It starts W ranks (multirank.run_ranks) and runs the phases in order:
 
   gemm_configs  the GEMM core's candidate configs against cuBLAS on the model's shard shapes (each
                 rank a share of the shapes, one GPU each)       -> the GEMM config table
-  gemv          our GEMV against F.linear at the decode row counts (shared out likewise)
+  decode_configs  the decode matmul's candidate configs against F.linear (shared out likewise)
+                                                                -> the decode config table
+  gemv          our GEMV (the config its table picks) against F.linear at the decode row counts
+  silu_mul      gate_up with SiLU-mul in our GEMM's epilogue against cuBLAS + the SiLU-mul kernel
   all_reduce    ours (one-shot, two-shot) against NCCL/RCCL from 8 KB up, eager and in CUDA graphs,
                 and the fused all-reduce + residual add + RMSNorm at the model's hidden size
   fused_ops     AG-GEMM / GEMM-RS against the sequential collective + GEMM over an M sweep
@@ -14,8 +17,11 @@ It starts W ranks (multirank.run_ranks) and runs the phases in order:
                                                                 -> the dispatch table
 (the last three need W >= 2). Every row is timed in interleaved repeats (stock, ours, stock, ours,
 ...), and the rules (tuning/rules.py) pick ours only where it won by the table's margin in every
-repeat; the evidence (markdown, and a PNG where matplotlib is installed) shows each ratio with its
-spread.
+repeat. Then, on those tables, the engine's verdict (tuning/engine_check.py, W ranks again): whole
+engine steps, stock against the flag, per step size; where the flag's step does not win by its
+margin, that step size runs stock (or the flag's ops in the replicated layout, where those win)
+-> the dispatch table's "engine" rows. The evidence (markdown, and a PNG where matplotlib is
+installed) shows each ratio with its spread, and the run's wall time per phase.
 
 Measurements are stored row by row in the cache (`measurements/`), keyed by shape, so a run cut off
 (Ctrl-C, the time budget) keeps what it finished and the next run resumes from there (`--force`
@@ -25,23 +31,30 @@ TP size. Measurements taken under other versions (torch, Triton, driver) are mea
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 
 from tp_overlap_plugin import tables
-from tp_overlap_plugin.tuning.plan import Plan, heap_bytes, make_plan, plan_candidates
+from tp_overlap_plugin.tuning import engine_check
+from tp_overlap_plugin.tuning.plan import PHASES, Plan, heap_bytes, make_plan, plan_candidates
 from tp_overlap_plugin.tuning.phases import tune_rank
 from tp_overlap_plugin.tuning.report import build_tables
 from tp_overlap_plugin.tuning.shapes import ModelDims
-from tp_overlap_plugin.tuning.store import load_rows, store_dir
+from tp_overlap_plugin.tuning.store import load_rows, save_rows, store_dir
 
 
 def run(model: str, dims: ModelDims, world: int, device: str, quick: bool = False, budget_min: float | None = None,
-        force: bool = False, margin: float | None = None, timeout_s: float | None = None) -> int:
-    from tp_overlap_plugin.multirank import run_ranks
+        force: bool = False, margin: float | None = None, timeout_s: float | None = None, *,
+        engine_margin: float | None = None, model_spec: str | None = None, step_budget: int | None = None) -> int:
+    """`margin` sets the engine check's margin too, unless `engine_margin` is given."""
     from tp_overlap_plugin.tuning import rules
     cache = tables.cache_dir()
-    plan = make_plan(model, dims, world, device, quick, rules.MARGIN if margin is None else margin)
+    if engine_margin is None:
+        engine_margin = rules.ENGINE_MARGIN if margin is None else margin
+    plan = make_plan(model, dims, world, device, quick, rules.MARGIN if margin is None else margin, engine_margin,
+                     model_spec, step_budget)
     budget_s = 60 * (budget_min if budget_min is not None else (3 if quick else 10))
     total = sum(len(v) for v in plan.items.values())
     print(f"tp-overlap tune: {model} at TP={world} on {device}{' (quick)' if quick else ''}: {total} rows in "
@@ -49,51 +62,102 @@ def run(model: str, dims: ModelDims, world: int, device: str, quick: bool = Fals
           f"cache {cache}" + ("; --force: measuring everything again" if force else
                               "; rows measured before under these versions are kept"), file=sys.stderr, flush=True)
     t0 = time.monotonic()
+    deadline = time.time() + budget_s
+    timeout = timeout_s or max(600.0, 3 * budget_s)
     device_name = _device_name(device)
-    if not force and not _todo(plan, device_name):
-        print("tp-overlap tune: every row is measured already (--force measures them again)", file=sys.stderr)
-        return _finish(plan, device_name, None, None, t0)
-    crashed = _preflight(plan) if device == "cuda" and plan.items.get("gemm_configs") else {}
+    summary = {"phases": {}}
     interrupted = None
-    summary = None
+    ops_todo = force or _todo(plan, device_name)
+    if ops_todo:
+        # the measuring phases leave the engine check its estimated time within the budget
+        ops_deadline = deadline - plan.phase_estimates_s().get("engine", 0.0)
+        got, interrupted = _ranks(tune_rank, plan, (plan, ops_deadline, force, _preflight(plan, summary), str(cache)),
+                                  timeout, heap_bytes(plan) if world > 1 else None)
+        if got is not None:
+            summary["phases"].update(got["phases"])
+            device_name = got["environment"]["device"]
+    build_tables(device_name, world, plan)  # the flag's engine runs on these
+    if interrupted is None and plan.items.get("engine"):
+        engine_todo = _engine_todo(plan, device_name, force)
+        if not ops_todo and not engine_todo:
+            print("tp-overlap tune: every row is measured already (--force measures them again)", file=sys.stderr)
+        elif engine_todo:
+            interrupted = _engine(plan, device_name, engine_todo, deadline, timeout, summary)
+    return _finish(plan, device_name, summary, interrupted, t0)
+
+
+def _ranks(fn, plan: Plan, args: tuple, timeout: float, heap_size: int | None):
+    """run_ranks(fn) over the plan's world: (rank 0's result, None), or (None, why it stopped); what the
+    ranks stored before is kept either way."""
+    from tp_overlap_plugin.multirank import run_ranks
     try:
-        per_rank = run_ranks(tune_rank, world, (plan, time.time() + budget_s - (time.monotonic() - t0), force,
-                                                crashed, str(cache)),
-                             device=device, heap_size=heap_bytes(plan) if world > 1 else None,
-                             timeout=timeout_s or max(600.0, 3 * budget_s))
-        summary = per_rank[0]
+        return run_ranks(fn, plan.world, args, device=plan.device, heap_size=heap_size, timeout=timeout)[0], None
     except KeyboardInterrupt:
-        interrupted = "interrupted (Ctrl-C)"
+        return None, "interrupted (Ctrl-C)"
     except Exception as e:  # a rank failed (Ctrl-C reaches the ranks too): what finished before is kept
-        interrupted = ("interrupted (Ctrl-C)" if "KeyboardInterrupt" in str(e)
-                       else f"a rank failed: {str(e)[-2000:]}")
-    return _finish(plan, summary["environment"]["device"] if summary else device_name, summary, interrupted, t0)
+        return None, ("interrupted (Ctrl-C)" if "KeyboardInterrupt" in str(e) else f"a rank failed: {str(e)[-2000:]}")
 
 
 def _todo(plan: Plan, device_name: str) -> int:
-    """How many of the plan's rows the store lacks (under this process's versions)."""
+    """How many of the plan's rows of the measuring phases the store lacks (under this process's versions)."""
     env = {"device": device_name, **tables.versions(plan.device)}
-    return sum(len([it for it in items if it["key"] not in load_rows(store_dir(device_name, plan.world, phase), phase, env)])
-               for phase, items in plan.items.items())
+    return sum(len([it for it in plan.items[phase] if it["key"] not in
+                    load_rows(store_dir(device_name, plan.world, phase), phase, env)])
+               for phase in PHASES if plan.items.get(phase))
 
 
-def _finish(plan: Plan, device_name: str, summary: dict | None, interrupted: str | None, t0: float) -> int:
+def _engine_todo(plan: Plan, device_name: str, force: bool) -> list[dict]:
+    if not tables.cached_path("dispatch", device_name, plan.world).exists():
+        return []  # nothing measured for the flag to run on
+    env = {"device": device_name, **tables.versions(plan.device)}
+    stored = load_rows(store_dir(device_name, plan.world, "engine"), "engine", env)
+    return engine_check.todo(plan, device_name, stored, force)
+
+
+def _engine(plan: Plan, device_name: str, todo: list, deadline: float, timeout: float, summary: dict) -> str | None:
+    """The engine phase's ranks on the dispatch table just written (its verdict rows left out: the flag's
+    steps as the per-op rows make them); its rows into the store. Returns why it stopped, if it did."""
+    t0 = time.monotonic()
+    table = json.loads(tables.cached_path("dispatch", device_name, plan.world).read_text())
+    table.pop("engine", None)
+    base = tables.cache_dir() / "engine-check" / f"{tables.device_key(device_name)}-tp{plan.world}-{os.getpid()}.json"
+    tables.write_atomic(base, json.dumps(table))
+    print(f"tp-overlap tune: the engine's verdict: {len(todo)} step sizes, stock against the flag", file=sys.stderr,
+          flush=True)
+    try:
+        got, interrupted = _ranks(engine_check.engine_rank, plan,
+                                  (plan, todo, str(base), engine_check.fingerprint(device_name, plan.world), deadline,
+                                   str(tables.cache_dir())), timeout, None)
+    finally:
+        for leftover in base.parent.glob(base.name + "*"):
+            leftover.unlink()
+    rows, stopped, env = got if got is not None else ({}, None, None)
+    if rows:
+        save_rows(store_dir(device_name, plan.world, "engine"), "engine", env, rows)
+    summary["phases"]["engine"] = {"items": len(plan.items["engine"]), "resumed": len(plan.items["engine"]) - len(todo),
+                                   "measured": len(rows), "stopped": stopped, "wall_s": time.monotonic() - t0}
+    if rows:  # the time both engines took to build (weights, kernel warm-up, graphs), of the phase's
+        summary["phases"]["engine"]["build_s"] = next(iter(rows.values()))["build_s"]
+    return interrupted
+
+
+def _finish(plan: Plan, device_name: str, summary: dict, interrupted: str | None, t0: float) -> int:
     world, model = plan.world, plan.model
-    paths = build_tables(device_name, world, plan)
+    summary["wall_s"] = time.monotonic() - t0
+    paths = build_tables(device_name, world, plan, summary)
     for name, p in paths.items():
         print(f"  {name}: {p}", file=sys.stderr)
-    if summary:
-        for phase, s in summary["phases"].items():
-            note = f"; stopped: {s['stopped']}" if s["stopped"] else ""
-            print(f"  {phase}: {s['measured']} measured, {s['resumed']} kept from before, of {s['items']}{note}",
-                  file=sys.stderr)
+    for phase, s in summary["phases"].items():
+        note = f"; stopped: {s['stopped']}" if s["stopped"] else ""
+        print(f"  {phase}: {s['measured']} measured, {s['resumed']} kept from before, of {s['items']}, in "
+              f"{s['wall_s']:.0f} s{note}", file=sys.stderr)
     took = time.monotonic() - t0
     if interrupted:
         print(f"tp-overlap tune: {interrupted} after {took:.0f} s; the rows measured so far are kept in the cache, "
               f"and `tp-overlap tune --tp {world} --model {model}` resumes from there.", file=sys.stderr)
         return 130 if interrupted.startswith("interrupted") else 1
-    stopped = summary is not None and any(s["stopped"] for s in summary["phases"].values())
-    print(f"tp-overlap tune: done in {took:.0f} s" + (" (budget reached: run it again to measure the rest)"
+    stopped = any(s["stopped"] for s in summary["phases"].values())
+    print(f"tp-overlap tune: done in {took:.0f} s" + (" (stopped early: run it again to measure the rest)"
                                                      if stopped else "") + f". `tp-overlap serve --tp {world} "
           f"--model {model} --tp-overlap` now uses these tables.", file=sys.stderr)
     return 0
@@ -109,14 +173,17 @@ def _device_name(device: str) -> str:
     return subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
 
 
-def _preflight(plan: Plan) -> dict:
+def _preflight(plan: Plan, summary: dict) -> dict:
     """Each candidate config once, in child processes (one that takes its CUDA context down is left out
-    of the sweep, not the run down with it); run before the ranks start."""
+    of the sweep, not the run down with it); run before the ranks start, on GPUs."""
+    if plan.device != "cuda" or not plan.items.get("gemm_configs"):
+        return {}
     from tp_overlap_plugin.tuning import gemm_configs as gc
     large, small = plan_candidates(plan)
     log: list[str] = []
     t0 = time.monotonic()
     crashed = gc.preflight_all(large + small, log, workers=4)
-    print(f"tp-overlap tune: compiled and checked {len(large + small)} GEMM configs in {time.monotonic() - t0:.0f} s"
+    summary["preflight_s"] = time.monotonic() - t0
+    print(f"tp-overlap tune: compiled and checked {len(large + small)} GEMM configs in {summary['preflight_s']:.0f} s"
           + (f"; left out: {sorted(crashed)}" if crashed else ""), file=sys.stderr, flush=True)
     return crashed
