@@ -1,6 +1,7 @@
 """Turn measured runs into the dispatcher's table (tp_overlap_plugin/dispatch_tables/<device>-tp<W>.json)
 and a markdown copy in bench/results/ that shows the evidence for every choice. The rules are
-tp_overlap_plugin/tuning/rules.py's (the ones `tp-overlap tune` applies to its own measurements):
+tp_overlap_plugin/tuning/rules.py's (the ones `tp-overlap tune` applies to its own measurements), on the
+runs' rows put as tune's store holds them:
 
     python bench/make_dispatch_table.py --overlap bench/results/overlap-tp2-h200x2-2026-11-22.json \
         --foundation bench/results/foundation-tp2-h200x2-2026-11-22.json \
@@ -29,6 +30,38 @@ from tp_overlap_plugin.dispatch import table_path  # noqa: E402
 from tp_overlap_plugin.tuning.rules import build, markdown  # noqa: E402
 
 
+BENCH_COMMAND = ("python bench/overlap.py --tp W && python bench/foundation.py --tp W && "
+                 "python bench/make_dispatch_table.py --overlap ... --foundation ...")
+TP1_COMMAND = "python bench/gemv.py --tp 1 && python bench/make_dispatch_table.py --gemv ..."
+
+
+def _same_machine(flag: str, run: dict, env: dict) -> None:
+    renv = run["environment"]
+    if (renv["device"], renv["tp"]) != (env["device"], env["tp"]):
+        raise ValueError(f"{flag} ran on {renv['device']} at TP={renv['tp']}, --overlap on {env['device']} "
+                         f"at TP={env['tp']}: one table is for one device and world size")
+
+
+def table_of(overlap: dict | None, foundation: dict | None, gemm_ar: dict | None = None,
+             gemv: dict | None = None) -> dict:
+    """The table of bench runs: their rows put as tune's store holds them ({phase: {key: row}}), then
+    tuning/rules.build. Without an overlap run (TP=1) the environment is the gemv run's."""
+    env = overlap["environment"] if overlap is not None else gemv["environment"]
+    phases, command = {}, BENCH_COMMAND if overlap is not None else TP1_COMMAND
+    if overlap is not None:
+        phases["fused_ops"] = {**overlap.get("shapes", {}), **overlap.get("sweep", {})}
+    if foundation is not None:
+        phases["all_reduce"] = {f"ar/{r['bytes']}": r for r in foundation["rank0"]["all_reduce"]}
+    for flag, run, phase in (("--gemm-ar", gemm_ar, "gemm_ar"), ("--gemv", gemv, "gemv")):
+        if run is None:
+            continue
+        if overlap is not None:
+            _same_machine(flag, run, env)
+            command += f" {flag} ... (python bench/{phase}.py --tp W)"
+        phases[phase] = {f"{r['shape']}/{r['M']}x{r['K']}x{r['N']}": r for r in run["rows"]}
+    return build(phases, env, command=command)
+
+
 def _load(path):
     if path is None:
         return None
@@ -51,10 +84,9 @@ def main(argv=None):
         if gemv is None or gemv["environment"]["tp"] != 1 or overlap or foundation or args.gemm_ar:
             p.error("--overlap and --foundation are required, except for a TP=1 table, which is a TP=1 --gemv run "
                     "alone")
-        table = build(None, None, gemv=gemv, env=gemv["environment"],
-                      command="python bench/gemv.py --tp 1 && python bench/make_dispatch_table.py --gemv ...")
+        table = table_of(None, None, gemv=gemv)
     else:
-        table = build(overlap, foundation, _load(args.gemm_ar), gemv)
+        table = table_of(overlap, foundation, _load(args.gemm_ar), gemv)
     out = Path(args.table_out) if args.table_out else table_path(table["device"], table["world"])
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as f:

@@ -66,16 +66,18 @@ def _run(script, *args, timeout=380):
 
 
 def _table_with(tmp_path, flag: str, res: dict) -> tuple[dict, str, Path]:
-    """The dispatch table (tuning.rules, what make_dispatch_table.py runs; its command line is checked
+    """The dispatch table (make_dispatch_table.table_of, what its command line runs, checked
     by test_shipped_dispatch_table_is_reproducible) of the shipped runs plus `res` (a smoke run's JSON,
     retagged as if measured on the shipped table's device) in `flag`'s place: (the table, its
     markdown, its path)."""
-    from tp_overlap_plugin.tuning.rules import build, markdown
+    from tp_overlap_plugin.tuning.rules import markdown
+    sys.path.insert(0, str(ROOT / "bench"))
+    from make_dispatch_table import table_of
 
     env = json.loads(SHIPPED_OVERLAP.read_text())["environment"]
     res["environment"].update(device=env["device"], tp=env["tp"])
     runs = {"gemm_ar": res if flag == "--gemm-ar" else None, "gemv": res if flag == "--gemv" else None}
-    built = build(json.loads(SHIPPED_OVERLAP.read_text()), json.loads(SHIPPED_FOUNDATION.read_text()), **runs)
+    built = table_of(json.loads(SHIPPED_OVERLAP.read_text()), json.loads(SHIPPED_FOUNDATION.read_text()), **runs)
     table = tmp_path / "table.json"
     table.write_text(json.dumps(built))
     return built, markdown(built), table

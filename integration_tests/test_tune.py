@@ -5,7 +5,10 @@ table each get a clear message and never fail a start; two runs at once leave on
 holds both runs' rows.
 
 Under the interpreter our kernels never beat torch, so the run passes `--margin 0`: every row whose
-kernel ran correctly picks ours, which is what lets the server prove the tables reached it."""
+kernel ran correctly picks ours, which is what lets the server prove the tables reached it. Its engine
+check (the demo's steps, stock against the flag) runs for real, its times replaced by a test hook
+(FAKE_STEP_MS, through the real decision rules): the flag wins at 1 and 8 tokens and loses at 16 (the
+budget), where it then loses replicated too, so 16-token steps are served stock."""
 
 import json
 import logging
@@ -25,8 +28,16 @@ from tp_overlap_plugin.dispatch import Dispatcher
 pytestmark = pytest.mark.timeout(300)
 
 
-def _tune(cache: Path, *args, timeout=240):
+# the engine check's step times (ms) by the test hook: stock/flag per step size, the 16-token step's
+# replicated round included
+FAKE_STEP_MS = {"decode/1": {"stock": 2.0, "flag": 1.0}, "prefill/8": {"stock": 2.0, "flag": 1.0},
+                "prefill/16": {"stock": 1.0, "flag": 2.0, "replicated": 2.0}}
+DEMO_OPS = (("ag", 128, 128), ("ag", 128, 256), ("rs", 64, 128), ("rs", 128, 128))  # the demo's at TP=2
+
+
+def _tune(cache: Path, *args, timeout=240, env_extra=None):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(env_extra or {})
     env["TP_OVERLAP_CACHE"] = str(cache)
     return subprocess.run([sys.executable, "-m", "tp_overlap_plugin.serving.cli", "tune", *args], env=env,
                           capture_output=True, text=True, timeout=timeout, cwd=tempfile.gettempdir())
@@ -35,11 +46,15 @@ def _tune(cache: Path, *args, timeout=240):
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
-    proc = _tune(cache, "--tp", "2", "--quick", "--device", "cpu", "--model", "demo", "--margin", "0")
+    # a budget no CI machine reaches: the test is of the pipeline, not of the budget
+    proc = _tune(cache, "--tp", "2", "--quick", "--device", "cpu", "--model", "demo", "--margin", "0",
+                 "--engine-margin", "1.01", "--budget-min", "30", env_extra={"TP_OVERLAP_TUNE_FAKE_STEP_MS": json.dumps(FAKE_STEP_MS)},
+                 timeout=480)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return cache, proc
 
 
+@pytest.mark.timeout(600)  # with the module's tune run
 def test_tune_prints_its_estimate_first_and_writes_the_tables(tuned):
     cache, proc = tuned
     first = proc.stderr.strip().splitlines()[0]
@@ -54,13 +69,30 @@ def test_tune_prints_its_estimate_first_and_writes_the_tables(tuned):
     assert d.missing_shapes([("qkv", 4096, 3072)], 2) == [("qkv", 4096, 3072)]
     gemm = json.loads((cache / "gemm" / "cpu.json").read_text())
     assert {(e["M"], e["K"], e["N"]) for e in gemm["entries"]} == {(16, 64, 128), (16, 128, 128), (16, 128, 256)}
+    # the decode matmul's configs (both paths at 4 rows on the CPU) and the fused gate_up + SiLU-mul rows
+    decode = json.loads((cache / "decode" / "cpu.json").read_text())
+    assert {(e["M"], e["K"], e["N"]) for e in decode["entries"]} == {(4, 64, 128), (4, 128, 128), (4, 128, 160),
+                                                                      (4, 128, 256)}
+    assert [(r["M"], r["K"], r["N"], r["winner"]) for r in table["gemm_silu_mul"]] == [(16, 128, 256, "fused")]
     evidence = (cache / "evidence" / "cpu-tp2.md").read_text()
     assert "Regenerate: `tp-overlap tune --tp 2 --model demo`" in evidence and "# GEMM core configs" in evidence
+    assert "# Decode matmul configs" in evidence and "## gate_up + SiLU-mul" in evidence
+    # the engine's verdict: the 16-token step lost (sequence-parallel, then replicated too): stock there
+    assert table["engine_margin"] == 1.01
+    assert [(r["kind"], r["M"], r["layout"], r["runs"], "replicated_ms" in r) for r in table["engine"]] == [
+        ("decode", 1, "replicated", "flag", False), ("prefill", 8, "sharded", "flag", False),
+        ("prefill", 16, "sharded", "stock", True)]
+    assert [d.step_runs(m, DEMO_OPS) for m in (1, 3, 8, 9, 16, 64)] == ["flag", "flag", "flag", "stock", "stock",
+                                                                       "stock"]
+    assert d.step_runs(16, DEMO_OPS[2:]) == "stock"   # vLLM's question: its row layers' ops only
+    assert "## The engine's verdict" in evidence and "# This run: wall time per phase" in evidence
     # a second run resumes: nothing is measured again
-    again = _tune(cache, "--tp", "2", "--quick", "--device", "cpu", "--model", "demo", "--margin", "0")
+    again = _tune(cache, "--tp", "2", "--quick", "--device", "cpu", "--model", "demo", "--margin", "0",
+                  "--engine-margin", "1.01")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "every row is measured already" in again.stderr, again.stderr[-3000:]
-    assert json.loads((cache / "dispatch" / "cpu-tp2.json").read_text())["gemv"] == table["gemv"]
+    again_table = json.loads((cache / "dispatch" / "cpu-tp2.json").read_text())
+    assert again_table["gemv"] == table["gemv"] and again_table["engine"] == table["engine"]
 
 
 def test_a_server_with_the_flag_uses_the_cached_tables(tuned):
@@ -72,16 +104,27 @@ def test_a_server_with_the_flag_uses_the_cached_tables(tuned):
     env = {**os.environ, "TRITON_INTERPRET": "1", "TP_OVERLAP_CACHE": str(cache)}
     with ServerProcess(args, env=env, start_timeout=240) as srv:
         with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=240) as c:
-            c.completions.create(model="demo", prompt="Hi there", max_tokens=2, temperature=0)
-        metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+            c.completions.create(model="demo", prompt="Hi", max_tokens=2, temperature=0)  # 3 prompt tokens
+            metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+            # 16 prompt tokens: a step size whose engine check lost, served stock
+            c.completions.create(model="demo", prompt="Hi there, again", max_tokens=1, temperature=0)
+        after = httpx.get(srv.url + "/metrics", timeout=30).text
         log = srv.log_tail(400)
     assert f"cache table {cache / 'dispatch' / 'cpu-tp2.json'}" in log, log
     assert "no dispatch table" not in log and "no rows for this model" not in log, log
-    calls = {line.split('path="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
-             for line in metrics.splitlines() if line.startswith("tp_overlap_tp_op_calls_total{")}
+    calls, calls_after = _op_calls(metrics), _op_calls(after)
     # prefill (M >= 4 tokens): the sharded layout's fused ops; decode (1 row): our GEMV
     assert calls.get("ag_gemm.kernel", 0) > 0 and calls.get("gemm_rs.kernel", 0) > 0, calls
     assert calls.get("gemv.kernel", 0) > 0, calls
+    # the 16-token step: none of our kernels, counted as served stock by the verdict
+    assert {k: v for k, v in calls_after.items() if k.endswith(".kernel")} == \
+        {k: v for k, v in calls.items() if k.endswith(".kernel")}, (calls, calls_after)
+    assert calls_after["layers.stock_steps_by_verdict"] > calls.get("layers.stock_steps_by_verdict", 0)
+
+
+def _op_calls(metrics: str) -> dict:
+    return {line.split('path="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines() if line.startswith("tp_overlap_tp_op_calls_total{")}
 
 
 def _table(device="cpu", world=2, **over):
@@ -190,7 +233,7 @@ def test_two_runs_at_once_leave_one_valid_file_with_both_runs_rows(tmp_path):
     cache = tmp_path / "cache"
     env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "TP_OVERLAP_CACHE": str(cache)}
     procs = [subprocess.Popen([sys.executable, "-m", "tp_overlap_plugin.serving.cli", "tune", "--tp", "1", "--quick",
-                               "--device", "cpu", "--model", model], env=env, stdout=subprocess.PIPE,
+                               "--device", "cpu", "--model", model, "--budget-min", "30"], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir()) for model in ("demo", str(tiny))]
     outs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outs]
@@ -203,4 +246,32 @@ def test_two_runs_at_once_leave_one_valid_file_with_both_runs_rows(tmp_path):
     assert set(table["models"]) == {"demo", "tiny"}
     gemm = json.loads((cache / "gemm" / "cpu.json").read_text())
     assert {(e["K"], e["N"]) for e in gemm["entries"]} == layers
+    decode = json.loads((cache / "decode" / "cpu.json").read_text())
+    assert {(e["K"], e["N"]) for e in decode["entries"]} == layers | {d.lm_head(1)[1:] for d in dims}
     assert not [p for p in cache.rglob("*.tmp")]
+
+
+def test_the_verdict_rule_and_its_lookup_per_step_size():
+    """rules.step_verdict: the flag where it won by the margin in every repeat, else its ops replicated
+    where those did (against their own round's stock times), else stock; Dispatcher.step_runs: the
+    more cautious measured neighbour, rows of the model whose ops include the question's."""
+    from tp_overlap_plugin.tuning.rules import step_verdict
+
+    stock, fast, tie = [1.1, 1.1, 1.1], [1.0, 1.0, 1.0], [1.0, 1.0, 1.09]
+    assert step_verdict({"stock_ms_repeats": stock, "flag_ms_repeats": fast}, 1.05) == "flag"
+    assert step_verdict({"stock_ms_repeats": stock, "flag_ms_repeats": tie}, 1.05) == "stock"  # one repeat short
+    lost = {"stock_ms_repeats": stock, "flag_ms_repeats": tie}
+    assert step_verdict({**lost, "replicated_stock_ms_repeats": stock, "replicated_ms_repeats": fast}, 1.05) == \
+        "replicated"
+    assert step_verdict({**lost, "replicated_stock_ms_repeats": fast, "replicated_ms_repeats": fast}, 1.05) == "stock"
+
+    mine = [["ag", 16, 8], ["rs", 8, 16]]
+    rows = [{"M": 1, "shapes": mine, "runs": "flag"}, {"M": 64, "shapes": mine, "runs": "replicated"},
+            {"M": 2048, "shapes": mine, "runs": "stock"}, {"M": 64, "shapes": [["rs", 4, 4]], "runs": "stock"}]
+    d = Dispatcher(engine_rows=rows)
+    ops = (("ag", 16, 8), ("rs", 8, 16))
+    assert [d.step_runs(m, ops) for m in (1, 2, 64, 100, 2048, 9000)] == [
+        "flag", "replicated", "replicated", "stock", "stock", "stock"]
+    assert d.step_runs(1, (("rs", 8, 16),)) == "flag" and d.step_runs(3, (("rs", 4, 4),)) == "stock"
+    assert d.step_runs(2048, (("ag", 1, 1),)) == "flag"            # a model never checked: the per-op rows
+    assert Dispatcher(mode="overlap", engine_rows=rows).step_runs(2048, ops) == "flag"

@@ -182,7 +182,8 @@ def _tune(args) -> int:
         return 2
     label = os.path.basename(os.path.normpath(args.model))
     return run(label, dims, args.tp, device, quick=args.quick, budget_min=args.budget_min, force=args.force,
-               margin=args.margin)
+               margin=args.margin, engine_margin=args.engine_margin, model_spec=args.model,
+               step_budget=args.max_num_batched_tokens)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -213,7 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present")
     t.add_argument("--margin", type=float, default=None,
                    help="ours is chosen where it is at least this many times faster than stock in every repeat "
-                        "(default 1.02; 0 picks ours wherever it ran correctly, for tests of the pipeline)")
+                        "(default 1.02; 0 picks ours wherever it ran correctly, for tests of the pipeline); "
+                        "the engine's check too, unless --engine-margin")
+    t.add_argument("--engine-margin", type=float, default=None,
+                   help="a step size keeps the flag where its engine step is at least this many times faster than "
+                        "the stock engine's in every repeat, else it runs stock (default 1.01)")
+    t.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="the step token budget the engine check's largest prefill step fills (default 8192 on GPUs, "
+                        "vLLM's default; serve with the same budget)")
     t.set_defaults(func=_tune)
 
     # The server's and the benchmark's options live next to their code. Those modules import fastapi,

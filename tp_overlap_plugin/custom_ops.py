@@ -24,8 +24,9 @@ class _Reducer:
     # the op hands it a private copy, so the op's input is never mutated.
     fallback: Callable[[torch.Tensor], torch.Tensor]
     bf16_via_fp32: bool
-    # (message bytes, inside a CUDA graph capture) -> use the heap kernel; e.g. Dispatcher.ipc_all_reduce
-    choose: Callable[[int, bool], bool] | None
+    # (message bytes, inside a CUDA graph capture, the message's rows: the step's tokens) -> use the heap
+    # kernel; e.g. Dispatcher.ipc_all_reduce within the engine's verdict for the step size (vllm_plugin)
+    choose: Callable[[int, bool, int], bool] | None
 
 
 _reducers: dict[str, _Reducer] = {}
@@ -34,7 +35,7 @@ _reducers: dict[str, _Reducer] = {}
 def register_all_reduce(key: str, heap_all_reduce: HeapAllReduce,
                         fallback: Callable[[torch.Tensor], torch.Tensor],
                         bf16_via_fp32: bool | None = None,
-                        choose: Callable[[int, bool], bool] | None = None) -> None:
+                        choose: Callable[[int, bool, int], bool] | None = None) -> None:
     """`bf16_via_fp32` (default: on the CPU) reduces bf16 messages as fp32 and rounds with torch.
     The Triton interpreter (Triton 3.9) truncates fp32 -> bf16 casts instead of rounding to nearest
     even as GPUs do, so the kernel's bf16 output would sit up to 1 ulp towards zero from every
@@ -102,7 +103,8 @@ def all_reduce(x: torch.Tensor, key: str) -> torch.Tensor:
         # The engine adapters (vLLM's) have no sync point at which to check the heap's error slot:
         # a non-blocking poll on every eager call surfaces a peer that stopped answering.
         reducer.heap_all_reduce.heap.poll()
-    if reducer.choose is not None and not reducer.choose(x.numel() * x.element_size(), in_graph):
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 1
+    if reducer.choose is not None and not reducer.choose(x.numel() * x.element_size(), in_graph, rows):
         stats.record("custom_op.all_reduce.fallback.dispatch")
     elif reducer.bf16_via_fp32 and x.dtype == torch.bfloat16:
         wide = x.float()

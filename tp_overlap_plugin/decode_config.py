@@ -8,9 +8,10 @@ The decode matmul has two paths, one kernel family:
   `tma`), x^T is the core's B, one column tile of next_pow2(M) >= 16 rows; optional split-K with
   the core's deterministic slice-order sum.
 
-`pick_decode_config(m, n, k, device)` reads the table measured on the device
-(`tp_overlap_plugin/decode_tables/<device>.json`, written by `bench/decode_configs.py`): per M
-bucket and (N, K) the fastest measured config; shapes the table lacks take the bucket's most
+`pick_decode_config(m, n, k, device)` reads the table measured on the device (`tp-overlap tune`'s
+cached one, else the shipped `tp_overlap_plugin/decode_tables/<device>.json`, in tables.find's order;
+both are made by tp_overlap_plugin/tuning/decode_configs.py): per M bucket and (N, K) the fastest
+measured config; shapes the table lacks take the bucket's most
 frequent winner; devices without a table take the constants below (CDNA3's on paper). A function
 of (bucket, shape, device) alone, so every call and every rank runs the same kernel: same bits.
 """
@@ -19,15 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from tp_overlap_plugin.gemm_config import TileConfig, device_slug
+from tp_overlap_plugin import tables
+from tp_overlap_plugin.gemm_config import TileConfig
 
-TABLE_DIR = Path(__file__).with_name("decode_tables")
+TABLE_DIR = tables.SHIPPED["decode"]
 PATHS = ("fma", "mma")
 MAX_ROWS = 64        # the decode matmul's rows (x's M)
 FMA_MAX_ROWS = 16    # the FMA path keeps one fp32 partial per row and vector slot: past 16 rows it spills
@@ -91,7 +92,8 @@ FMA_UPTO = 4  # rows at or below which a device without a table takes the FMA pa
 
 
 def table_path(device_name: str) -> Path:
-    return TABLE_DIR / f"{device_slug(device_name)}.json"
+    """The shipped table's path (`tp-overlap tune` caches its own: tables.cached_path)."""
+    return tables.shipped_path("decode", device_name)
 
 
 @dataclass(frozen=True)
@@ -117,10 +119,15 @@ class DecodeTable:
         return cfg if cfg is not None and cfg.takes(m) else None
 
 
+REQUIRED = ("buckets", "configs", "entries", "defaults")
+
+
 @functools.lru_cache(maxsize=None)
 def load_table(device_name: str) -> DecodeTable | None:
-    path = table_path(device_name)
-    return DecodeTable.from_json(json.loads(path.read_text())) if path.exists() else None
+    """The table for this device (cache, then shipped: tables.load_config_table); one that does not
+    parse falls back like a missing one (the constants below)."""
+    return tables.load_config_table("decode", device_name, REQUIRED, DecodeTable.from_json,
+                                    "the decode matmul takes its on-paper configs")[0]
 
 
 def pick_decode_config(m: int, n: int, k: int, device: torch.device) -> DecodeConfig:

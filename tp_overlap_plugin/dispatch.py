@@ -26,6 +26,9 @@ from tp_overlap_plugin import tables
 from tp_overlap_plugin.tables import device_key  # noqa: F401  (the tables' device names)
 
 MODES = ("table", "overlap", "stock")
+# How a step of some size runs, by the engine's verdict (tune's engine phase), from the most cautious:
+# every op stock; the table's per-op choices in the replicated layout; the table's layout and ops
+STEP_RUNS = ("stock", "replicated", "flag")
 TABLE_DIR = tables.SHIPPED["dispatch"]
 
 
@@ -53,6 +56,9 @@ class Dispatcher:
     # the all-reduce's "auto": one-shot up to this many bytes, two-shot above (tune measures it per
     # device and world size; None: collectives.DEFAULT_ONE_SHOT_BYTES)
     one_shot_max_bytes: int | None = None
+    # {M, shapes, runs}: the engine's verdict per step size of a model (its linear ops: [op, K, N]);
+    # runs in STEP_RUNS
+    engine_rows: list[dict] = field(default_factory=list)
     source: str = "none"
     margin: float = 1.02  # a layout change must win by this much (the table's own margin when loaded)
     missing: str | None = None  # the table file that was looked for and not found
@@ -83,7 +89,8 @@ class Dispatcher:
         data = found.data
         return cls(mode=mode, gemm=data.get("gemm", []), all_reduce=data.get("all_reduce", []),
                    gemm_all_reduce_rows=data.get("gemm_all_reduce", []), gemv_rows=data.get("gemv", []),
-                   silu_mul_rows=data.get("gemm_silu_mul", []), one_shot_max_bytes=data.get("one_shot_max_bytes"),
+                   silu_mul_rows=data.get("gemm_silu_mul", []), engine_rows=data.get("engine", []),
+                   one_shot_max_bytes=data.get("one_shot_max_bytes"),
                    source=found.describe(), margin=data.get("margin", cls.margin), warnings=found.warnings)
 
     @property
@@ -136,6 +143,24 @@ class Dispatcher:
                        f"{', '.join(f'{layer} K={k} N={n}' for layer, k, n in lacking)}, so those layers run stock. "
                        f"Run `{tables.tune_command(world, model)}` to measure them.")
         return out
+
+    @_remembered
+    def step_runs(self, m: int, ops: tuple) -> str:
+        """How a step of m tokens runs (STEP_RUNS) in a model whose linear ops, (op, K, N) as one rank
+        holds them, are `ops` (all of them, or the row layers' where only those are ours: vLLM): by the
+        engine's verdict rows of a model whose ops include these. Between measured step sizes the more
+        cautious of the two either side; past the largest (or below the smallest), that one's. No rows
+        for the model (its steps never checked end to end): "flag", the table's per-op choices."""
+        if self.mode != "table":
+            return "flag"
+        want = set(ops)
+        rows = [r for r in self.engine_rows if want <= {tuple(s) for s in r["shapes"]}]
+        if not rows:
+            return "flag"
+        below = [r["M"] for r in rows if r["M"] <= m]
+        above = [r["M"] for r in rows if r["M"] >= m]
+        near = ({max(below)} if below else set()) | ({min(above)} if above else set())
+        return min((r["runs"] for r in rows if r["M"] in near), key=STEP_RUNS.index)
 
     @_remembered
     def fused_gemm(self, op: str, m: int, k: int, n: int) -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +22,6 @@ import torch
 
 from tp_overlap_plugin import tables
 
-log = logging.getLogger(__name__)
 TABLE_DIR = tables.SHIPPED["gemm"]
 
 
@@ -123,21 +121,8 @@ REQUIRED = ("buckets", "configs", "entries", "defaults", "cublas_below", "margin
 def find_table(device_name: str) -> tuple[GemmTable | None, "tables.Found"]:
     """The table for this device (cache, then shipped) and where it came from; its warnings are
     logged here, once per process. A table that does not parse falls back like a missing one."""
-    found = tables.find("gemm", device_name, required=REQUIRED, current=tables.versions("cuda"))
-    table = None
-    if found.data is not None:
-        try:
-            table = GemmTable.from_json(found.data)
-        except (KeyError, TypeError, ValueError) as e:
-            found.warnings.append(f"tp_overlap: skipping the gemm table {found.path}: it does not parse "
-                                  f"({type(e).__name__}: {e}); the GEMM core takes its on-paper configs. "
-                                  f"`{tables.tune_command()}` measures a new one.")
-            found = tables.Found("none", warnings=found.warnings)
-    import torch.distributed as dist
-    if not dist.is_initialized() or dist.get_rank() == 0:  # one warning per start, not one per rank
-        for w in found.warnings:
-            log.warning(w)
-    return table, found
+    return tables.load_config_table("gemm", device_name, REQUIRED, GemmTable.from_json,
+                                    "the GEMM core takes its on-paper configs")
 
 
 def load_table(device_name: str) -> GemmTable | None:

@@ -11,7 +11,9 @@ Per step (decided by the embedding, the first module of every step) the residual
     norm run as one kernel (HeapAllReduceNorm). Or a row layer runs as one GEMM + all-reduce
     kernel (GemmAllReduce) whose output the norm then adds and normalises itself.
 Which, and whether each op takes the fused kernel or the sequential NCCL + GEMM pair, is the
-dispatcher's call (dispatch.py: measured tables, stock where unmeasured); the fused all-reduce +
+dispatcher's call (dispatch.py: measured tables, stock where unmeasured), per step size within the
+engine's verdict (Dispatcher.step_runs, from tune's whole-step check): a step size where the flag's
+step lost to the stock engine's runs the replicated layout, or every op stock; the fused all-reduce +
 norm runs where the dispatcher picks our all-reduce, GEMM + all-reduce where the dispatcher's
 gemm_all_reduce rows say it beats both. In the replicated layout every local matmul (column, row,
 LM head) goes through `OverlapTPLayers.linear`: our decode matmul (overlap.gemv, 1-64 rows) where the
@@ -36,6 +38,7 @@ from tp_overlap_plugin.overlap import (KERNEL_DTYPES, AllGatherGemm, GemmAllRedu
                                        gemm_silu_mul_applies, gemv, gemv_applies)
 
 ALL_REDUCE_BYTES = 8 << 20
+STOCK = Dispatcher(mode="stock")  # the ops of a step that the engine's verdict runs stock
 # The fused all-reduce + norm takes steps of up to this many bytes of rows (decode batches): its
 # receive slots take 2 * W times as much heap.
 FUSED_NORM_BYTES = 1 << 20
@@ -107,6 +110,7 @@ class OverlapTPLayers(TPLayers):
         self.max_tokens = max_tokens
         self.max_rows = -(-max_tokens // tp.world_size)
         self.dispatcher = dispatcher or Dispatcher()
+        self.step_dispatcher = self.dispatcher  # the current step's: the table's, or STOCK by the verdict
         self._ag: dict[int, AllGatherGemm] = {}
         self._rs: dict[int, GemmReduceScatter] = {}
         self._ops: set[tuple[str, int, int]] = set()  # (op, K, N) of every linear layer built
@@ -160,8 +164,13 @@ class OverlapTPLayers(TPLayers):
         w = self.tp.world_size
         self.tokens = tokens
         self.padded = -(-tokens // w) * w
-        self.sequence_parallel = w > 1 and self.dispatcher.sequence_parallel(self.padded, self._ops)
+        runs = self.dispatcher.step_runs(tokens, tuple(sorted(self._ops)))
+        self.step_dispatcher = STOCK if runs == "stock" else self.dispatcher
+        self.sequence_parallel = (w > 1 and runs == "flag"
+                                  and self.dispatcher.sequence_parallel(self.padded, self._ops))
         stats.record("layers.sequence_parallel_steps" if self.sequence_parallel else "layers.replicated_steps")
+        if runs != "flag":
+            stats.record(f"layers.{runs}_steps_by_verdict")
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """F.linear on this rank's weight, or our decode matmul where the table says it streams the
@@ -171,7 +180,7 @@ class OverlapTPLayers(TPLayers):
         return nn.functional.linear(x, weight, bias)
 
     def takes_gemv(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return gemv_applies(x, weight) and self.dispatcher.gemv(x.shape[0], weight.shape[1], weight.shape[0])
+        return gemv_applies(x, weight) and self.step_dispatcher.gemv(x.shape[0], weight.shape[1], weight.shape[0])
 
     def embedding(self, vocab_size: int, hidden: int) -> "OverlapEmbedding":
         return OverlapEmbedding(self, vocab_size, hidden)
@@ -217,7 +226,7 @@ class OverlapColumn(ColumnParallelLinear):
 
     def _ag_gemm(self, w: torch.Tensor) -> bool:
         L = self.layers
-        return L.dispatcher.fused_gemm("ag", L.padded, self.input_size, w.shape[1])
+        return L.step_dispatcher.fused_gemm("ag", L.padded, self.input_size, w.shape[1])
 
     def _gathered(self, x: torch.Tensor) -> torch.Tensor:
         """The sequential AG path's input: every rank's rows of the step."""
@@ -242,7 +251,8 @@ class OverlapColumn(ColumnParallelLinear):
         return super().silu_mul(x)
 
     def _fuses(self, x: torch.Tensor, w: torch.Tensor) -> bool:
-        if gemm_silu_mul_applies(x, w) and self.layers.dispatcher.gemm_silu_mul(x.shape[0], self.input_size, w.shape[1]):
+        if (gemm_silu_mul_applies(x, w)
+                and self.layers.step_dispatcher.gemm_silu_mul(x.shape[0], self.input_size, w.shape[1])):
             stats.record("gemm_silu_mul.kernel")
             return True
         return False
@@ -267,14 +277,14 @@ class OverlapRow(RowParallelLinear):
         if L.sequence_parallel:
             if L.padded > L.tokens:
                 x = torch.cat([x, x.new_zeros(L.padded - L.tokens, x.shape[1])])
-            if L.dispatcher.fused_gemm("rs", L.padded, w.shape[0], self.output_size):
+            if L.step_dispatcher.fused_gemm("rs", L.padded, w.shape[0], self.output_size):
                 y = self.rs(x, w)
             else:
                 stats.record("gemm_rs.sequential")
                 y = runtime.reduce_scatter(x @ w, self.tp.group)
         else:
             if (self.gemm_ar is not None and self.gemm_ar.applies(x, self.weight)
-                    and L.dispatcher.gemm_all_reduce(x.shape[0], self.weight.shape[1], self.output_size,
+                    and L.step_dispatcher.gemm_all_reduce(x.shape[0], self.weight.shape[1], self.output_size,
                                                      runtime.capturing(x.device), into_norm=self.norm_op is not None)):
                 # the bias goes in after the sum, inside the kernel; the norm (if any) adds the residual
                 return self.gemm_ar(x, self.weight, bias=self.bias)
@@ -284,7 +294,7 @@ class OverlapRow(RowParallelLinear):
             # 8192-token prefill step paid 2.7 ms for them, the flag's whole loss there; the table's
             # rows say ipc above their largest size, which the op's capacity does not reach)
             if (self.tp.world_size > 1 and L.all_reduce.kernel_applies(y)
-                    and L.dispatcher.ipc_all_reduce(y.numel() * y.element_size(), runtime.capturing(y.device))):
+                    and L.step_dispatcher.ipc_all_reduce(y.numel() * y.element_size(), runtime.capturing(y.device))):
                 if self.norm_op is not None and self.norm_op.applies(y):
                     # the bias goes in after the sum, inside the fused kernel
                     return PendingAllReduce(y, self._reduce_add_rmsnorm)

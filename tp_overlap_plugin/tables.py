@@ -1,12 +1,13 @@
-"""Where the flag's two measured tables come from, and how they are stored.
+"""Where the flag's measured tables come from, and how they are stored.
 
-The dispatch table (tp_overlap_plugin/dispatch.py: which path wins per op, shape and size) and the
-GEMM core's config table (tp_overlap_plugin/gemm_config.py) are each looked up in this order:
+The dispatch table (tp_overlap_plugin/dispatch.py: which path wins per op, shape and size, and per step
+size the engine's verdict), the GEMM core's config table (tp_overlap_plugin/gemm_config.py) and the
+decode matmul's (tp_overlap_plugin/decode_config.py) are each looked up in this order:
 
   1. an explicit path (the `dispatch_table` option);
   2. the per-user cache that `tp-overlap tune` writes: `$TP_OVERLAP_CACHE`, else
      `$XDG_CACHE_HOME/tp-overlap`, else `~/.cache/tp-overlap`;
-  3. the tables shipped in the package (`dispatch_tables/`, `gemm_tables/`);
+  3. the tables shipped in the package (`dispatch_tables/`, `gemm_tables/`, `decode_tables/`);
   4. none (the stock path everywhere; the GEMM core's on-paper constants).
 
 A table that cannot be read or parsed is skipped with a warning: a table never fails a start. A
@@ -23,14 +24,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+log = logging.getLogger(__name__)
 PACKAGE_DIR = Path(__file__).parent
-SHIPPED = {"dispatch": PACKAGE_DIR / "dispatch_tables", "gemm": PACKAGE_DIR / "gemm_tables"}
+SHIPPED = {"dispatch": PACKAGE_DIR / "dispatch_tables", "gemm": PACKAGE_DIR / "gemm_tables",
+           "decode": PACKAGE_DIR / "decode_tables"}
 # the fields of a table's header that say what it was measured under (versions() makes them)
 VERSION_KEYS = ("torch", "triton", "driver")
 # words of a device name that name the vendor, memory or form factor, not the chip: the table of a
@@ -56,12 +60,12 @@ def cache_dir() -> Path:
 
 
 def table_name(kind: str, device_name: str, world: int | None = None) -> str:
-    """"dispatch": <device>-tp<W>.json (one per device and world size); "gemm": <device>.json."""
+    """"dispatch": <device>-tp<W>.json (one per device and world size); "gemm", "decode": <device>.json."""
     if kind == "dispatch":
         return f"{device_key(device_name)}-tp{world}.json"
-    if kind == "gemm":
+    if kind in ("gemm", "decode"):
         return f"{device_key(device_name)}.json"
-    raise ValueError(f"table kind must be 'dispatch' or 'gemm', got {kind!r}")
+    raise ValueError(f"table kind must be one of {sorted(SHIPPED)}, got {kind!r}")
 
 
 def cached_path(kind: str, device_name: str, world: int | None = None) -> Path:
@@ -172,6 +176,27 @@ def find(kind: str, device_name: str, world: int | None = None, explicit: str | 
                             f"this one.")
         return Found(origin, path, data, warnings)
     return Found("none", None, None, warnings)
+
+
+def load_config_table(kind: str, device_name: str, required: tuple[str, ...], parse, instead: str):
+    """A config table ("gemm", "decode") for this device, as `find` finds it (cache, then shipped),
+    parsed by `parse`, and where it came from; the lookup's warnings logged (by rank 0 only: once per
+    start). One that does not parse falls back like a missing one: (None, Found "none"); `instead`
+    says what runs then."""
+    found = find(kind, device_name, required=required, current=versions("cuda"))
+    table = None
+    if found.data is not None:
+        try:
+            table = parse(found.data)
+        except (KeyError, TypeError, ValueError) as e:
+            found.warnings.append(f"tp_overlap: skipping the {kind} table {found.path}: it does not parse "
+                                  f"({type(e).__name__}: {e}); {instead}. `{tune_command()}` measures a new one.")
+            found = Found("none", warnings=found.warnings)
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        for w in found.warnings:
+            log.warning(w)
+    return table, found
 
 
 @contextlib.contextmanager

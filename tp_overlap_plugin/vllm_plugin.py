@@ -20,7 +20,8 @@ Enabling
 * `vllm serve MODEL --tensor-parallel-size N --additional-config '{"tp_overlap": {}}'`, with the
   options of tp_overlap_plugin/options.py (TPOverlapOptions, the same set our engine takes):
   {"dispatch": "table" (default: the measured choice per message size for this device and TP
-  size, vLLM's all-reduce where unmeasured) | "overlap" (always ours) | "stock",
+  size, vLLM's all-reduce where unmeasured, and at the step sizes where `tp-overlap tune`'s engine
+  check found the flag's steps slower than stock's) | "overlap" (always ours) | "stock",
   "dispatch_table": path, "max_bytes": all-reduce capacity in bytes (default 8 MiB),
   "heap_size": bytes per rank (default: what the all-reduce needs),
   "heap_timeout_s": seconds a wait on a peer spins before it gives up (default 60),
@@ -154,6 +155,8 @@ def _make_row_parallel(stock: type) -> type:
             self.tp_overlap_key = None
             if self.reduce_results and self.tp_size > 1:
                 self.tp_overlap_key = _ensure_all_reduce(opts)
+                # its shape, as the engine's verdict rows name a model's ops (Dispatcher.step_runs)
+                _row_ops[self.tp_overlap_key].add(("rs", self.input_size_per_partition, self.output_size))
 
         def forward(self, input_):
             if self.tp_overlap_key is None:
@@ -183,6 +186,8 @@ def _make_row_parallel(stock: type) -> type:
 # ---- the heap, per process, on vLLM's TP group ---------------------------------------------------
 
 _heaps: dict[str, Any] = {}
+# per TP group: (op, K, N) of the row layers built on it, (op, K, N) as one rank holds them
+_row_ops: dict[str, set] = {}
 
 
 def _ensure_all_reduce(opts: TPOverlapOptions) -> str:
@@ -218,8 +223,14 @@ def _ensure_all_reduce(opts: TPOverlapOptions) -> str:
                          backend=opts.backend, timeout_s=opts.heap_timeout_s)
     reducer = HeapAllReduce(heap, max_bytes=opts.max_bytes, device_group=tp.device_group,
                             auto_one_shot_bytes=dispatcher.one_shot_max_bytes)
-    custom_ops.register_all_reduce(key, reducer, tensor_model_parallel_all_reduce,
-                                   choose=dispatcher.ipc_all_reduce)
+    ops = _row_ops.setdefault(key, set())
+
+    def choose(nbytes: int, in_graph: bool, tokens: int) -> bool:
+        # a step size where the flag's engine step lost to stock's (tune's verdict) keeps vLLM's
+        # all-reduce; the layers are built (ops complete) before any step runs
+        return (dispatcher.step_runs(tokens, tuple(sorted(ops))) != "stock"
+                and dispatcher.ipc_all_reduce(nbytes, in_graph))
+    custom_ops.register_all_reduce(key, reducer, tensor_model_parallel_all_reduce, choose=choose)
     _heaps[key] = heap
     logger.info("tp_overlap: RowParallelLinear all-reduce on the symmetric heap (%r, up to %d bytes; "
                 "dispatch=%s, table: %s); other messages use vLLM's all-reduce",

@@ -5,10 +5,17 @@ are command lines over these modules.
   results       the environment of a run, JSON + markdown output
   shapes        a model's local matmuls at TP=W, from its config
   gemm_configs  the GEMM core's tile configs against cuBLAS -> the GEMM config table
+  decode_configs  the decode matmul's configs against F.linear -> the decode config table
   gemv          decode-sized matmuls: our GEMV against F.linear
+  silu_mul      gate_up with SiLU-mul in our GEMM's epilogue against cuBLAS + the SiLU-mul kernel
   allreduce     our all-reduce (one-shot, two-shot) and fused all-reduce + norm against NCCL/RCCL
   fused_ops     AG-GEMM / GEMM-RS against the sequential collective + GEMM
   gemm_ar       GEMM + all-reduce in one kernel against F.linear + an all-reduce
+  engine_check  the engine's verdict: whole steps, the stock engine against the flag's, per step size
   rules         measurements -> the dispatch table (the "never slower than stock" decisions)
-  tune          the command: phases over W ranks, cache, resume, evidence
+  plan          what one tune run measures: per phase its items, the heap, the time estimate
+  store         the measurements, per device and TP size, one file per phase, resumable
+  phases        the phases as the W ranks run them (shared out, or collective)
+  report        the store -> the tables and the evidence (markdown, PNG)
+  tune          the command: the plan, the ranks, the tables
 """

@@ -102,45 +102,6 @@ def llama_problem_shapes(tps):
 # ---------------------------------------------------------------------------------------------
 # measure
 
-class Timer:
-    """Kernel time per call: a CUDA graph of `calls` back-to-back calls, replayed; the median of
-    `samples` replays. One capture stream for the whole run, because our launch scratch (split-K
-    partials, descriptor space) is cached per stream."""
-
-    def __init__(self, device, samples: int = 5):
-        import torch
-        self.torch, self.device, self.samples = torch, device, samples
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def per_call_ms(self, fns, calls: int) -> float:
-        torch = self.torch
-        if self.stream is None:  # dry run: wall clock
-            t0 = time.perf_counter()
-            for i in range(calls):
-                fns[i % len(fns)]()
-            return (time.perf_counter() - t0) * 1e3 / calls
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            for fn in fns:
-                fn()
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=self.stream):
-            for i in range(calls):
-                fns[i % len(fns)]()
-        graph.replay()
-        times = []
-        for _ in range(self.samples):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / calls)
-        del graph
-        return statistics.median(times)
-
-
 def _estimate_ms(torch, fn, device) -> float:
     if device.type != "cuda":
         return 1.0
@@ -162,6 +123,7 @@ def measure(args) -> None:
 
     from tp_overlap_plugin.gemm_config import device_slug, table_path
     from tp_overlap_plugin.tuning.results import environment, write_results
+    from tp_overlap_plugin.tuning.timing import capture_stream
 
     t0 = time.perf_counter()
     dev = torch.device("cpu" if args.dry_run else "cuda")
@@ -185,7 +147,7 @@ def measure(args) -> None:
                "passes": list(passes), "results": [], "stopped": None, "crashed": crashed,
                "preflight": preflight_log}
     l2 = l2_bytes(dev)
-    timer = Timer(dev)
+    stream = capture_stream(dev)
     failed: dict[tuple, str] = {}  # a config that failed to build or launch fails the same way again
     gen = torch.Generator(device=dev).manual_seed(0)
 
@@ -198,7 +160,7 @@ def measure(args) -> None:
             if out_of_time():
                 payload["stopped"] = f"budget {args.budget_s}s reached before M={m} K={k} N={n}"
                 break
-            entry = measure_entry(m, k, n, names, cands, timer, failed, gen, l2, dry_run=args.dry_run)
+            entry = measure_entry(m, k, n, names, cands, dev, stream, failed, gen, l2, dry_run=args.dry_run)
             payload["results"].append(entry)
             payload["stopped"] = entry.pop("stopped", None)
             print(f"[{time.perf_counter() - t0:5.0f}s] {entry_summary(entry)}", flush=True)
@@ -217,7 +179,7 @@ def l2_bytes(dev) -> int:
     return getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 50 << 20) if dev.type == "cuda" else 1 << 20
 
 
-def measure_entry(m: int, k: int, n: int, names: list, cands: list, timer: "Timer", failed: dict, gen, l2: int,
+def measure_entry(m: int, k: int, n: int, names: list, cands: list, dev, stream, failed: dict, gen, l2: int,
                   dry_run: bool = False) -> dict:
     """One (M, K, N): cuBLAS and every candidate config (checked against cuBLAS first), kernel time
     per call. `failed` remembers configs that failed to build or launch (they fail alike again). A
@@ -225,7 +187,7 @@ def measure_entry(m: int, k: int, n: int, names: list, cands: list, timer: "Time
     import torch
 
     from tp_overlap_plugin.overlap import gemm, num_programs, split_slices
-    dev = timer.device
+    from tp_overlap_plugin.tuning.timing import rotating_ms
     nbytes = 2 * (m * k + n * k + m * n)
     copies = max(1, min(32, math.ceil(2 * l2 / nbytes)))
     a = [torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(copies)]
@@ -237,7 +199,7 @@ def measure_entry(m: int, k: int, n: int, names: list, cands: list, timer: "Time
     est = _estimate_ms(torch, cublas[0], dev)
     calls = copies * max(1, math.ceil(min(200, max(1.0, 1.0 / est)) / copies)) if not dry_run else 1
     entry = {"M": m, "K": k, "N": n, "layout": LAYOUT, "names": names, "copies": copies, "calls": calls,
-             "cublas_ms": timer.per_call_ms(cublas, calls), "configs": {}, "slices": {}}
+             "cublas_ms": rotating_ms(cublas, calls, stream=stream), "configs": {}, "slices": {}}
     for cfg in cands:
         label = cfg.label()
         key = (label, m == 1)
@@ -251,7 +213,7 @@ def measure_entry(m: int, k: int, n: int, names: list, cands: list, timer: "Time
             if not err < 1e-2:
                 raise AssertionError(f"relative error {err:.2e} vs fp32")
             ours = [lambda i=i, cfg=cfg: gemm(a[i], b[i], out=c[i], config=cfg) for i in range(copies)]
-            entry["configs"][label] = timer.per_call_ms(ours, calls)
+            entry["configs"][label] = rotating_ms(ours, calls, stream=stream)
             tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
             entry["slices"][label] = split_slices(cfg, tiles, -(-k // cfg.block_k), num_programs(dev))
         except Exception as e:  # a config that does not fit (shared memory, registers) is a data point

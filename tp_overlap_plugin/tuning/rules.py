@@ -1,7 +1,7 @@
 """The dispatcher's table from measurements: the one copy of its decision rules ("never slower than
-stock"). `build` takes the measurements in the formats of the sweeps that make them (fused_ops rows
-as bench/overlap.py writes them, allreduce rows as bench/foundation.py does, gemm_ar and gemv rows);
-`tp-overlap tune` and bench/make_dispatch_table.py both call it.
+stock"). `build` reads the rows as `tp-overlap tune`'s store holds them, per phase {key: row}
+(tuning/store.py); tune calls it on its store, and bench/make_dispatch_table.py on bench runs put into
+that form.
 
 A row picks ours only when ours wins by MARGIN (the run-to-run noise seen here is ~2%) in every
 interleaved repeat: with repeats, each repeat's ratio stock/ours must reach the margin, and the table
@@ -18,6 +18,13 @@ from tp_overlap_plugin.dispatch import Dispatcher
 from tp_overlap_plugin.tuning.results import md_table
 
 MARGIN = 1.02
+# The engine's verdict (tune's engine phase, tuning/engine_check.py): a step size keeps the flag only
+# where the flag's whole step beat the stock engine's by this much in every interleaved repeat. Lower
+# than an op's MARGIN: a step's time sums a few hundred ops and host work whose independent noise
+# averages out, and each repeat already averages several steps; the closest stock-vs-flag pairs seen
+# end to end spread 0.3% (issue 39: TP=2 prefill-b32 0.987-0.990 over 3 pairs, H200x4), and 1% is
+# three times that. A real win smaller than 1% is given up to stay never slower than stock.
+ENGINE_MARGIN = 1.01
 # The engine's all-reduce runs algorithm "auto": one-shot up to the op's one-shot limit (collectives.
 # DEFAULT_ONE_SHOT_BYTES), two-shot above; so that is the time the table compares with NCCL. Each rank
 # of a one-shot reads every peer's whole message, W - 1 times a ring's traffic: with v1 at 2 MB it won
@@ -74,7 +81,7 @@ def auto_algorithm(r: dict, crossover: int = DEFAULT_ONE_SHOT_BYTES) -> str:
     return "two_shot" if r["bytes"] > crossover and "ours_two_shot_graph_us" in r else "one_shot"
 
 
-def gemm_all_reduce_rows(gemm_ar: dict, margin: float = MARGIN) -> list[dict]:
+def gemm_all_reduce_rows(measured: dict, margin: float = MARGIN) -> list[dict]:
     """Per measured (M, K, N): GEMM + all-reduce against the faster of what runs without it (F.linear
     + NCCL or + our all-reduce; with the norm after it, + NCCL + norm or + our fused all-reduce +
     norm), in CUDA graphs and eager. A mode that was not measured is "stock".
@@ -84,7 +91,7 @@ def gemm_all_reduce_rows(gemm_ar: dict, margin: float = MARGIN) -> list[dict]:
     the variants differ, so an eager "win" would be noise. Decode steps, where this op applies,
     run in CUDA graphs."""
     rows = []
-    for r in gemm_ar["rows"]:
+    for r in measured.values():
         row = {"M": r["M"], "K": r["K"], "N": r["N"], "shape": r["shape"]}
         for mode in ("graph", "eager"):
             for prefix, ours, others in (("", "gemm_ar", ("linear_nccl", "linear_ours")),
@@ -102,11 +109,11 @@ def gemm_all_reduce_rows(gemm_ar: dict, margin: float = MARGIN) -> list[dict]:
     return rows
 
 
-def _two_way_rows(rows: list[dict], stock: str, ours: str, winner: str, margin: float) -> list[dict]:
+def _two_way_rows(measured: dict, stock: str, ours: str, winner: str, margin: float) -> list[dict]:
     """Per measured (M, K, N): the time under `ours` against the time under `stock` (each with its
     repeats beside it); `winner` where ours won every repeat by the margin, else "stock"."""
     out = []
-    for r in rows:
+    for r in measured.values():
         rs = ratios(_repeats(r, stock), _repeats(r, ours))
         row = {"M": r["M"], "K": r["K"], "N": r["N"], "shape": r["shape"], ours: r[ours], stock: r[stock],
                "winner": winner if wins(rs, margin) else "stock"}
@@ -116,29 +123,24 @@ def _two_way_rows(rows: list[dict], stock: str, ours: str, winner: str, margin: 
     return out
 
 
-def gemv_rows(gemv: dict, margin: float = MARGIN) -> list[dict]:
+def gemv_rows(measured: dict, margin: float = MARGIN) -> list[dict]:
     """Per measured (M, K, N): our GEMV against F.linear in CUDA graphs (one GPU: a rank's local
     matmul involves no peer)."""
-    return _two_way_rows(gemv["rows"], "cublas_us", "gemv_us", "gemv", margin)
+    return _two_way_rows(measured, "cublas_us", "gemv_us", "gemv", margin)
 
 
-def gemm_silu_mul_rows(run: dict, margin: float = MARGIN) -> list[dict]:
+def gemm_silu_mul_rows(measured: dict, margin: float = MARGIN) -> list[dict]:
     """Per measured (M, K, N = gate | up): gate_up with SiLU-mul in our GEMM's epilogue against cuBLAS
-    and the SiLU-mul kernel, in CUDA graphs on one GPU (bench/gemm_silu_mul.py)."""
-    return _two_way_rows(run["rows"], "stock_ms", "fused_ms", "fused", margin)
+    and the SiLU-mul kernel, in CUDA graphs on one GPU (tuning/silu_mul.py). A row whose fused output
+    failed its float64 check is left out: unmeasured, so stock."""
+    return _two_way_rows({k: r for k, r in measured.items() if r.get("ok", True)}, "stock_ms", "fused_ms", "fused",
+                         margin)
 
 
-def _same_machine(flag: str, run: dict, env: dict) -> None:
-    renv = run["environment"]
-    if (renv["device"], renv["tp"]) != (env["device"], env["tp"]):
-        raise ValueError(f"{flag} ran on {renv['device']} at TP={renv['tp']}, --overlap on {env['device']} "
-                         f"at TP={env['tp']}: one table is for one device and world size")
-
-
-def gemm_rows(overlap: dict, margin: float = MARGIN) -> list[dict]:
+def gemm_rows(measured: dict, margin: float = MARGIN) -> list[dict]:
     """Per measured (op, M, K, N): our AG-GEMM / GEMM-RS against the sequential collective + GEMM."""
     gemm = []
-    for key, r in {**overlap.get("shapes", {}), **overlap.get("sweep", {})}.items():
+    for key, r in measured.items():
         if not isinstance(r.get("ours"), float) or not isinstance(r.get("sequential"), float):
             continue
         rs = ratios(_repeats(r, "sequential"), _repeats(r, "ours"))
@@ -151,11 +153,13 @@ def gemm_rows(overlap: dict, margin: float = MARGIN) -> list[dict]:
     return gemm
 
 
-def all_reduce_rows(all_reduce: list[dict], margin: float = MARGIN) -> list[dict]:
-    """Per message size: our all-reduce as "auto" runs it against NCCL, in CUDA graphs and eager."""
+def all_reduce_rows(measured: dict, margin: float = MARGIN) -> list[dict]:
+    """Per message size: our all-reduce as "auto" runs it against NCCL, in CUDA graphs and eager (the
+    phase's fused all-reduce + norm rows are the evidence's, not the table's)."""
     ar = []
-    crossover = one_shot_crossover(all_reduce)
-    for r in all_reduce:
+    rows = sorted((r for r in measured.values() if "bytes" in r), key=lambda r: r["bytes"])
+    crossover = one_shot_crossover(rows)
+    for r in rows:
         algorithm = auto_algorithm(r, crossover)
         g, ng = r.get(f"ours_{algorithm}_graph_us"), r.get("nccl_graph_us")
         e, ne = r.get(f"ours_{algorithm}_eager_us"), r.get("nccl_eager_us")
@@ -171,34 +175,64 @@ def all_reduce_rows(all_reduce: list[dict], margin: float = MARGIN) -> list[dict
     return ar
 
 
-def build(overlap: dict | None, foundation: dict | None, gemm_ar: dict | None = None, gemv: dict | None = None,
-          *, env: dict | None = None, margin: float = MARGIN, command: str | None = None,
+# the store's phases whose rows make a section of the table, and how
+SECTIONS = (("fused_ops", "gemm", gemm_rows), ("all_reduce", "all_reduce", all_reduce_rows),
+            ("gemm_ar", "gemm_all_reduce", gemm_all_reduce_rows), ("gemv", "gemv", gemv_rows),
+            ("silu_mul", "gemm_silu_mul", gemm_silu_mul_rows))
+
+
+def build(phases: dict, env: dict, *, command: str, margin: float = MARGIN, engine_margin: float = ENGINE_MARGIN,
           extra: dict | None = None) -> dict:
-    """The table from the measurements there are (TP=1 has no collectives: gemv rows only). `env`:
-    the run's environment (default: the overlap run's)."""
-    env = env or overlap["environment"]
+    """The table from the measurements there are, per phase as tune's store holds them ({phase: {key:
+    row}}; TP=1 has no collectives: its table has the local matmuls' rows only). "gemm" and
+    "all_reduce" are always there (empty where unmeasured); the other sections where their phase is,
+    the engine's verdict ("engine", by `engine_margin`) too. `env`: the runs' environment (device, TP
+    size, date, versions)."""
     table = {"device": env["device"], "world": env["tp"], "date": env["date"], "torch": env["torch"],
              "triton": env["triton"]}
     if "driver" in env:
         table["driver"] = env["driver"]
-    measured = foundation["rank0"]["all_reduce"] if foundation else []
+    measured_ar = [r for r in phases.get("all_reduce", {}).values() if "bytes" in r]
     table.update({"margin": margin,
-                  "one_shot_max_bytes": one_shot_crossover(measured) if measured else DEFAULT_ONE_SHOT_BYTES,
-                  "gemm": gemm_rows(overlap, margin) if overlap else [],
-                  "all_reduce": all_reduce_rows(foundation["rank0"]["all_reduce"], margin) if foundation else [],
-                  "command": command or "python bench/overlap.py --tp W && python bench/foundation.py --tp W && "
-                                        "python bench/make_dispatch_table.py --overlap ... --foundation ..."})
-    for flag, run, key, rows, script in (("--gemm-ar", gemm_ar, "gemm_all_reduce", gemm_all_reduce_rows, "gemm_ar"),
-                                         ("--gemv", gemv, "gemv", gemv_rows, "gemv")):
-        if run is None:
-            continue
-        if overlap is not None:
-            _same_machine(flag, run, env)
-        table[key] = rows(run, margin)
-        if command is None:
-            table["command"] += f" {flag} ... (python bench/{script}.py --tp W)"
+                  "one_shot_max_bytes": one_shot_crossover(measured_ar) if measured_ar else DEFAULT_ONE_SHOT_BYTES,
+                  "command": command})
+    for phase, key, rows in SECTIONS:
+        if phase in phases or key in ("gemm", "all_reduce"):
+            table[key] = rows(phases.get(phase, {}), margin)
+    if "engine" in phases:
+        table.update(engine_margin=engine_margin, engine=engine_rows(phases["engine"], engine_margin))
     table.update(extra or {})
     return table
+
+
+def step_verdict(r: dict, margin: float = ENGINE_MARGIN) -> str:
+    """How a measured step size runs (one of dispatch.STEP_RUNS): "flag" where the flag's step (its layout and
+    per-op choices, as the table makes them) beat the stock engine's by the margin in every repeat;
+    else "replicated" where the flag's per-op choices in the replicated layout did (measured where the
+    flag's step was sequence-parallel: the layout, then the ops, are the suspects in turn; against
+    the stock engine's times of that round); else "stock", every op of the step."""
+    if wins(ratios(_repeats(r, "stock_ms"), _repeats(r, "flag_ms")), margin):
+        return "flag"
+    if wins(ratios(_repeats(r, "replicated_stock_ms"), _repeats(r, "replicated_ms")), margin):
+        return "replicated"
+    return "stock"
+
+
+def engine_rows(measured: dict, margin: float = ENGINE_MARGIN) -> list[dict]:
+    """Per model and measured step size: the stock engine's step, the flag's, and (where measured) the
+    flag's ops in the replicated layout, ms per step in CUDA graphs as served; the verdict ("runs")."""
+    rows = []
+    for r in measured.values():
+        row = {"model": r["model"], "kind": r["kind"], "M": r["tokens"], "shapes": r["shapes"], "layout": r["layout"],
+               "stock_ms": r["stock_ms"], "flag_ms": r["flag_ms"]}
+        _spread(row, "ratio", ratios(_repeats(r, "stock_ms"), _repeats(r, "flag_ms")))
+        if "replicated_ms" in r:
+            row.update(replicated_ms=r["replicated_ms"], replicated_stock_ms=r["replicated_stock_ms"])
+            _spread(row, "replicated_ratio", ratios(_repeats(r, "replicated_stock_ms"), _repeats(r, "replicated_ms")))
+        row["runs"] = step_verdict(r, margin)
+        rows.append(row)
+    rows.sort(key=lambda r: (r["model"], r["M"], r["kind"]))
+    return rows
 
 
 def _fused_markdown(t: dict, layer_ops, layer_name: str) -> str:
@@ -231,6 +265,22 @@ def _all_reduce_markdown(t: dict) -> str:
         + [r["graph_winner"], r["ours_eager_us"], r["nccl_eager_us"]]
         + ([_ratio(r, "eager_ratio", "-")] if spread else []) + [r["eager_winner"]] for r in t["all_reduce"]])
     return md
+
+
+def engine_markdown(t: dict) -> str:
+    spread = any("ratio" in r for r in t["engine"])
+    md = (f"\n## The engine's verdict: whole steps, stock engine against the flag (ms per step, CUDA graphs as "
+          f"served)\n\nA step size keeps the flag only where its step beat stock's by {t['engine_margin']}x in every "
+          "interleaved repeat; else the flag's ops in the replicated layout where they did (measured where the flag's "
+          "step was sequence-parallel), else it runs stock. Between measured sizes a step runs as the more cautious of "
+          "its neighbours.\n\n")
+    return md + md_table(
+        ["model", "step", "tokens", "flag's layout", "stock", "flag"] + (["stock/flag [min–max]"] if spread else [])
+        + ["flag's ops replicated", "stock/that", "runs"],
+        [[r["model"], r["kind"], r["M"], r["layout"], r["stock_ms"], r["flag_ms"]]
+         + ([_ratio(r, "ratio", r["stock_ms"] / r["flag_ms"])] if spread else [])
+         + [r.get("replicated_ms", "-"), _ratio(r, "replicated_ratio", r["replicated_stock_ms"] / r["replicated_ms"])
+            if "replicated_ms" in r else "-", r["runs"]] for r in t["engine"]])
 
 
 def _ratio(row: dict, key: str, value: float):
@@ -266,6 +316,14 @@ def markdown(t: dict, layer_ops=None, layer_name: str = "Llama-3-8B") -> str:
                         + ([_ratio(r, "norm_graph_ratio", "-")] if spread else [])
                         + [r["norm_graph_winner"], r["eager_us"], r["eager_winner"], r["norm_eager_us"],
                            r["norm_eager_winner"]] for r in t["gemm_all_reduce"]])
+    if t.get("engine"):
+        md += engine_markdown(t)
+    if t.get("gemm_silu_mul"):
+        md += ("\n## gate_up + SiLU-mul: cuBLAS + the SiLU-mul kernel against the fused kernel (ms, CUDA graphs, "
+               "one GPU)\n\n")
+        md += md_table(["layer", "M", "K", "N", "stock", "fused", "stock/fused", "chosen"],
+                       [[r["shape"], r["M"], r["K"], r["N"], r["stock_ms"], r["fused_ms"],
+                         _ratio(r, "ratio", r["stock_ms"] / r["fused_ms"]), r["winner"]] for r in t["gemm_silu_mul"]])
     if "gemv" in t:
         md += ("\n## Decode-sized local matmuls: our GEMV against F.linear (µs, CUDA graphs, one GPU)\n\n")
         md += md_table(["layer", "M", "K", "N", "F.linear", "gemv", "F.linear/gemv", "chosen"],

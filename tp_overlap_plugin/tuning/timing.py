@@ -70,19 +70,45 @@ def cycle(items):
     return nxt
 
 
-def capture_graph(fn, calls: int):
-    """A CUDA graph of `calls` calls to fn; returns a replay function. fn must be warm."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+def capture_graph(fn, calls: int, stream=None):
+    """A CUDA graph of `calls` calls to fn; returns a replay function. fn must be warm. With `stream`
+    (capture_stream), fn runs once more and the graph is captured on it; without, on a new stream
+    and torch's capture stream."""
+    warm = stream if stream is not None else torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
         fn()  # settle allocations on the capture stream
-    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.current_stream().wait_stream(warm)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         for _ in range(calls):
             fn()
     return graph.replay
+
+
+def capture_stream(device: torch.device):
+    """One stream for every capture of a run (None on the CPU): our launch scratch (split-K partials,
+    descriptor space) is cached per stream, so captures on one stream find it there."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+def rotating_ms(fns: list, calls: int, *, stream=None, samples: int = 5) -> float:
+    """Kernel time per call of `calls` calls going round `fns` (copies of one op on operands that
+    together overflow L2): a CUDA graph captured on `stream`, the median of `samples` replays. Without
+    a stream (the CPU, the interpreter) the wall clock of the calls, a smoke run."""
+    nxt = cycle(fns)
+
+    def call():
+        nxt()()
+    if stream is None:
+        return wall_ms(call, calls=calls)
+    for _ in fns:
+        call()  # each copy once, on the default stream (capture_graph settles the capture stream's)
+    replay = capture_graph(call, calls, stream)
+    replay()
+    torch.cuda.synchronize()
+    return time_per_call_ms(replay, calls=1, samples=samples) / calls
 
 
 def interleaved_ms(replays: dict, *, calls: int, rounds: int, samples: int, group=None) -> dict:

@@ -1,0 +1,286 @@
+"""The phases of `tp-overlap tune` as its W ranks run them: rank 0 keeps the store, every rank agrees
+on the to-do list and on when the time budget stops the run, and each phase measures its items (the
+single-GPU phases shared out over the ranks, the collective ones together)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from tp_overlap_plugin import tables
+from tp_overlap_plugin.tuning import report
+from tp_overlap_plugin.tuning.plan import PHASES, Plan, plan_candidates
+from tp_overlap_plugin.tuning.store import load_rows, save_rows, store_dir
+
+
+def environment(plan: Plan) -> dict:
+    """The store's environment of this rank's measurements: the run's, and the versions they depend on."""
+    from tp_overlap_plugin.tuning import results
+    env = results.environment(plan.world, on_gpu=plan.device == "cuda", model=plan.model)
+    env.update(tables.versions(plan.device))
+    return env
+
+
+class _Lines:
+    """The progress bar where tqdm is not installed: a line per tenth of the phase, with its ETA."""
+
+    def __init__(self, phase: str, total: int, done: int):
+        self.phase, self.total, self.n, self.start_n = phase, total, done, done
+        self.t0, self.shown = time.monotonic(), -1
+
+    def update(self, k: int) -> None:
+        self.n += k
+        tenth = 10 * self.n // max(self.total, 1)
+        if tenth != self.shown:
+            self.shown = tenth
+            rate = (time.monotonic() - self.t0) / max(self.n - self.start_n, 1)
+            print(f"{self.phase:>12s}: {self.n}/{self.total} rows, {time.monotonic() - self.t0:.0f} s, "
+                  f"ETA {rate * (self.total - self.n):.0f} s", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _bar(ctx, phase: str, total: int, done: int):
+    if ctx.rank != 0:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _Lines(phase, total, done)
+    return tqdm(total=total, initial=done, desc=f"{phase:>12s}", unit="row", file=sys.stderr, dynamic_ncols=True,
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]")
+
+
+def agree(ctx, value):
+    """Rank 0's value on every rank (todo lists and the budget's go/stop must be alike everywhere)."""
+    import torch.distributed as dist
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=ctx.group)
+    return box[0]
+
+
+def tune_rank(ctx, plan: Plan, deadline: float, force: bool, crashed: dict, cache: str):
+    """One rank of a tune run. Rank 0 keeps the store; returns rank 0's summary per phase."""
+    import torch
+    import torch.distributed as dist
+    os.environ["TP_OVERLAP_CACHE"] = cache  # the parent's cache, whatever this process inherited
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+    env = agree(ctx, environment(plan) if ctx.rank == 0 else None)
+    summary = {"environment": env, "phases": {}}
+    for phase in PHASES:
+        items = plan.items.get(phase)
+        if not items:
+            continue
+        t0 = time.monotonic()
+        directory = store_dir(env["device"], plan.world, phase)
+        have = agree(ctx, set() if force or ctx.rank else _kept(ctx, directory, phase, env))
+        todo = [it for it in items if it["key"] not in have]
+        bar = _bar(ctx, phase, len(items), len(items) - len(todo))
+        state = {"measured": 0, "stopped": None}
+
+        def keep(rows: dict, extra=None, _phase=phase, _state=state, _bar=bar, _dir=directory):
+            if ctx.rank == 0 and rows:
+                save_rows(_dir, _phase, env, rows, extra)
+            _state["measured"] += len(rows)
+            if _bar is not None:
+                _bar.update(len(rows))
+
+        def go() -> bool:
+            ok = agree(ctx, time.time() < deadline if ctx.rank == 0 else None)
+            if not ok:
+                state["stopped"] = "the time budget ran out"
+            return ok
+        try:
+            PHASE_RUNNERS[phase](ctx, plan, todo, keep, go, crashed)
+        finally:
+            if bar is not None:
+                bar.close()
+        if phase in TABLES_AFTER:
+            _write_table(ctx, phase, env, plan.world)
+        summary["phases"][phase] = {"items": len(items), "resumed": len(items) - len(todo),
+                                    "measured": state["measured"], "stopped": state["stopped"],
+                                    "wall_s": time.monotonic() - t0}
+        dist.barrier(group=ctx.group)
+    if ctx.heap is not None:
+        ctx.heap.check()
+    return summary
+
+
+def _kept(ctx, directory, phase: str, env: dict) -> set:
+    """The keys of the phase's stored rows that need no measuring again: measured under these versions,
+    and a GEMV row only if it timed the config the decode table picks now."""
+    rows = load_rows(directory, phase, env)
+    if phase == "gemv":
+        from tp_overlap_plugin.decode_config import pick_decode_config
+        return {key for key, r in rows.items()
+                if r.get("config") == pick_decode_config(r["M"], r["N"], r["K"], ctx.device).label()}
+    return set(rows)
+
+
+def _write_table(ctx, phase: str, env: dict, world: int) -> None:
+    """After a config phase, its table from the store into the cache (rank 0), and every rank's
+    lookups read it from then on: the later phases measure on the configs that will be served."""
+    import torch.distributed as dist
+
+    from tp_overlap_plugin import decode_config, gemm_config
+    if ctx.rank == 0:
+        TABLES_AFTER[phase](env["device"], world)
+    dist.barrier(group=ctx.group)
+    gemm_config.find_table.cache_clear()
+    decode_config.load_table.cache_clear()
+
+
+def _shared_out(ctx, todo: list, measure, keep, go) -> None:
+    """A single-GPU phase: rank r measures items r, r + W, ...; after each round rank 0 keeps them all."""
+    import torch.distributed as dist
+    W = ctx.world_size
+    for start in range(0, len(todo), W):
+        if not go():
+            return
+        mine = todo[start + ctx.rank] if start + ctx.rank < len(todo) else None
+        got = measure(mine) if mine is not None else {}
+        parts = [None] * W
+        dist.all_gather_object(parts, got, group=ctx.group)
+        keep({k: v for part in parts for k, v in part.items()})
+
+
+def _gemm_configs(ctx, plan, todo, keep, go, crashed):
+    import torch
+
+    from tp_overlap_plugin.tuning import gemm_configs as gc
+    from tp_overlap_plugin.tuning.timing import capture_stream
+    large, small = plan_candidates(plan)
+    large = [c for c in large if c.label() not in crashed]
+    small = [c for c in small if c.label() not in crashed]
+    stream = capture_stream(ctx.device)
+    failed: dict = {}
+    gen = torch.Generator(device=ctx.device).manual_seed(ctx.rank)
+    l2 = gc.l2_bytes(ctx.device)
+
+    def measure(it):
+        cands = (large if it["M"] >= gc.LARGE_FROM else []) + (small if it["M"] <= gc.SMALL_UPTO else [])
+        entry = gc.measure_entry(it["M"], it["K"], it["N"], it["names"], cands, ctx.device, stream, failed, gen, l2,
+                                 dry_run=plan.device == "cpu")
+        if "stopped" in entry:  # the CUDA context is gone: end the run, keeping the rows measured before
+            raise RuntimeError(f"GEMM config sweep stopped: {entry['stopped']}")
+        return {it["key"]: entry}
+    extra = {"candidates": {"large": [c.to_dict() for c in large], "small": [c.to_dict() for c in small]},
+             "crashed": crashed}
+    _shared_out(ctx, todo, measure, lambda rows: keep(rows, extra), go)
+
+
+def _decode_configs(ctx, plan, todo, keep, go, crashed):
+    import torch
+
+    from tp_overlap_plugin.tuning import decode_configs as dc
+    from tp_overlap_plugin.tuning.timing import capture_stream
+    cands = dc.candidates(plan.device)
+    stream = capture_stream(ctx.device)
+    failed: dict = {}
+    gen = torch.Generator(device=ctx.device).manual_seed(ctx.rank)
+
+    def measure(it):
+        return {it["key"]: dc.measure_entry(it["M"], it["K"], it["N"], it["names"], cands, ctx.device, stream,
+                                            failed, gen)}
+    extra = {"candidates": {c.label(): c.to_dict() for c in cands}}
+    _shared_out(ctx, todo, measure, lambda rows: keep(rows, extra), go)
+
+
+def _silu_mul(ctx, plan, todo, keep, go, crashed):
+    import torch
+
+    from tp_overlap_plugin.tuning import silu_mul
+    gen = torch.Generator(device=ctx.device).manual_seed(ctx.rank)
+
+    def measure(it):
+        return {it["key"]: silu_mul.measure_row(it["shape"], it["M"], it["K"], it["N"], ctx.device,
+                                                repeats=plan.repeats, gen=gen)}
+    _shared_out(ctx, todo, measure, keep, go)
+
+
+def _gemv(ctx, plan, todo, keep, go, crashed):
+    from tp_overlap_plugin.tuning import gemv
+    gpu = plan.device == "cuda"
+
+    def measure(it):
+        (row,) = gemv.measure([(it["shape"], it["K"], it["N"])], [it["M"]], gpu, repeats=plan.repeats)
+        return {it["key"]: row}
+    _shared_out(ctx, todo, measure, keep, go)
+
+
+def _all_reduce(ctx, plan, todo, keep, go, crashed):
+    from tp_overlap_plugin.collectives import HeapAllReduce
+    from tp_overlap_plugin.tuning import allreduce
+    sizes = [it for it in todo if "bytes" in it]
+    norms = [it for it in todo if "tokens" in it]
+    samples = 15 if plan.device == "cuda" else 1
+    with ctx.heap.scope():
+        if sizes:
+            top = max(it["bytes"] for it in plan.items["all_reduce"] if "bytes" in it)
+            # one-shot measured up to the heap's capacity for it: "auto" (what the table compares) takes
+            # it up to DEFAULT_ONE_SHOT_BYTES only
+            comm = HeapAllReduce(ctx.heap, max_bytes=top, one_shot_max_bytes=min(top, 8 << 20))
+            symm = allreduce.torch_symm_all_reduce(ctx, top)
+            for it in sizes:
+                if not go():
+                    return
+                (row,) = allreduce.all_reduce_sweep(ctx, comm, symm, [it["bytes"]], repeats=plan.repeats,
+                                                    samples=samples)
+                keep({it["key"]: row})
+            _quiesce(ctx)
+    if norms:
+        symm = allreduce.torch_symm_all_reduce(ctx, max(it["tokens"] for it in norms) * plan.dims.hidden * 2)
+        for it in norms:
+            if not go():
+                return
+            with ctx.heap.scope():  # each size's buffers, then the space back (heap_bytes holds one)
+                (row,) = allreduce.norm_sweep(ctx, symm, it["hidden"], [it["tokens"]], repeats=plan.repeats,
+                                              samples=samples)
+                _quiesce(ctx)
+            keep({it["key"]: row})
+
+
+def _quiesce(ctx) -> None:
+    """Every rank done with the heap space of a scope before any reuses it (peers write into it)."""
+    import torch
+    import torch.distributed as dist
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize()
+    ctx.heap.check()
+    dist.barrier(group=ctx.group)
+
+
+def _fused_ops(ctx, plan, todo, keep, go, crashed):
+    from tp_overlap_plugin.tuning import fused_ops
+    gpu = plan.device == "cuda"
+    for it in todo:
+        if not go():
+            return
+        row: dict = {}
+        calls = (10 if it["M"] <= 1024 else 5) if gpu else 1
+        fused_ops.measure_shape(ctx, it["op"], it["M"], it["K"], it["N"], None, row, calls,
+                                variants=fused_ops.TABLE + (("ours_graph", "sequential_graph") if gpu else ()),
+                                repeats=plan.repeats, samples=7 if gpu else 1, log=False)
+        keep({it["key"]: row})
+
+
+def _gemm_ar(ctx, plan, todo, keep, go, crashed):
+    from tp_overlap_plugin.tuning import gemm_ar
+    for it in todo:
+        if not go():
+            return
+        with ctx.heap.scope():  # each row's buffers, then the space back (heap_bytes holds the largest)
+            (row,) = gemm_ar.measure(ctx, [(it["shape"], it["K"], it["N"])], [it["M"]], repeats=plan.repeats,
+                                     samples=10 if plan.device == "cuda" else 1)
+            _quiesce(ctx)
+        keep({it["key"]: row})
+
+
+PHASE_RUNNERS = {"gemm_configs": _gemm_configs, "decode_configs": _decode_configs, "gemv": _gemv,
+                 "silu_mul": _silu_mul, "all_reduce": _all_reduce, "fused_ops": _fused_ops, "gemm_ar": _gemm_ar}
+
+
+# the config phases whose table the later phases run on
+TABLES_AFTER = {"gemm_configs": report.write_gemm_table, "decode_configs": report.write_decode_table}

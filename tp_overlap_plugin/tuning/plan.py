@@ -1,0 +1,150 @@
+"""What one `tp-overlap tune` run measures: per phase its items (each a dict with its row's key in the
+store), the configs it tries, the heap its ranks need, and the time it is estimated to take."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tp_overlap_plugin.tuning.shapes import LAYER_OPS, ModelDims
+
+# in this order: a phase's table is written before the phases that run on it (the decode matmul's
+# configs before gemv, the GEMM core's before the phases that run the core)
+PHASES = ("gemm_configs", "decode_configs", "gemv", "silu_mul", "all_reduce", "fused_ops", "gemm_ar")
+SHARED_OUT = ("gemm_configs", "decode_configs", "gemv", "silu_mul")  # one GPU's work: shared over the ranks
+GPU_REPEATS = 3
+# seconds per measured item, for the estimate printed first. GPU: gemm_configs and gemv from the H100
+# runs of 2026-11-24 (TP=1, Llama-3-8B: 28 + 20 rows in 150 s, 18 s of it the preflight); the
+# collective phases are guesses from bench/overlap.py, foundation.py and gemm_ar.py runs on H200x2,
+# decode_configs and silu_mul from bench/decode_configs.py and gemm_silu_mul.py runs (not yet timed
+# as tune runs; bench/notes/tune.md has the cost model). CPU: the interpreter at the CPU plan's sizes.
+SECONDS_PER_ITEM = {
+    "cuda": {"gemm_configs": 1.5, "decode_configs": 3.0, "gemv": 3.3, "silu_mul": 2.0, "all_reduce": 2.0,
+             "fused_ops": 2.5, "gemm_ar": 3.0},
+    "cpu": {"gemm_configs": 0.5, "decode_configs": 1.5, "gemv": 0.3, "silu_mul": 2.0, "all_reduce": 1.0,
+            "fused_ops": 2.0, "gemm_ar": 4.0},
+}
+START_SECONDS = {"cuda": 40.0, "cpu": 8.0}  # rank start-up, and on GPUs the configs' preflight compile
+# the engine phase (tuning/engine_check.py): its ranks' start and both engines' builds (dummy weights,
+# kernel warm-up, CUDA graphs), then per step size two engines x repeats x ~TARGET_S of steps plus the
+# warm-up steps. Guesses until a GPU run times them (bench/notes/tune.md); CPU: the demo model.
+ENGINE_START_SECONDS = {"cuda": 60.0, "cpu": 10.0}
+ENGINE_SECONDS_PER_ITEM = {"cuda": 4.0, "cpu": 8.0}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run measures: per phase its items (each a dict with the row's key); "engine": the
+    step sizes of the engine's check (tuning/engine_check.py)."""
+    model: str              # its name in the tables (a directory's last part)
+    model_spec: str         # what the engine loads: a shipped config name, a directory, "demo"
+    dims: ModelDims
+    world: int
+    device: str
+    quick: bool
+    repeats: int
+    margin: float
+    engine_margin: float
+    items: dict = field(default_factory=dict)
+
+    def estimate_s(self) -> float:
+        return sum(self.phase_estimates_s().values())
+
+    def phase_estimates_s(self) -> dict:
+        """Seconds per phase (and the ranks' start), by SECONDS_PER_ITEM: the single-GPU phases are
+        shared out over the ranks."""
+        per, dev = SECONDS_PER_ITEM[self.device], self.device
+        out = {"start": START_SECONDS[dev]}
+        out.update({p: per[p] * len(self.items[p]) / (self.world if p in SHARED_OUT else 1)
+                    for p in PHASES if self.items.get(p)})
+        if self.items.get("engine"):
+            out["engine"] = ENGINE_START_SECONDS[dev] + ENGINE_SECONDS_PER_ITEM[dev] * len(self.items["engine"])
+        return out
+
+
+def _by_shape(model: str, world: int, layers: list, ms) -> list[dict]:
+    """Items per M and distinct local matmul (K, N), each naming the layers of that shape."""
+    shapes = sorted({(k, n) for _, k, n in layers})
+    return [{"key": f"{m}x{k}x{n}", "M": m, "K": k, "N": n,
+             "names": [f"{model} tp{world} {layer}" for layer, kk, nn in layers if (kk, nn) == (k, n)]}
+            for m in ms for k, n in shapes]
+
+
+def make_plan(model: str, dims: ModelDims, world: int, device: str, quick: bool, margin: float,
+              engine_margin: float, model_spec: str | None = None, step_budget: int | None = None) -> Plan:
+    """`step_budget`: the engine's step token budget the engine check runs prefill steps of (default
+    engine_check.DEFAULT_BUDGET)."""
+    from tp_overlap_plugin.tuning import engine_check, gemm_ar, gemm_configs, gemv
+    dims.check_tp(world)
+    gpu = device == "cuda"
+    layers = dims.layers(world)
+    if gpu:
+        passes = (8192, 1024, 64, 1) if quick else gemm_configs.M_PASSES
+        rows = gemv.decode_rows(quick)
+        sizes = [8 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20] if quick else \
+            [8 << 10, 32 << 10, 128 << 10, 512 << 10, 2 << 20, 4 << 20, 8 << 20, 32 << 20]
+        tokens = [1, 8, 32] if quick else [1, 8, 32, 128, 256]
+        # decode-sized steps (multiples of W: each rank a whole number of rows) up to the prefill sizes
+        fused_ms = sorted({world * m for m in ((2, 64, 512) if quick else (1, 16, 64, 256))} | {1024, 4096, 16384})
+        ar_rows = [1, 16, 64] if quick else list(gemm_ar.ROWS)
+        # gate_up with its SiLU-mul fused: where the layer's matmul is a plain GEMM (the replicated
+        # layout past the GEMV's rows, the sequential AG path's gathered rows), up to the prefill sizes
+        silu_ms = (64, 1024, 8192) if quick else (16, 64, 256, 1024, 2048, 4096, 8192)
+    else:  # the interpreter: the pipeline, at sizes it runs in seconds (both decode-matmul paths at 4 rows)
+        passes, rows, sizes, tokens, fused_ms, ar_rows, silu_ms = (16,), [1], [8 << 10], [1], [2 * world], [1], (16,)
+    gate_up = [x for x in layers if x[0] == "gate_up"]
+    items = {
+        "gemm_configs": _by_shape(model, world, layers, passes),
+        "decode_configs": _by_shape(model, world, layers + [dims.lm_head(world)], rows if gpu else (4,)),
+        "gemv": [{"key": f"{m}x{k}x{n}", "shape": f"{model} {layer}", "M": m, "K": k, "N": n}
+                 for layer, k, n in layers + [dims.lm_head(world)] for m in rows],
+        "silu_mul": [{"key": f"{m}x{k}x{n}", "shape": f"{model} {layer}", "M": m, "K": k, "N": n}
+                     for layer, k, n in gate_up for m in silu_ms],
+    }
+    if world > 1:
+        items["all_reduce"] = ([{"key": f"ar/{b}", "bytes": b} for b in sizes]
+                               + [{"key": f"norm/{dims.hidden}x{t}", "hidden": dims.hidden, "tokens": t} for t in tokens])
+        items["fused_ops"] = [{"key": f"{LAYER_OPS[layer]}/{m}x{k}x{n}", "layer": layer, "op": LAYER_OPS[layer],
+                               "M": m, "K": k, "N": n} for layer, k, n in layers for m in fused_ms]
+        # the interpreter: one row layer shows the pipeline (and eagerly the rule says stock anyway)
+        row_layers = [x for x in layers if LAYER_OPS[x[0]] == "rs"][:None if gpu else 1]
+        items["gemm_ar"] = [{"key": f"{m}x{k}x{n}", "shape": f"{model} {layer}", "M": m, "K": k, "N": n}
+                            for layer, k, n in row_layers for m in ar_rows]
+    items["engine"] = engine_check.plan_items(model, world, device, step_budget)
+    return Plan(model, model_spec or model, dims, world, device, quick, GPU_REPEATS if gpu else 1, margin,
+                engine_margin, items)
+
+
+
+def plan_candidates(plan: Plan):
+    """The configs to try: all of gemm_configs.candidates() on a GPU; on the CPU (interpreter) one of
+    each kind, as the pipeline's check."""
+    from tp_overlap_plugin.tuning import gemm_configs as gc
+    large, small = gc.candidates()
+    if plan.device == "cpu":
+        return large[:1], [small[0], small[2]]
+    return large, small
+
+
+
+def heap_bytes(plan: Plan) -> int:
+    from tp_overlap_plugin.collectives import HeapAllReduce
+    from tp_overlap_plugin.tuning import allreduce, gemm_ar
+    if plan.world == 1:
+        return 1 << 20
+    W = plan.world
+    ar = plan.items["all_reduce"]
+    top = max(it["bytes"] for it in ar if "bytes" in it)
+    tokens = max(it["tokens"] for it in ar if "tokens" in it)
+    size = max(HeapAllReduce.heap_bytes(W, top, min(top, 8 << 20)), allreduce.norm_heap_bytes(W, plan.dims.hidden, tokens))
+    fused = 0
+    for it in plan.items["fused_ops"]:  # one op's buffers at a time (a heap scope per shape)
+        rows, elsize = -(-it["M"] // W), 2
+        # AG-GEMM: [W - 1, rows, K] receive slots; GEMM-RS: two halves of [W - 1, rows, N]; + flags
+        need = (max(W - 1, 1) * rows * it["K"] * elsize if it["op"] == "ag"
+                else 2 * max(W - 1, 1) * rows * it["N"] * elsize) + (1 << 20)
+        fused = max(fused, need)
+    shapes = [(it["shape"], it["K"], it["N"]) for it in plan.items["gemm_ar"]]
+    size = max(size, fused, gemm_ar.heap_bytes(W, shapes, [it["M"] for it in plan.items["gemm_ar"]]))
+    return -(-(size + (16 << 20)) // 4096) * 4096
+
+
