@@ -30,13 +30,13 @@ def test_crossover_is_the_last_size_the_one_shot_wins_to():
     assert one_shot_crossover([_row(8 << 10, 9.0, 8.0)] + W4[1:]) == 0  # losing at the smallest: two-shot
     # a run that measured only the one-shot keeps the old constant
     assert one_shot_crossover([{"bytes": 8 << 10, "ours_one_shot_graph_us": 5.0}]) == DEFAULT_ONE_SHOT_BYTES
-    # each row is judged as "auto" would run it
-    assert [r["algorithm"] for r in all_reduce_rows(W4)] == ["one_shot"] * 3 + ["two_shot"] * 2
+    # each row is judged as "auto" would run it (tune's store holds the rows by key)
+    assert [r["algorithm"] for r in all_reduce_rows(dict(enumerate(W4)))] == ["one_shot"] * 3 + ["two_shot"] * 2
 
 
 def test_dispatcher_carries_the_tables_crossover(tmp_path):
     table = {"device": "cpu", "world": 4, "date": "2026-11-26", "margin": 1.02, "one_shot_max_bytes": 128 << 10,
-             "gemm": [], "all_reduce": all_reduce_rows(W4)}
+             "gemm": [], "all_reduce": all_reduce_rows(dict(enumerate(W4)))}
     path = tmp_path / "t.json"
     path.write_text(json.dumps(table))
     d = Dispatcher.load("table", device_name="cpu", world=4, path=path)

@@ -286,3 +286,10 @@ def _rank_main(fnref, where, rank, world_size, store_path, device, heap_size, he
             results_q.close()
             results_q.join_thread()
         os._exit(0)
+
+
+def agree(ctx, value):
+    """Rank 0's value on every rank (todo lists and the budget's go/stop must be alike everywhere)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=ctx.group)
+    return box[0]

@@ -90,7 +90,8 @@ def engine_rank(ctx, plan, items: list, table_path: str, fp: str, deadline: floa
     import torch
     os.environ["TP_OVERLAP_CACHE"] = cache
     from tp_overlap_plugin.tuning import rules
-    from tp_overlap_plugin.tuning.phases import agree, environment
+    from tp_overlap_plugin.multirank import agree
+    from tp_overlap_plugin.tuning.store import environment
     env = environment(plan)
     t0 = time.monotonic()
     stock = _runner(ctx, plan, None)
@@ -245,7 +246,7 @@ def _run_steps(ctx, runner, step, calls: int) -> float:
 
 def _interleaved(ctx, plan, it: dict, step, runners: dict) -> dict:
     """Per variant, ms per step in each of the plan's repeats, the variants taking turns in each."""
-    from tp_overlap_plugin.tuning.phases import agree
+    from tp_overlap_plugin.multirank import agree
     fake = json.loads(os.environ.get(FAKE_ENV) or "{}").get(f"{it['kind']}/{it['tokens']}", {})
     calls = 1  # the interpreter: one step each, nothing to warm up
     if ctx.device.type == "cuda":

@@ -11,15 +11,8 @@ import time
 from tp_overlap_plugin import tables
 from tp_overlap_plugin.tuning import report
 from tp_overlap_plugin.tuning.plan import PHASES, Plan, plan_candidates
-from tp_overlap_plugin.tuning.store import load_rows, save_rows, store_dir
-
-
-def environment(plan: Plan) -> dict:
-    """The store's environment of this rank's measurements: the run's, and the versions they depend on."""
-    from tp_overlap_plugin.tuning import results
-    env = results.environment(plan.world, on_gpu=plan.device == "cuda", model=plan.model)
-    env.update(tables.versions(plan.device))
-    return env
+from tp_overlap_plugin.multirank import agree
+from tp_overlap_plugin.tuning.store import environment, load_rows, save_rows, store_dir
 
 
 class _Lines:
@@ -51,14 +44,6 @@ def _bar(ctx, phase: str, total: int, done: int):
         return _Lines(phase, total, done)
     return tqdm(total=total, initial=done, desc=f"{phase:>12s}", unit="row", file=sys.stderr, dynamic_ncols=True,
                 bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]")
-
-
-def agree(ctx, value):
-    """Rank 0's value on every rank (todo lists and the budget's go/stop must be alike everywhere)."""
-    import torch.distributed as dist
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=ctx.group)
-    return box[0]
 
 
 def tune_rank(ctx, plan: Plan, deadline: float, force: bool, crashed: dict, cache: str):

@@ -72,3 +72,11 @@ def load_phase(device_name: str, world: int, phase: str) -> dict | None:
         print(f"tp-overlap tune: skipping {path}: {e}", file=sys.stderr)
         return None
     return data if isinstance(data, dict) and isinstance(data.get("rows"), dict) else None
+
+
+def environment(plan) -> dict:
+    """The store's environment of this rank's measurements: the run's, and the versions they depend on."""
+    from tp_overlap_plugin.tuning import results
+    env = results.environment(plan.world, on_gpu=plan.device == "cuda", model=plan.model)
+    env.update(tables.versions(plan.device))
+    return env
