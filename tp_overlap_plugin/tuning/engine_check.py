@@ -93,6 +93,7 @@ def engine_rank(ctx, plan, items: list, table_path: str, fp: str, deadline: floa
     from tp_overlap_plugin.multirank import agree
     from tp_overlap_plugin.tuning.store import environment
     env = environment(plan)
+    items = _fitted(items, _max_len(plan))
     t0 = time.monotonic()
     stock = _runner(ctx, plan, None)
     if ctx.device.type == "cuda":
@@ -164,14 +165,10 @@ def _runner(ctx, plan, table_path: str | None):
     from tp_overlap_plugin.serving.config import EngineConfig
     from tp_overlap_plugin.serving.piecewise import DEFAULT_MAX_GRAPH_TOKENS
     from tp_overlap_plugin.serving.runner import ModelRunner
-    items = plan.items["engine"]
+    max_len = _max_len(plan)
+    items = _fitted(plan.items["engine"], max_len)
     budget = items[0]["budget"]
     decode = [it for it in items if it["kind"] == "decode"]
-    prompt = max(it.get("prompt_len", 0) for it in items)
-    context = max(it.get("context", 0) for it in decode) + 1
-    mcfg = EngineConfig(model=plan.model_spec).load_model_config()
-    # at least the budget: the flag's engine warms its kernels up to min(budget, max_model_len) tokens
-    max_len = min(mcfg.max_position_embeddings, max(budget, prompt, context))
     blocks = max(max(sum(map(len, _step(it, 2).block_tables)) for it in items), -(-max_len // BLOCK)) + 1
     graphs = [t for t in (it["tokens"] for it in items if it["kind"] == "prefill")
               if t <= min(budget, DEFAULT_MAX_GRAPH_TOKENS)]
@@ -186,6 +183,22 @@ def _runner(ctx, plan, table_path: str | None):
     runner = ModelRunner(cfg, ctx.rank, plan.world, ctx.device_group, ctx.group, ctx.device)
     runner.messages = None
     return runner
+
+
+def _max_len(plan) -> int:
+    """The engines' max_model_len: the budget at least (the flag's engine warms its kernels up to
+    min(budget, max_model_len) tokens), within the model's positions."""
+    from tp_overlap_plugin.serving.config import EngineConfig
+    items = plan.items["engine"]
+    need = max([items[0]["budget"]] + [it.get("prompt_len", 0) for it in items]
+               + [it.get("context", 0) + 1 for it in items])
+    return min(EngineConfig(model=plan.model_spec).load_model_config().max_position_embeddings, need)
+
+
+def _fitted(items: list, max_len: int) -> list:
+    """The items with prompts and contexts within the model's positions."""
+    return [{**it, "prompt_len": min(it["prompt_len"], max_len)} if it["kind"] == "prefill"
+            else {**it, "context": min(it["context"], max_len - 1)} for it in items]
 
 
 def _free() -> None:
