@@ -46,10 +46,12 @@ def ag_kernel_w1(a, b, c, cfg, flat=True):
     """The AG-GEMM kernel at world 1: c = a @ b through its own-rows loop."""
     heap_bases, error, calls, flags = _w1_state(a.device)
     m, k = a.shape
-    ag_gemm_kernel[(num_programs(a.device),)](a_ptr=a, b_ptr=b, c_ptr=c, gathered_ptr=a, rows=m, N=b.shape[1], K=k,
-                                              stride_bk=b.stride(0), stride_bn=b.stride(1), slot_stride=0,
-                                              flags_ptr=flags, calls_ptr=calls, rank=0, heap_bases=heap_bases,
-                                              error_ptr=error, **_w1_options(k, cfg, flat))
+    # no pusher (nothing to push at world 1): every program takes my own rows
+    ag_gemm_kernel[(num_programs(a.device),)](a_ptr=a, b_ptr=b, c_ptr=c, gathered_ptr=a, counts_ptr=flags,
+                                              calls_ptr=calls, rows=m, N=b.shape[1], K=k, stride_bk=b.stride(0),
+                                              stride_bn=b.stride(1), slot_stride=0, pushers=0, join=0, rank=0,
+                                              heap_bases=heap_bases, error_ptr=error, SEGMENTS=1, PIECE_ROWS=16,
+                                              PUSH_COLS=16, **_w1_options(k, cfg, flat))
 
 
 def rs_kernel_w1(a, b, c, cfg, flat=True):

@@ -43,7 +43,6 @@ ERR_CODE, ERR_RANK, ERR_PEER, ERR_FLAG_OFFSET, ERR_EXPECTED, ERR_SEEN = range(6)
 ERR_TIMEOUT_NS = 7
 ERR_WORDS = 8
 ERR_TIMEOUT = 1      # a wait gave up (kernels/rma.py ERR_STUCK)
-ERR_OVERWRITTEN = 2  # a peer began overwriting rows this rank was reading (rma.ERR_OVERWRITTEN)
 
 
 class HeapExhaustedError(MemoryError):
@@ -218,12 +217,6 @@ class SymmetricHeap:
         err = self.error.tolist()
         if err[ERR_CODE] == 0:
             return
-        if err[ERR_CODE] == ERR_OVERWRITTEN:
-            raise RankTimeoutError(
-                f"rank {err[ERR_RANK]} read rows of rank {err[ERR_PEER]}'s call {err[ERR_EXPECTED]} while rank "
-                f"{err[ERR_PEER]} was already pushing its call {err[ERR_SEEN]} over them (begin word "
-                f"{self.describe_offset(err[ERR_FLAG_OFFSET])}): a wait of rank {err[ERR_PEER]} had given up and its "
-                f"copy engine pushed anyway; those rows are NaN. The heap is unusable now; restart the group.")
         raise RankTimeoutError(
             f"rank {err[ERR_RANK]} gave up after {self.timeout_s:g} s waiting for rank "
             f"{err[ERR_PEER]} to set flag {self.describe_offset(err[ERR_FLAG_OFFSET])} to epoch "
@@ -578,41 +571,6 @@ class _IpcBackend:
 
 
 _BACKENDS = {"shm": _ShmBackend, "torch": _TorchSymmBackend, "ipc": _IpcBackend}
-
-
-_WRITE_VALUE: list = []  # the driver's stream write-value function, once loaded
-
-
-def _stream_write_value_fn():
-    """cuStreamWriteValue32 (the CUDA driver) or hipStreamWriteValue32 (the HIP runtime), through ctypes:
-    torch exposes no stream write-value for arbitrary device memory (torch 2.11-2.13 have one only
-    inside symmetric memory's private ops)."""
-    if not _WRITE_VALUE:
-        hip = torch.version.hip is not None
-        lib = _load_runtime(True) if hip else ctypes.CDLL("libcuda.so.1")
-        names = ["hipStreamWriteValue32"] if hip else ["cuStreamWriteValue32_v2", "cuStreamWriteValue32"]
-        fn = next((getattr(lib, n) for n in names if hasattr(lib, n)), None)
-        if fn is None:
-            raise RuntimeError(f"the GPU runtime has none of {names}; the copy-engine push needs a stream write-value")
-        fn.restype = ctypes.c_int
-        # (stream, address, value, flags): CUdeviceptr is a 64-bit integer, hip takes a void*
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64 if not hip else ctypes.c_void_p, ctypes.c_uint32,
-                       ctypes.c_uint]
-        _WRITE_VALUE.append(fn)
-    return _WRITE_VALUE[0]
-
-
-def stream_write_value32(word: torch.Tensor, value: int) -> None:
-    """Enqueue on the current stream a write of `value` into the 4-byte word `word` (device memory), as
-    a stream memory operation with default flags: the driver fences every earlier write of the
-    stream system-wide before it, copy-engine writes to peers included. Capturable in a graph (the
-    value is then fixed)."""
-    if word.element_size() * word.numel() < 4 or word.data_ptr() % 4:
-        raise ValueError("stream_write_value32 needs an aligned 4-byte word")
-    stream = torch.cuda.current_stream(word.device).cuda_stream
-    rc = _stream_write_value_fn()(stream, word.data_ptr(), value & 0xFFFFFFFF, 0)
-    if rc != 0:
-        raise RuntimeError(f"stream write-value failed with error code {rc}")
 
 
 def _load_runtime(hip: bool):
