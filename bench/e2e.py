@@ -5,6 +5,7 @@
     python bench/e2e.py --model llama-3-8b --tp 1                      # one GPU: the flag is the decode matmul alone
     python bench/e2e.py --model demo --device cpu --quick --min-seconds 0.2   # a logic check on the CPU
     python bench/e2e.py --model llama-3-8b --tp 1 --only decode --no-async-scheduling   # synchronous steps
+    python bench/e2e.py --model llama-3-70b --tp 4 --scenarios prefill-b32 # the model a TP=4 user runs (dummy weights)
 
 Stock and the flag run alternately, A B A B ..., for --pairs pairs. Each run is a fresh process that
 loads the engine once and then goes through every scenario: a warm-up with the scenario's own step

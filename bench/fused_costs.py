@@ -6,8 +6,8 @@ M tokens, these timings in CUDA graphs, every rank at once (each rank's median, 
   shape and epilogue, no peer;
 - `self_peer`: the op itself at world W, but every peer address translated to this rank's own heap
   (a heap_bases table of W copies of mine). It runs all of the op's code: the two tile loops, the
-  waits between them, the GEMM-RS stores and sums, the AG copy-engine pushes (into my own heap);
-  no byte crosses NVLink and no rank waits for another;
+  waits between them, the GEMM-RS stores and sums, the AG pushes (into my own heap, where each
+  peer would have put my rows); no byte crosses NVLink and no rank waits for another;
 - `ours`: the op as the layers call it (`ours_1chunk`: GEMM-RS with its tiles in one run, the
   design before chunks, kernels/gemm_rs.py).
 
@@ -96,16 +96,6 @@ def _own_heap_only(heap, own_bases):
         heap.heap_bases = saved
 
 
-def _self_peer_ag(heap, rows, k):
-    """An AllGatherGemm whose copy engine pushes into this rank's own heap, slot for slot where
-    each peer would have put my rows, and whose meeting point never waits: nobody else meets there."""
-    op = AllGatherGemm(heap, rows, k)
-    op.meet.fill_(1 << 40)
-    slots = [(heap.rank - q - 1) % heap.world_size for q in range(heap.rank + 1, heap.rank + heap.world_size)]
-    op._at_peer = [(op.gathered[s], op.flags[s:s + 1], op.begin[s:s + 1]) for s in slots]
-    return op
-
-
 def _rank(ctx, m, rounds):
     h, W, dev = ctx.heap, ctx.world_size, ctx.device
     own_bases = h.heap_bases[h.rank].repeat(W)
@@ -124,7 +114,7 @@ def _rank(ctx, m, rounds):
             cfg = _fused_config(rows, n, k, dev, None)
             row["config"] = cfg.label()
             if op == "ag":
-                real, own = AllGatherGemm(h, rows, k), _self_peer_ag(h, rows, k)
+                real, own = AllGatherGemm(h, rows, k), AllGatherGemm(h, rows, k)
                 shard = a[ctx.rank * rows:(ctx.rank + 1) * rows]
                 w1 = lambda: ag_kernel_w1(a, b, c, cfg)  # noqa: E731
                 fused = {"self_peer": lambda: own(shard, b), "ours": lambda: real(shard, b)}

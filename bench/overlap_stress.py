@@ -157,7 +157,8 @@ def main(argv=None):
     add_share_gpus_option(p)
     args = p.parse_args(argv)
     calls = 200 if args.quick else args.calls
-    heap = 3 * (args.tp - 1) * MAX_ROWS * HIDDEN * 2 + (64 << 20)  # AG: 1 buffer, RS: 2 halves, of W - 1 slots
+    heap = (AllGatherGemm.heap_bytes(args.tp, MAX_ROWS, HIDDEN, torch.bfloat16)
+            + GemmReduceScatter.heap_bytes(args.tp, MAX_ROWS, HIDDEN, torch.bfloat16) + (64 << 20))
     per_rank = run_ranks(_stress_rank, args.tp, (calls, args.seed), device="cuda", heap_size=heap,
                          timeout=args.timeout, share_gpus=args.share_gpus)
     res = {mode: {**per_rank[0][mode],

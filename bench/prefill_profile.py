@@ -1,6 +1,7 @@
 """Where a prefill step's time goes, against the bf16 GEMM roofline measured in the same run (issue 16).
 
     python bench/prefill_profile.py --model llama-3-8b --tp 2 [--tp-overlap] [--tag stock|overlap]
+    python bench/prefill_profile.py --model llama-3-70b --tp 4 --prompts 32 [--tp-overlap] [--tag stock|overlap]
     python bench/prefill_profile.py --model demo --device cpu --prompts 2 --prompt-len 24 \
         --max-num-batched-tokens 16 --warmup 1 --rounds 1      # a logic check on the CPU
 

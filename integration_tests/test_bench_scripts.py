@@ -361,16 +361,16 @@ def _self_peer_ops(ctx):
     import torch
 
     sys.path.insert(0, str(ROOT / "bench"))
-    from fused_costs import _own_heap_only, _self_peer_ag
+    from fused_costs import _own_heap_only
 
-    from tp_overlap_plugin.overlap import GemmReduceScatter
+    from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter
 
     h, W, rows, k, n = ctx.heap, ctx.world_size, 16, 32, 24
     g = torch.Generator().manual_seed(ctx.rank)
     a = torch.randn(W * rows, k, generator=g).to(torch.bfloat16)
     b = torch.randn(n, k, generator=g).to(torch.bfloat16).t()
     own_bases = h.heap_bases[h.rank].repeat(W)
-    ag, rs = _self_peer_ag(h, rows, k), GemmReduceScatter(h, rows, n)
+    ag, rs = AllGatherGemm(h, rows, k), GemmReduceScatter(h, rows, n)
     shard = a[ctx.rank * rows:(ctx.rank + 1) * rows]
     with _own_heap_only(h, own_bases):
         for _ in range(2):  # the second call checks the epochs advance without a peer

@@ -21,7 +21,7 @@ from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel
 from tp_overlap_plugin.kernels.gemv import gemv_kernel
 from tp_overlap_plugin.kernels.layer_ops import rmsnorm_kernel, rope_cache_kernel, silu_mul_kernel
 from tp_overlap_plugin.collectives import NORM_THREADS, norm_num_warps
-from tp_overlap_plugin.overlap import RS_CHUNKS
+from tp_overlap_plugin.overlap import AG_SEGMENTS, RS_CHUNKS
 from tp_overlap_plugin.kernels import triton_compat
 import triton.language as tl
 
@@ -71,12 +71,13 @@ _GEMM_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 M:i32 N:i32 K:i32 stride_am:i
               "stride_bn:i32 stride_cm:i32 stride_cn:i32 c_desc:*bf16 split_ws_ptr:*fp32 split_count_ptr:*i32 "
               "split_k:i32")
 _FUSED_TILES = {**_TILES, "EVEN_K": False, "WORLD": 4, "FLATTEN": True}  # odd K: the masked K loop
-_AG = {**_FUSED_TILES, "PEERS_POW2": 4}
+# AG-GEMM as the host launches it for K = 4096 (kernels/ag_gemm.py: pieces of 32 rows, 512-column steps)
+_AG = {**_FUSED_TILES, "SEGMENTS": AG_SEGMENTS, "PIECE_ROWS": 32, "PUSH_COLS": 512}
 _RS = {**_FUSED_TILES, "CHUNKS": RS_CHUNKS}
 _ONE = {"rank": 1, "rows": 1, "WORLD": 2}
 _FUSED_COMM = "rank:i32 heap_bases:*i64 error_ptr:*i64"
-_AG_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 gathered_ptr:*bf16 rows:i32 N:i32 K:i32 "
-            "stride_bk:i32 stride_bn:i32 slot_stride:i32 flags_ptr:*i64 begin_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM)
+_AG_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 gathered_ptr:*bf16 counts_ptr:*i64 calls_ptr:*i64 rows:i32 N:i32 "
+            "K:i32 stride_bk:i32 stride_bn:i32 slot_stride:i32 pushers:i32 join:i32 " + _FUSED_COMM)
 _RS_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16 recv_ptr:*bf16 rows:i32 N:i32 K:i32 stride_am:i32 stride_bk:i32 "
             "stride_bn:i32 slot_stride:i32 counts_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM)
 
@@ -105,8 +106,7 @@ KERNELS = {
     "ag_gemm": (ag_gemm_kernel, _sig(_AG_ARGS, None, _AG), _AG),
     "gemm_rs": (gemm_rs_kernel, _sig(_RS_ARGS, None, _RS), _RS),
     # what the JIT compiles on rank 1 for one-row shards: Triton makes integer arguments equal to 1 constants
-    "ag_gemm_rank1": (ag_gemm_kernel, _sig(_AG_ARGS, None, {**_AG, **_ONE, "PEERS_POW2": 1}),
-                      {**_AG, **_ONE, "PEERS_POW2": 1}),
+    "ag_gemm_rank1": (ag_gemm_kernel, _sig(_AG_ARGS, None, {**_AG, **_ONE}), {**_AG, **_ONE}),
     "gemm_rs_rank1": (gemm_rs_kernel, _sig(_RS_ARGS, None, {**_RS, **_ONE}), {**_RS, **_ONE}),
     # decode GEMV at one row (the JIT makes M == 1 a constant) with a bias and a K tail, as the layers launch it
     "gemv": (gemv_kernel, _sig("x_ptr:*bf16 w_ptr:*bf16 bias_ptr:*bf16 y_ptr:*bf16 M:i32 N:i32 K:i32 stride_xm:i32 "
@@ -145,7 +145,7 @@ _SLOTS = {"x_ptr": 16, "out_ptr": 16, "slots_ptr": 16, "scatter_ptr": 16, "gathe
           "res_out_ptr": 16, "n": 16, "slot_stride": 16, "src_stride": 16, "scatter_slot_stride": 16,
           "scatter_src_stride": 16, "gather_slot_stride": 16, "row_stride": 16, "stride_x": 16, "stride_res": 16,
           "stride_out": 16, "stride_res_out": 16, "N": 16, "K": 16, "stride_om": 16, "stride_bn": 16,
-          "stride_am": 16, "a_ptr": 16, "b_ptr": 16, "bias_ptr": 16, "calls_ptr": 16}
+          "stride_am": 16, "a_ptr": 16, "b_ptr": 16, "bias_ptr": 16, "calls_ptr": 16, "gathered_ptr": 16}
 _CACHE = {"PEER_STORE": "", "POLL_LOAD": ""}
 for _w, _peers in ((2, 1), (8, 8)):
     _sub = sub_block(4096, _w, 8 * 32)  # what collectives.py launches on NVIDIA (8 warps)
@@ -186,17 +186,19 @@ for _name, _w, _peers, _bm, _bn, _bk, _sub, _one in (("gemm_all_reduce_bf16_w2",
     KERNELS[_name] = (gemm_all_reduce_kernel, _sig(_GEMM_AR_ARGS, _LAMPORT, _GEMM_AR_CX + list(_one)), _cx,
                       {"num_warps": 4, "num_stages": 4 if _bm == 16 else 3})
 LAMPORT = sorted(k for k in KERNELS if "all_reduce" in k)
+# kernels compiled as a launch with aligned operands sees them (heap slots, K and strides divisible by 16)
+ALIGNED = LAMPORT + ["ag_gemm"]
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled(name, target):
     fn, signature, constexprs, *options = KERNELS[name]
     attrs = None
-    if name in LAMPORT:
+    if name in ALIGNED:
         # what Triton sees at a real launch: heap pointers, lengths and strides divisible by 16
         names = list(signature)
         attrs = {(names.index(a),): [["tt.divisibility", d]] for a, d in _SLOTS.items() if a in signature}
-        if target == "gfx942":  # what collectives.py passes on ROCm
+        if target == "gfx942" and name in LAMPORT:  # what collectives.py passes on ROCm
             constexprs = {**constexprs, "PEER_STORE": ".wt", "POLL_LOAD": ".cv"}
     options = options[0] if options else None
     if callable(options):  # options that depend on the target (its warp size)
@@ -345,12 +347,13 @@ def test_the_wait_clock_reads_the_device_timer(target):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles real kernels")
 @pytest.mark.parametrize("target", sorted(TARGETS))
-@pytest.mark.parametrize("name", ["ag_gemm", "ag_gemm_rank1"])
-def test_ag_gemm_rereads_the_begin_words_after_its_loops(name, target):
-    """The seqlock's second look (rma.moved_past): an acq_rel, system-scope atomic on the begin words,
-    after the flattened tile loops (none in them)."""
-    ttgir = _compiled(name, target).asm["ttgir"]
-    rereads = [m.start() for m in re.finditer(r"tt\.atomic_rmw add, acq_rel, sys, .*tensor<\d+x!tt\.ptr<i64>", ttgir)]
-    assert len(rereads) == 1, f"{name}: {len(rereads)} vector acq_rel sys atomics, expected one"
-    last_loop = ttgir.rfind("scf.for")
-    assert last_loop < rereads[0] or "tt.dot" not in ttgir[rereads[0]:], f"{name}: the re-read is not after the tile loops"
+def test_ag_gemm_pushes_16_byte_vectors_then_releases(target):
+    """AG-GEMM's pushers move my shard into the peers' heaps in 16-byte vectors (the translated
+    peer address keeps its alignment), each piece followed by a releasing system-scope add."""
+    asm = _compiled("ag_gemm", target).asm
+    if target == "sm90":
+        ptx = asm["ptx"]
+        assert "st.global.v4.b32" in ptx, "no 16-byte stores"
+        assert re.search(r"atom\.global\.(sys\.release|release\.sys)\.add", ptx), "no releasing system-scope add"
+    else:
+        assert "global_store_dwordx4" in asm["amdgcn"], "no 16-byte stores"

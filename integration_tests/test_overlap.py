@@ -9,7 +9,7 @@ import torch
 
 from tp_overlap_plugin import stats
 from tp_overlap_plugin.multirank import gpu_ranks_fit, run_ranks
-from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter, gemm, pick_config
+from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter, PushPlan, gemm, pick_config
 
 
 def _rel_err(x, ref):
@@ -25,10 +25,9 @@ def _operands(seed, world, m_rows, k, n, dtype):
 
 def delivered(ag, a_shard, rank, world):
     """The whole A as one rank's AG-GEMM call saw it, read right after the call: my shard, and the
-    rows each peer's copy engine delivered into my heap (ag.gathered[(src - me - 1) mod W])."""
+    rows each peer's pushers delivered into my heap."""
     rows = a_shard.shape[0]
-    return torch.cat([a_shard.cpu() if src == rank else ag.gathered[(src - rank - 1) % world][:rows].cpu()
-                      for src in range(world)])
+    return torch.cat([a_shard.cpu() if src == rank else ag.received(src, rows).cpu() for src in range(world)])
 
 
 def _gemm_cases(ctx, seed):
@@ -55,7 +54,10 @@ def test_gemm_core_matches_float64(device):
         assert max(errs) < 1e-2, (dtype, errs)
 
 
-AG_SHAPES = [(1, 40, 17), (5, 64, 48), (33, 40, 70)]            # rows per shard, K, N
+# rows per shard, K, N, and how the shard is pushed: the default pieces; pieces of 2 rows, 16 columns
+# a step (K = 64: several steps); pieces of 4 rows and steps of 32 columns (K = 40: a ragged last
+# step) over a shard of two row blocks (two of the op's segments), nine pieces, the last one short
+AG_SHAPES = [(1, 40, 17, None), (5, 64, 48, PushPlan(1, 2, 16)), (33, 40, 70, PushPlan(1, 4, 32))]
 RS_SHAPES = [(1, 40, 17), (3, 64, 48), (9, 40, 33), (70, 64, 20)]  # M, K, N
 
 
@@ -63,10 +65,10 @@ def _overlap_cases(ctx, seed, dtype):
     W, r, dev = ctx.world_size, ctx.rank, ctx.device
     out = {"ag": [], "rs": []}
     ag = {k: AllGatherGemm(ctx.heap, max_rows=40, k=k, dtype=dtype) for k in (40, 64)}
-    for i, (rows, k, n) in enumerate(AG_SHAPES):
+    for i, (rows, k, n, plan) in enumerate(AG_SHAPES):
         for rep in range(2):
             a, b = _operands(seed + 10 * i + rep, W, rows, k, n, dtype)
-            c = ag[k](a[r].to(dev), b[0].to(dev))
+            c = ag[k](a[r].to(dev), b[0].to(dev), plan=plan)
             out["ag"].append((rows, k, n, c.cpu(), delivered(ag[k], a[r], r, W)))
     rs = {n: GemmReduceScatter(ctx.heap, max_rows=40, n=n, dtype=dtype) for n in (17, 48, 33, 20)}
     for i, (m, k, n) in enumerate(RS_SHAPES):
@@ -83,8 +85,8 @@ def _overlap_cases(ctx, seed, dtype):
     # beyond capacity: the stock path, never a wrong answer
     a, b = _operands(seed + 999, W, 50, 40, 17, dtype)
     big_ag = ag[40](a[r].to(dev), b[0].to(dev)).cpu()
-    # rows == max_rows: the gathered rows are a whole heap half, which a view would alias; the third
-    # call's pushes land in the first call's half
+    # rows == max_rows: the gathered rows are a whole slot, which a view would alias; the third call's
+    # pushes land in the first call's half
     whole = AllGatherGemm(ctx.heap, max_rows=4, k=40, dtype=dtype)
     kept = []
     for rep in range(3):
@@ -105,7 +107,7 @@ def test_ag_gemm_and_gemm_rs(world, device):
     results = run_ranks(_overlap_cases, world, (seed, dtype), device=device, heap_size=4 << 20, timeout=600)
     for r, (out, big_ag, counts) in enumerate(results):
         j = 0
-        for i, (rows, k, n) in enumerate(AG_SHAPES):
+        for i, (rows, k, n, _) in enumerate(AG_SHAPES):
             for rep in range(2):
                 a, b = _operands(seed + 10 * i + rep, world, rows, k, n, dtype)
                 ref = torch.cat(a).double() @ b[0].double()

@@ -8,7 +8,7 @@ import sys
 
 PLUGIN_MODULES = ["tp_overlap_plugin", "tp_overlap_plugin.vllm_plugin", "tp_overlap_plugin.heap",
                   "tp_overlap_plugin.heap_shm", "tp_overlap_plugin.heap_ipc", "tp_overlap_plugin.heap_torch",
-                  "tp_overlap_plugin.stream_write", "tp_overlap_plugin.error_slot", "tp_overlap_plugin.options",
+                  "tp_overlap_plugin.error_slot", "tp_overlap_plugin.options",
                   "tp_overlap_plugin.overlap", "tp_overlap_plugin.collectives", "tp_overlap_plugin.layers",
                   "tp_overlap_plugin.overlap_layers", "tp_overlap_plugin.dispatch", "tp_overlap_plugin.custom_ops",
                   "tp_overlap_plugin.multirank", "tp_overlap_plugin.runtime", "tp_overlap_plugin.tables",

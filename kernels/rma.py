@@ -40,7 +40,6 @@ _ERR_EXPECTED = tl.constexpr(error_slot.ERR_EXPECTED)
 _ERR_SEEN = tl.constexpr(error_slot.ERR_SEEN)
 _ERR_TIMEOUT_NS = tl.constexpr(error_slot.ERR_TIMEOUT_NS)  # not an error: the wait bound, in ns, set by the host
 ERR_STUCK = tl.constexpr(error_slot.ERR_STUCK)
-ERR_OVERWRITTEN = tl.constexpr(error_slot.ERR_OVERWRITTEN)
 
 # Defaults of constexpr parameters must be constexpr objects: Triton 3.6 passes a plain str
 # default through unwrapped and fails to compile the call.
@@ -137,28 +136,6 @@ def report_stuck(flag_ptr, expected, seen, rank, peer, heap_bases, error_ptr):
     """Record that this rank gave up waiting for `peer` to bring `flag_ptr` to `expected`. Every wait
     that gives up (signal_wait, and the waits on data that carries its own arrival mark) calls it."""
     report(flag_ptr, expected, seen, rank, peer, heap_bases, error_ptr, ERR_STUCK)
-
-
-@triton.jit
-def moved_past(words_ptr, expected, COUNT: tl.constexpr, COUNT_POW2: tl.constexpr):
-    """The reader's second look of a seqlock: after reading data that peers write behind the words
-    words_ptr[0..COUNT) (each raised to a writer's call number before it overwrites the data), which
-    of them have moved past `expected`, the number this rank's data was written under. Returns (a
-    bitmask of those words, the lowest one's index, its value), the same in every thread.
-
-    One acq_rel atomic read per word, all in one vector operation (one round trip): the CTA barrier
-    puts every thread's data reads before it, and its release half keeps them before the read of the
-    word, so a word still at `expected` proves that no later writer had begun when the data was read.
-    COUNT_POW2 is COUNT rounded up to a power of two (the vector's length)."""
-    tl.debug_barrier()
-    i = tl.arange(0, COUNT_POW2)
-    live = i < COUNT
-    seen = tl.atomic_add(words_ptr + i, tl.zeros((COUNT_POW2,), tl.int64), mask=live, sem="acq_rel", scope="sys")
-    moved = live & (seen > expected)
-    mask = tl.sum(tl.where(moved, 1 << i, 0))
-    first = tl.min(tl.where(moved, i, COUNT))
-    first_seen = tl.max(tl.where(moved & (i == first), seen, 0))
-    return mask, first, first_seen
 
 
 @triton.jit

@@ -21,4 +21,3 @@ ERR_WORDS = 8
 
 # codes (word ERR_CODE)
 ERR_STUCK = 1         # a wait gave up: the peer never set the flag
-ERR_OVERWRITTEN = 2   # a peer began overwriting rows this rank was reading (AG-GEMM's moved_past)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tp_overlap_plugin.error_slot import (ERR_CODE, ERR_EXPECTED, ERR_FLAG_OFFSET, ERR_OVERWRITTEN, ERR_PEER,
+from tp_overlap_plugin.error_slot import (ERR_CODE, ERR_EXPECTED, ERR_FLAG_OFFSET, ERR_PEER,
                                           ERR_RANK, ERR_SEEN, ERR_TIMEOUT_NS, ERR_WORDS)
 from tp_overlap_plugin.heap_ipc import IpcBackend
 from tp_overlap_plugin.heap_shm import InterpreterMemoryLock, ShmBackend
@@ -211,12 +211,6 @@ class SymmetricHeap:
         err = self.error.tolist()
         if err[ERR_CODE] == 0:
             return
-        if err[ERR_CODE] == ERR_OVERWRITTEN:
-            raise RankTimeoutError(
-                f"rank {err[ERR_RANK]} read rows of rank {err[ERR_PEER]}'s call {err[ERR_EXPECTED]} while rank "
-                f"{err[ERR_PEER]} was already pushing its call {err[ERR_SEEN]} over them (begin word "
-                f"{self.describe_offset(err[ERR_FLAG_OFFSET])}): a wait of rank {err[ERR_PEER]} had given up and its "
-                f"copy engine pushed anyway; those rows are NaN. The heap is unusable now; restart the group.")
         raise RankTimeoutError(
             f"rank {err[ERR_RANK]} gave up after {self.timeout_s:g} s waiting for rank "
             f"{err[ERR_PEER]} to set flag {self.describe_offset(err[ERR_FLAG_OFFSET])} to epoch "

@@ -1,6 +1,6 @@
 """The heap backend on the GPU runtime's own malloc and IPC handles, through ctypes (libamdhip64 on
 ROCm, libcudart on CUDA): the ROCm default, and how ranks that share a GPU map each other's heaps.
-`load_runtime` finds the runtime library torch already loaded (stream_write.py uses it too)."""
+`load_runtime` finds the runtime library torch already loaded."""
 
 from __future__ import annotations
 

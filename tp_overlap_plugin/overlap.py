@@ -30,11 +30,10 @@ from tp_overlap_plugin.gemm_config import (TileConfig, gemm_all_reduce_config, p
                                            prefers_cublas)
 from tp_overlap_plugin.heap import SymmetricHeap
 from tp_overlap_plugin.launch import Launcher
-from tp_overlap_plugin.stream_write import stream_write_value32
 from tp_overlap_plugin.kernels import triton_compat
 from tp_overlap_plugin.kernels.lamport import peers_pow2, tile_elems
 from tp_overlap_plugin.kernels.gemm import gemm_kernel
-from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel, copy_engine_begin_kernel
+from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel
 from tp_overlap_plugin.kernels.gemm_ar import gemm_all_reduce_kernel
 from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel
 from tp_overlap_plugin.kernels.gemv import gemv_kernel
@@ -324,51 +323,92 @@ def _fused_config(rows: int, n: int, k: int, device: torch.device, config: TileC
     return config or _eager_config(pick_config(rows, n, k, device))
 
 
+# AG-GEMM's push (kernels/ag_gemm.py). A piece is the unit a pusher moves before its releasing
+# add, which waits for the piece's stores to land: large enough that the wait is a small share of
+# the piece's time at one program's store rate (~25-45 GB/s into a peer, bench/notes/ag_gemm.md),
+# small enough that the first pieces land early.
+PIECE_BYTES = 256 << 10
+PUSH_STEP_ELEMS = 16384      # elements one push step moves (32 KB of bf16: 64-128 B per thread)
+PUSHERS_PER_PEER = 8         # ~8 programs fill the links to one peer (bench/results/remote-bw-tp2-*)
+# AG-GEMM multiplies the peers' rows in this many runs of row blocks, a wait before each (a constexpr:
+# one kernel per world size; runs beyond the shard's row blocks are empty).
+AG_SEGMENTS = 4
+# The device's dense 16-bit FLOP/s over the bytes per second it pushes into its peers: H200 ~750
+# TFLOP/s over ~340 GB/s (DESIGN.md section 9). push_plan's estimate of when the pushes end, in
+# units of the GEMM's time; tune measures plans in its stead.
+FLOPS_PER_PUSHED_BYTE = 2200
+
+
+@dataclasses.dataclass(frozen=True)
+class PushPlan:
+    """How AG-GEMM's programs move my shard into the peers' heaps (kernels/ag_gemm.py)."""
+    pushers: int     # the first `pushers` programs push, then join the GEMM
+    piece_rows: int  # rows per piece (one releasing add per piece and peer); a power of two dividing BLOCK_M
+    push_cols: int   # columns per push step (a power of two)
+    join: int = 0    # the first segment of peers' rows the pushers multiply (the others take the earlier alone)
+
+
+def push_plan(rows: int, n: int, k: int, elem_bytes: int, world: int, programs: int, block_m: int,
+              segments: int = AG_SEGMENTS) -> PushPlan:
+    """The default: PUSHERS_PER_PEER programs per peer, at most a quarter of the SMs (one program
+    where the grid is one: the interpreter); pieces of about PIECE_BYTES. The pushers join at the
+    first segment the others would not have started yet when the pushes end, by the estimate
+    T_push / T_gemm = (W - 1) / W * FLOPS_PER_PUSHED_BYTE * elem_bytes / (2 N): until then the
+    others multiply my rows (1 / W of the GEMM) and the earlier segments."""
+    pushers = min(max(1, min(PUSHERS_PER_PEER * (world - 1), programs // 4)), programs)
+    piece_rows = 1 << max(0, (PIECE_BYTES // max(k * elem_bytes, 1)).bit_length() - 1)
+    piece_rows = min(piece_rows, block_m)  # not clamped to the rows: one kernel per tile config
+    push_cols = min(triton.next_power_of_2(k), max(16, PUSH_STEP_ELEMS // piece_rows))
+    used = min(segments, -(-rows // block_m))  # segments that hold row blocks
+    slower = programs / max(programs - pushers, 1)  # the others' time for a share of the whole grid's
+    push_end = (world - 1) / world * FLOPS_PER_PUSHED_BYTE * elem_bytes / (2 * n)
+    join = 0
+    while join < used - 1 and slower * (1 + join * (world - 1) / used) / world < push_end:
+        join += 1
+    return PushPlan(pushers, piece_rows, push_cols, join)
+
+
 class AllGatherGemm:
-    """c = all_gather(a_shard) @ b, the gather hidden behind the GEMM, in one persistent GEMM launch
-    (kernels/ag_gemm.py) that multiplies my rows first and the peers' rows once their flags are up,
-    while the copy engine moves the shards on a side stream (into each peer's heap: a memcpy of the
-    call number into my begin word there, a fencing stream write-value, a memcpy of my rows,
-    another write-value, then a memcpy of the call number into my flag there, after a tiny kernel
-    where the ranks meet). The rows a peer delivered stay in `gathered[slot]`
-    (slot = (src - me - 1) mod W) until the next call.
+    """c = all_gather(a_shard) @ b, the gather hidden behind the GEMM, in one persistent launch
+    (kernels/ag_gemm.py): a few of its programs push my shard into every peer's heap at once, piece
+    by piece, each piece followed by a count in that peer's heap; the others multiply my rows, and
+    all of them the peers' rows, run by run of row blocks as their pieces are counted in. The rows a
+    peer delivered stay in `gathered[half, slot]` (half = the call number's parity, slot =
+    (src - me - 1) mod W) until the call after next.
 
     Capacity is fixed at construction (heap space is symmetric): `max_rows` rows per shard, `k`
-    columns. Every call's state (call number) lives in device memory and the copies' addresses are
-    fixed, so calls can be captured in CUDA graphs and replayed."""
+    columns. Every call's state (call number) lives in device memory, so calls can be captured in
+    CUDA graphs and replayed; a call is one launch, with no host work per peer."""
 
     def __init__(self, heap: SymmetricHeap, max_rows: int, k: int, dtype: torch.dtype = torch.bfloat16,
-                 device_group: dist.ProcessGroup | None = None):
-        if max_rows < 1 or k < 1:
-            raise ValueError(f"AllGatherGemm needs max_rows, k >= 1; got {max_rows}, {k}")
-        self.heap, self.max_rows, self.k, self.dtype = heap, max_rows, k, dtype
+                 device_group: dist.ProcessGroup | None = None, segments: int = AG_SEGMENTS):
+        if max_rows < 1 or k < 1 or segments < 1:
+            raise ValueError(f"AllGatherGemm needs max_rows, k, segments >= 1; got {max_rows}, {k}, {segments}")
+        self.heap, self.max_rows, self.k, self.dtype, self.segments = heap, max_rows, k, dtype, segments
         self.device_group = device_group if device_group is not None else dist.group.WORLD
-        W = heap.world_size
-        slots = max(W - 1, 1)
-        self.gathered = heap.alloc((slots, max_rows, k), dtype, name="ag_gemm.gathered")
-        self.flags = heap.alloc((slots,), torch.int64, name="ag_gemm.flags")
-        self.flags.zero_()
-        # a seqlock's words: each peer raises its own to the call number before it pushes rows
-        self.begin = heap.alloc((slots,), torch.int64, name="ag_gemm.begin")
-        self.begin.zero_()
-        self.meet = heap.alloc((W,), torch.int64, name="ag_gemm.meet")
-        self.meet.zero_()
+        slots = max(heap.world_size - 1, 1)
+        self.gathered = heap.alloc((2, slots, max_rows, k), dtype, name="ag_gemm.gathered")
+        self.counts = heap.alloc((2, slots, segments), torch.int64, name="ag_gemm.counts")
+        self.counts.zero_()
         self.calls = torch.zeros(2, dtype=torch.int64, device=heap.device)  # kernels/calls.py
-        # [0] the flags' value (the call number once the ranks met), [1] the begin words' (the call number)
-        self.push_value = torch.zeros(2, dtype=torch.int64, device=heap.device)
-        self.stream = torch.cuda.Stream(heap.device) if heap.device.type == "cuda" else None
-        # written by a stream write-value after each peer's rows, for its fence (see _push)
-        self.fence = torch.zeros(1, dtype=torch.int32, device=heap.device)
+        self.programs = num_programs(heap.device)
         self.stream_order = runtime.StreamOrder()
-        # my slot, flag and begin word in each peer's heap, in push order (rank + 1 first)
-        self._at_peer = []
-        for q in [(heap.rank + i) % W for i in range(1, W)]:
-            slot = (heap.rank - q - 1) % W
-            self._at_peer.append((heap.peer_view(self.gathered[slot], q), heap.peer_view(self.flags[slot:slot + 1], q),
-                                  heap.peer_view(self.begin[slot:slot + 1], q)))
         heap.publish()
 
-    def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
+    @staticmethod
+    def heap_bytes(world: int, max_rows: int, k: int, dtype: torch.dtype, segments: int = AG_SEGMENTS) -> int:
+        """Heap one op takes: two halves of W - 1 receive slots, and their counts (256-byte aligned)."""
+        slots = max(world - 1, 1)
+        es = torch.empty((), dtype=dtype).element_size()
+        return -(-2 * slots * max_rows * k * es // 256) * 256 + -(-2 * slots * segments * 8 // 256) * 256
+
+    def received(self, src: int, rows: int) -> torch.Tensor:
+        """The rows rank `src` delivered for the last finished call (tests read them)."""
+        half = int(self.calls[1]) % 2
+        return self.gathered[half, (src - self.heap.rank - 1) % self.heap.world_size, :rows]
+
+    def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, config: TileConfig | None = None,
+                 plan: PushPlan | None = None) -> torch.Tensor:
         h = self.heap
         _check_operands("ag_gemm", a_shard, b, h.device)
         rows, k = a_shard.shape
@@ -379,72 +419,29 @@ class AllGatherGemm:
             stats.record("ag_gemm.fallback")
             return runtime.all_gather(a_shard, self.device_group) @ b
         self.stream_order.before_call(h.device)
-        # A rank that has given up must not push: a peer still in the previous call may be reading
-        # the rows it would overwrite. The device decides at its barrier and the copy engine cannot
-        # branch, so the host pushes nothing once it has seen the error: on the CPU at once (the
-        # barrier kernel has run), on a GPU once the error word has reached the host (poll). On a GPU
-        # the pushes of the calls queued before that still go out: each raises the peer's begin word
-        # first, and a reader whose rows it overwrote turns them into NaN and reports (the seqlock,
-        # kernels/ag_gemm.py).
-        h.poll()
         stats.record("ag_gemm.kernel")
         cfg = _fused_config(rows, n, k, h.device, config)
+        plan = plan or push_plan(rows, n, k, a_shard.element_size(), W, self.programs, cfg.block_m, self.segments)
+        if cfg.block_m % plan.piece_rows or plan.pushers < 1:
+            raise ValueError(f"ag_gemm: {plan} needs pushers >= 1 and piece_rows dividing BLOCK_M={cfg.block_m}")
         c = torch.empty((W * rows, n), dtype=a_shard.dtype, device=h.device)
-        copy_engine_begin_kernel[(1,)](calls_ptr=self.calls, push_ptr=self.push_value, flags_ptr=self.meet,
-                                       rank=h.rank, world=W, heap_bases=h.heap_bases, error_ptr=h.error, num_warps=1)
-        if self.stream is None:  # the CPU runs everything in order: the pushes must come first
-            h.check()  # this call's barrier gave up: push nothing
-            self._push(a_shard)
-            met = None
-        else:
-            met = torch.cuda.Event()
-            met.record(torch.cuda.current_stream(h.device))
-        ag_gemm_kernel[(num_programs(h.device),)](
-            a_ptr=a_shard, b_ptr=b, c_ptr=c, gathered_ptr=self.gathered, rows=rows, N=n, K=k, stride_bk=b.stride(0),
-            stride_bn=b.stride(1), slot_stride=self.max_rows * k, flags_ptr=self.flags, begin_ptr=self.begin,
-            calls_ptr=self.calls, rank=h.rank, heap_bases=h.heap_bases, error_ptr=h.error, WORLD=W,
-            PEERS_POW2=peers_pow2(W), BLOCK_M=cfg.block_m,
+        ag_gemm_kernel[(self.programs,)](
+            a_ptr=a_shard, b_ptr=b, c_ptr=c, gathered_ptr=self.gathered, counts_ptr=self.counts, calls_ptr=self.calls,
+            rows=rows, N=n, K=k, stride_bk=b.stride(0), stride_bn=b.stride(1), slot_stride=self.max_rows * k,
+            pushers=plan.pushers, join=plan.join, rank=h.rank, heap_bases=h.heap_bases, error_ptr=h.error, WORLD=W,
+            SEGMENTS=self.segments, PIECE_ROWS=plan.piece_rows, PUSH_COLS=plan.push_cols, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0,
             INTERPRET=h.device.type == "cpu", FLATTEN=cfg.flatten, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
-        if met is not None:
-            # enqueued after the GEMM, so the host's work for the memcpys overlaps the GPU's own rows
-            main = torch.cuda.current_stream(h.device)
-            self.stream.wait_event(met)
-            a_shard.record_stream(self.stream)
-            with torch.cuda.stream(self.stream):
-                self._push(a_shard)
-            main.wait_stream(self.stream)
         h.check_if_free()
         return c
-
-    def _push(self, a_shard: torch.Tensor) -> None:
-        """Into each peer's heap: my begin word (the call number), my rows, then my flag (the call
-        number where the ranks met). Stream order alone says one copy has completed before the next
-        starts, not that a peer that sees the later write sees the earlier one: a stream write-value
-        after the begin word and after the rows fences the earlier writes system-wide first (its own
-        value is fixed when a graph is captured, so the call numbers go by memcpy from device
-        memory). On the CPU the words are stored under the lock the interpreter's loads take
-        (heap.py), the begin word before the rows and the flag after them."""
-        for there, flag, begin in self._at_peer:
-            if self.stream is not None:
-                begin.copy_(self.push_value[1:], non_blocking=True)
-                stream_write_value32(self.fence, 1)
-                there[:a_shard.shape[0]].copy_(a_shard, non_blocking=True)
-                stream_write_value32(self.fence, 1)
-                flag.copy_(self.push_value[:1], non_blocking=True)
-            else:
-                with self.heap.memory_lock():
-                    begin.copy_(self.push_value[1:])
-                there[:a_shard.shape[0]].copy_(a_shard)
-                with self.heap.memory_lock():
-                    flag.copy_(self.push_value[:1])
 
 
 class GemmReduceScatter:
     """c_shard = reduce_scatter(a @ b): rank r gets rows [r*M/W, (r+1)*M/W) of the sum over ranks,
-    in one persistent launch (kernels/gemm_rs.py): peers' rows first, stored straight into their
-    owners' heaps, then my own rows, whose tiles sum the arrived partials in rank order.
+    in one persistent launch (kernels/gemm_rs.py): peers' rows first, chunk by chunk, stored straight
+    into their owners' heaps (every owner at once), and my own rows a chunk behind, whose tiles sum
+    the arrived partials in rank order.
 
     M not divisible by W is padded with zero rows to the next multiple; the padding rows come back
     as zeros at the end of the last rank's shard. Capacity: `max_rows` rows per shard, `n`
@@ -462,8 +459,14 @@ class GemmReduceScatter:
         self.counts = heap.alloc((2, slots, chunks), torch.int64, name="gemm_rs.counts")
         self.counts.zero_()
         self.calls = torch.zeros(2, dtype=torch.int64, device=heap.device)  # kernels/calls.py
+        self.programs = num_programs(heap.device)
         self.stream_order = runtime.StreamOrder()
         heap.publish()
+
+    @staticmethod
+    def heap_bytes(world: int, max_rows: int, n: int, dtype: torch.dtype, chunks: int = RS_CHUNKS) -> int:
+        """Heap one op takes: two halves of W - 1 receive slots, and their counts (256-byte aligned)."""
+        return AllGatherGemm.heap_bytes(world, max_rows, n, dtype, chunks)
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
         h = self.heap
@@ -482,7 +485,7 @@ class GemmReduceScatter:
         stats.record("gemm_rs.kernel")
         cfg = _fused_config(rows, n, k, h.device, config)
         c = torch.empty((rows, n), dtype=a.dtype, device=h.device)
-        gemm_rs_kernel[(num_programs(h.device),)](
+        gemm_rs_kernel[(self.programs,)](
             a_ptr=a, b_ptr=b, c_ptr=c, recv_ptr=self.recv, rows=rows, N=n, K=k, stride_am=a.stride(0),
             stride_bk=b.stride(0), stride_bn=b.stride(1), slot_stride=self.max_rows * n, counts_ptr=self.counts,
             calls_ptr=self.calls, rank=h.rank, heap_bases=h.heap_bases, error_ptr=h.error,

@@ -82,13 +82,13 @@ def warm_up_token_counts(max_tokens: int, world: int, buckets=()) -> list[int]:
 
 def required_heap_bytes(hidden: int, max_tokens: int, world: int, dtype: torch.dtype,
                         all_reduce_bytes: int = ALL_REDUCE_BYTES) -> int:
-    """Heap for one model: AG-GEMM's [W - 1, T/W, hidden] receive buffer and GEMM-RS's two halves of
-    the same shape (every column layer reads, and every row layer writes, the hidden size; one op of
-    each serves all layers), the all-reduce's, the fused all-reduce + norm's and GEMM + all-reduce's
-    receive slots (row layers output the hidden size: one op of each), flags."""
-    elsize = torch.empty((), dtype=dtype).element_size()
+    """Heap for one model: AG-GEMM's and GEMM-RS's receive slots of T/W rows of the hidden size
+    (every column layer reads, and every row layer writes, the hidden size; one op of each serves all
+    layers), the all-reduce's, the fused all-reduce + norm's and GEMM + all-reduce's receive slots
+    (row layers output the hidden size: one op of each), flags."""
     rows = -(-max_tokens // world)
-    return (3 * max(world - 1, 1) * rows * hidden * elsize + HeapAllReduce.heap_bytes(world, all_reduce_bytes)
+    return (AllGatherGemm.heap_bytes(world, rows, hidden, dtype) + GemmReduceScatter.heap_bytes(world, rows, hidden, dtype)
+            + HeapAllReduce.heap_bytes(world, all_reduce_bytes)
             + HeapAllReduceNorm.heap_bytes(world, hidden, fused_norm_rows(hidden, max_tokens, dtype), dtype)
             + GemmAllReduce.heap_bytes(world, gemm_ar_rows(max_tokens), hidden, dtype) + (16 << 20))
 

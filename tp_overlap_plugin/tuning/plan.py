@@ -127,7 +127,10 @@ def plan_candidates(plan: Plan):
 
 
 def heap_bytes(plan: Plan) -> int:
+    import torch
+
     from tp_overlap_plugin.collectives import HeapAllReduce
+    from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter
     from tp_overlap_plugin.tuning import allreduce, gemm_ar
     if plan.world == 1:
         return 1 << 20
@@ -138,10 +141,9 @@ def heap_bytes(plan: Plan) -> int:
     size = max(HeapAllReduce.heap_bytes(W, top, min(top, 8 << 20)), allreduce.norm_heap_bytes(W, plan.dims.hidden, tokens))
     fused = 0
     for it in plan.items["fused_ops"]:  # one op's buffers at a time (a heap scope per shape)
-        rows, elsize = -(-it["M"] // W), 2
-        # AG-GEMM: [W - 1, rows, K] receive slots; GEMM-RS: two halves of [W - 1, rows, N]; + flags
-        need = (max(W - 1, 1) * rows * it["K"] * elsize if it["op"] == "ag"
-                else 2 * max(W - 1, 1) * rows * it["N"] * elsize) + (1 << 20)
+        rows = -(-it["M"] // W)
+        need = (AllGatherGemm.heap_bytes(W, rows, it["K"], torch.bfloat16) if it["op"] == "ag"
+                else GemmReduceScatter.heap_bytes(W, rows, it["N"], torch.bfloat16)) + (1 << 20)
         fused = max(fused, need)
     shapes = [(it["shape"], it["K"], it["N"]) for it in plan.items["gemm_ar"]]
     size = max(size, fused, gemm_ar.heap_bytes(W, shapes, [it["M"] for it in plan.items["gemm_ar"]]))
