@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tp_overlap_plugin.serving.args import CliError
 from tp_overlap_plugin.serving.cli import build_parser, main
@@ -98,6 +99,22 @@ def test_command_line_errors_are_one_line_and_a_hint(capsys):
     assert exit_.value.code == 2
     error, hint = _error_lines(capsys)
     assert "unrecognized arguments: --no-such-option" in error and "--help" in hint
+
+    # Said in the options' terms before anything starts (issue 40: a torch internal, a bare ValueError,
+    # "pass load_format='dummy'")
+    assert main(["generate", "--tp", "3"]) == 2
+    assert _error_lines(capsys) == ["tp-overlap generate: error: --tp 3 does not divide the model's 4 attention "
+                                    "heads, 2 KV heads, 256 MLP columns (intermediate_size); --tp can be 1, 2"]
+    assert main(["serve", "--tp", "3"]) == 2 and "--tp 3 does not divide" in _error_lines(capsys)[0]
+    assert main(["serve", "--model", "llama-3-8b"]) == 2
+    error, hint = _error_lines(capsys)
+    assert error.startswith("tp-overlap serve: error: --model llama-3-8b: no weights (*.safetensors) in ")
+    assert hint == "  hint: --load-format dummy runs it with random weights"
+    if not torch.cuda.is_available():
+        assert main(["serve", "--device", "cuda"]) == 2
+        error, hint = _error_lines(capsys)
+        assert error.startswith("tp-overlap serve: error: --device cuda: torch sees no GPU on this machine"), error
+        assert "--device cpu" in hint
 
     # --debug: the exception itself, traceback and all
     with pytest.raises(CliError, match="not valid JSON"):

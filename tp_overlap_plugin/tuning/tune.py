@@ -29,6 +29,7 @@ import datetime
 import json
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,6 +188,9 @@ def _bar(ctx, phase: str, total: int, done: int):
         from tqdm import tqdm
     except ImportError:
         return _Lines(phase, total, done)
+    # A thread lock: tqdm's default one adds a multiprocessing semaphore, which this rank's os._exit leaks
+    # (the resource tracker then warns as tune ends).
+    tqdm.set_lock(threading.RLock())
     return tqdm(total=total, initial=done, desc=f"{phase:>12s}", unit="row", file=sys.stderr, dynamic_ncols=True,
                 bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]")
 
@@ -576,8 +580,9 @@ def _finish(plan: Plan, device_name: str, summary: dict | None, interrupted: str
                   file=sys.stderr)
     took = time.monotonic() - t0
     if interrupted:
-        print(f"tp-overlap tune: {interrupted} after {took:.0f} s; the rows measured so far are kept in the cache, "
-              f"and `tp-overlap tune --tp {world} --model {model}` resumes from there.", file=sys.stderr)
+        error = "" if interrupted.startswith("interrupted") else "error: "
+        print(f"tp-overlap tune: {error}{interrupted} after {took:.0f} s; the rows measured so far are kept in the "
+              f"cache, and `tp-overlap tune --tp {world} --model {model}` resumes from there.", file=sys.stderr)
         return 130 if interrupted.startswith("interrupted") else 1
     stopped = summary is not None and any(s["stopped"] for s in summary["phases"].values())
     print(f"tp-overlap tune: done in {took:.0f} s" + (" (budget reached: run it again to measure the rest)"
