@@ -13,11 +13,12 @@ import functools
 import json
 import math
 import sys
+import typing
 from typing import NoReturn, Optional
 
 from pydantic import ValidationError
 
-from .config import EngineConfig, MissingWeights
+from .config import EngineConfig, MissingWeights, TPOverlapConfig
 
 DEBUG_HINT = "--debug shows the traceback"
 
@@ -103,9 +104,27 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                    help="launch step i+1 before step i's tokens reach the host (the host works while the GPU does)")
     g.add_argument("--tp-overlap", action="store_true",
-                   help="overlapped TP kernels over the symmetric heap (also: TP_OVERLAP=1)")
+                   help="overlapped TP kernels over the symmetric heap (also: TP_OVERLAP=1). Each op takes the path "
+                        "a dispatch table measured on this device and TP size chose: until `tp-overlap tune` has made "
+                        "one here (or one ships for it, tp_overlap_plugin/dispatch_tables/), the flag runs the stock "
+                        "path, and says so at start-up")
     g.add_argument("--tp-overlap-config", default=None, metavar="JSON",
-                   help='sub-config, e.g. \'{"dispatch": "overlap", "heap_size": 1073741824}\'; implies --tp-overlap')
+                   help="the flag's options as a JSON object, e.g. '{\"dispatch\": \"overlap\", \"heap_size\": "
+                        f"1073741824}}'; implies --tp-overlap. Keys: {_tp_overlap_keys()}")
+
+
+def _tp_overlap_keys() -> str:
+    """--tp-overlap-config's keys for --help, from the options' own model (so that the two cannot drift)."""
+    parts = []
+    for name, f in TPOverlapConfig.model_fields.items():
+        if name == "enabled":
+            continue
+        kind = typing.get_args(f.annotation) if typing.get_origin(f.annotation) is typing.Literal else None
+        values = " | ".join(f'"{v}"' for v in kind) if kind else {int: "int", float: "float", str: "str"}.get(
+            next((t for t in typing.get_args(f.annotation) or (f.annotation,) if t is not type(None)), None), "")
+        default = f", default {json.dumps(f.default)}" if f.default is not None else ""
+        parts.append(f"{name} ({values}{default}): {f.description}.")
+    return " ".join(parts)
 
 
 # EngineConfig field -> the option that sets it, so that a validation error names what the user typed.
