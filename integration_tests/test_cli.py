@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tp_overlap_plugin.serving.args import CliError
 from tp_overlap_plugin.serving.cli import build_parser, main
@@ -77,6 +78,22 @@ def test_every_subcommand_help_shows_the_defaults():
     assert "see above" not in leaves[("bench", "serve")].format_help()
 
 
+def test_serve_help_explains_the_flag(monkeypatch):
+    # issue 40: --help named neither --tp-overlap-config's keys nor that the flag runs stock until `tune`
+    from tp_overlap_plugin.serving.config import TPOverlapConfig
+
+    monkeypatch.setenv("COLUMNS", "10000")     # nothing wrapped at a hyphen
+    leaves = dict(_leaf_parsers(build_parser()))
+    for command in (("serve",), ("generate",)):
+        text = " ".join(leaves[command].format_help().split())
+        flag = text.split("--tp-overlap ", 1)[1].split(" --")[0]
+        assert "until `tp-overlap tune` has made one here" in flag and "runs the stock path" in flag
+        options = text.split("--tp-overlap-config JSON ", 1)[1]
+        for key in set(TPOverlapConfig.model_fields) - {"enabled"}:
+            assert f" {key} (" in options, key
+        assert 'dispatch ("table" | "overlap" | "stock", default "table")' in options
+
+
 def test_command_line_errors_are_one_line_and_a_hint(capsys):
     # Each of these printed a traceback, or the whole usage block.
     assert main(["serve", "--tp-overlap-config", "notjson"]) == 2
@@ -98,6 +115,22 @@ def test_command_line_errors_are_one_line_and_a_hint(capsys):
     assert exit_.value.code == 2
     error, hint = _error_lines(capsys)
     assert "unrecognized arguments: --no-such-option" in error and "--help" in hint
+
+    # Said in the options' terms before anything starts (issue 40: a torch internal, a bare ValueError,
+    # "pass load_format='dummy'")
+    assert main(["generate", "--tp", "3"]) == 2
+    assert _error_lines(capsys) == ["tp-overlap generate: error: --tp 3 does not divide the model's 4 attention "
+                                    "heads, 2 KV heads, 256 MLP columns (intermediate_size); --tp can be 1, 2"]
+    assert main(["serve", "--tp", "3"]) == 2 and "--tp 3 does not divide" in _error_lines(capsys)[0]
+    assert main(["serve", "--model", "llama-3-8b"]) == 2
+    error, hint = _error_lines(capsys)
+    assert error.startswith("tp-overlap serve: error: --model llama-3-8b: no weights (*.safetensors) in ")
+    assert hint == "  hint: --load-format dummy runs it with random weights"
+    if not torch.cuda.is_available():
+        assert main(["serve", "--device", "cuda"]) == 2
+        error, hint = _error_lines(capsys)
+        assert error.startswith("tp-overlap serve: error: --device cuda: torch sees no GPU on this machine"), error
+        assert "--device cpu" in hint
 
     # --debug: the exception itself, traceback and all
     with pytest.raises(CliError, match="not valid JSON"):
@@ -143,3 +176,21 @@ def test_serve_checks_its_port_before_loading_the_engine(monkeypatch, capsys):
         assert main(["serve", "--port", str(port)]) == 1
     error, hint = _error_lines(capsys)
     assert error == f"tp-overlap serve: error: the server could not listen on 127.0.0.1:{port}: Address already in use"
+
+
+def test_readme_installs_from_the_checkout_and_has_a_gpu_quick_start():
+    """Issue 40: the vLLM section installed `tp-overlap` from the package index, where it is not; the one
+    quick start replaced a GPU machine's torch; nothing said how long pytest takes or how to run one file."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    installs = re.findall(r"pip install [^\n`&#]*", readme)
+    from_index = [line for line in installs if re.search(r"(?<![/\w.-])tp-overlap(?![/\w-])", line)]
+    assert installs and not from_index, from_index
+    quick = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", quick, re.DOTALL)
+    gpu = next(b for b in blocks if "--tp-overlap" in b)
+    assert "pip install -e" in gpu and "torch" not in gpu.split("#")[0] and "tp-overlap tune" in gpu
+    assert re.search(r"suite takes about \d+ minutes", quick) and "pytest integration_tests/test_" in quick
+

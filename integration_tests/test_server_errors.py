@@ -191,8 +191,13 @@ def test_context_limits_are_named(server):
     long_prompt = "x" * 100          # byte tokenizer: 101 tokens with BOS, over max_model_len=64
     for stream in (False, True):
         err = _assert_error(_post(server, "/v1/completions", {"prompt": long_prompt, "stream": stream}), 400,
-                            "64 tokens (max_model_len)", "101 prompt tokens", "max_tokens=16")
+                            "64 tokens (max_model_len)", "101 prompt tokens", "max_tokens=16",
+                            "shorten the prompt to at most 48 tokens", param="prompt")
         assert err["code"] == "context_length_exceeded"
+    # (issue 40: a prompt longer than the context named max_tokens, and said to lower it)
+    _assert_error(_post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 80}],
+                                                         "max_tokens": 4}),
+                  400, "shorten the messages to at most 60 tokens", param="messages")
     _assert_error(_post(server, "/v1/completions", {"prompt": "x" * 40, "max_tokens": 30}), 400,
                   "needs 71", "41 prompt tokens + max_tokens=30", param="max_tokens")
     ok = _post(server, "/v1/completions", {"prompt": "x" * 40, "max_tokens": 23, "ignore_eos": True})

@@ -134,12 +134,14 @@ def test_non_streaming_client_disconnect_aborts(server):
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
 def test_bench_serve_reports_throughput_and_latencies(server, tmp_path, capsys, endpoint):
     out = tmp_path / "bench.json"
-    rc = cli_main(["bench", "serve", "--base-url", server.url, "--endpoint", endpoint, "--num-prompts", "12",
+    # (chat: the base URL as OpenAI clients take it, with /v1, as in the README's client example)
+    base = server.url + ("/v1" if endpoint == "/v1/chat/completions" else "")
+    rc = cli_main(["bench", "serve", "--base-url", base, "--endpoint", endpoint, "--num-prompts", "12",
                    "--random-input-len", "32", "--random-output-len", "8", "--max-concurrency", "4",
                    "--request-rate", "40", "--seed", "1", "--result-file", str(out), "--save-detailed"])
     assert rc == 0, capsys.readouterr().out
     res = json.loads(out.read_text())
-    assert res["completed"] == 12 and res["failed"] == 0 and res["model"] == "demo"
+    assert res["completed"] == 12 and res["failed"] == 0 and res["model"] == "demo" and res["base_url"] == server.url
     assert res["total_output_tokens"] == 12 * 8
     if endpoint == "/v1/completions":
         assert res["total_input_tokens"] == 12 * 32     # token-id prompts: exact lengths

@@ -13,6 +13,7 @@ budget), where it then loses replicated too, so 16-token steps are served stock.
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -57,6 +58,7 @@ def tuned(tmp_path_factory):
 @pytest.mark.timeout(600)  # with the module's tune run
 def test_tune_prints_its_estimate_first_and_writes_the_tables(tuned):
     cache, proc = tuned
+    assert "leaked semaphore" not in proc.stderr, proc.stderr[-2000:]
     first = proc.stderr.strip().splitlines()[0]
     assert first.startswith("tp-overlap tune: demo at TP=2 on cpu (quick)") and "estimated" in first, first
     table = json.loads((cache / "dispatch" / "cpu-tp2.json").read_text())
@@ -86,6 +88,9 @@ def test_tune_prints_its_estimate_first_and_writes_the_tables(tuned):
                                                                        "stock"]
     assert d.step_runs(16, DEMO_OPS[2:]) == "stock"   # vLLM's question: its row layers' ops only
     assert "## The engine's verdict" in evidence and "# This run: wall time per phase" in evidence
+    # CPU rows are a smoke run, not CUDA-graph timings of a GPU; no heading without rows under it
+    assert "CUDA graph" not in evidence and "one GPU" not in evidence and "0/0 shapes" not in evidence
+    assert not re.search(r"^#+ .*\n+(#|\Z)", evidence, re.MULTILINE), evidence
     # a second run resumes: nothing is measured again
     again = _tune(cache, "--tp", "2", "--quick", "--device", "cpu", "--model", "demo", "--margin", "0",
                   "--engine-margin", "1.01")
@@ -180,6 +185,12 @@ def test_corrupt_stale_and_other_device_tables_warn_and_never_fail(cache):
     (w,) = d.warnings
     assert d.source.startswith("shipped table") and "measured on NVIDIA H200, on a different device" in w
 
+    # no shipped table behind a corrupt cached one: the second warning says so, not that the cache lacks it
+    _put(cache / "dispatch" / "cpu-tp2.json", "{")
+    skipped, none = Dispatcher.load("table", "cpu", 2).startup_warnings("cpu", 2)
+    assert "not a readable JSON table" in skipped and "no cpu-tp2.json in the cache" not in none
+    assert f"the cached {cache / 'dispatch' / 'cpu-tp2.json'} does not read, and none is shipped" in none
+
     # the GEMM config table likewise: a corrupt cached one falls back to the shipped one
     from tp_overlap_plugin import gemm_config
     _put(cache / "gemm" / "h200.json", "[]")
@@ -218,7 +229,8 @@ def test_an_unwritable_cache_is_a_clear_error_before_measuring(tmp_path):
     finally:
         os.chmod(ro, 0o755)
     assert proc.returncode == 1
-    assert f"the tp-overlap cache {target} is not writable" in proc.stderr and "TP_OVERLAP_CACHE" in proc.stderr
+    assert f"tp-overlap tune: error: the tp-overlap cache {target} is not writable" in proc.stderr
+    assert "TP_OVERLAP_CACHE" in proc.stderr
     assert "estimated" not in proc.stderr                      # nothing was started
     assert json.loads(keep.read_text()) == _table()           # and nothing lost
 

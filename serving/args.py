@@ -9,13 +9,16 @@ and bench_offline.py do not import each other.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import sys
+import typing
 from typing import NoReturn, Optional
 
 from pydantic import ValidationError
 
-from .config import EngineConfig
+from .config import EngineConfig, MissingWeights, TPOverlapConfig
 
 DEBUG_HINT = "--debug shows the traceback"
 
@@ -101,9 +104,27 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                    help="launch step i+1 before step i's tokens reach the host (the host works while the GPU does)")
     g.add_argument("--tp-overlap", action="store_true",
-                   help="overlapped TP kernels over the symmetric heap (also: TP_OVERLAP=1)")
+                   help="overlapped TP kernels over the symmetric heap (also: TP_OVERLAP=1). Each op takes the path "
+                        "a dispatch table measured on this device and TP size chose: until `tp-overlap tune` has made "
+                        "one here (or one ships for it, tp_overlap_plugin/dispatch_tables/), the flag runs the stock "
+                        "path, and says so at start-up")
     g.add_argument("--tp-overlap-config", default=None, metavar="JSON",
-                   help='sub-config, e.g. \'{"dispatch": "overlap", "heap_size": 1073741824}\'; implies --tp-overlap')
+                   help="the flag's options as a JSON object, e.g. '{\"dispatch\": \"overlap\", \"heap_size\": "
+                        f"1073741824}}'; implies --tp-overlap. Keys: {_tp_overlap_keys()}")
+
+
+def _tp_overlap_keys() -> str:
+    """--tp-overlap-config's keys for --help, from the options' own model (so that the two cannot drift)."""
+    parts = []
+    for name, f in TPOverlapConfig.model_fields.items():
+        if name == "enabled":
+            continue
+        kind = typing.get_args(f.annotation) if typing.get_origin(f.annotation) is typing.Literal else None
+        values = " | ".join(f'"{v}"' for v in kind) if kind else {int: "int", float: "float", str: "str"}.get(
+            next((t for t in typing.get_args(f.annotation) or (f.annotation,) if t is not type(None)), None), "")
+        default = f", default {json.dumps(f.default)}" if f.default is not None else ""
+        parts.append(f"{name} ({values}{default}): {f.description}.")
+    return " ".join(parts)
 
 
 # EngineConfig field -> the option that sets it, so that a validation error names what the user typed.
@@ -145,13 +166,52 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     elif a.tp_overlap:
         extra["tp_overlap"] = True
     try:
-        return EngineConfig(**extra, model=a.model, tokenizer=a.tokenizer, tensor_parallel_size=a.tp,
-                            load_format=a.load_format, dtype=a.dtype, device=a.engine_device,
-                            max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
-                            max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
-                            gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_bytes=a.kv_cache_bytes,
-                            num_kv_blocks=a.num_kv_blocks, seed=a.seed, enforce_eager=a.enforce_eager,
-                            piecewise_cuda_graphs=a.piecewise_cuda_graphs,
-                            async_scheduling=a.async_scheduling)
+        cfg = EngineConfig(**extra, model=a.model, tokenizer=a.tokenizer, tensor_parallel_size=a.tp,
+                           load_format=a.load_format, dtype=a.dtype, device=a.engine_device,
+                           max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+                           max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
+                           gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_bytes=a.kv_cache_bytes,
+                           num_kv_blocks=a.num_kv_blocks, seed=a.seed, enforce_eager=a.enforce_eager,
+                           piecewise_cuda_graphs=a.piecewise_cuda_graphs,
+                           async_scheduling=a.async_scheduling)
     except ValidationError as e:
         raise CliError(describe_validation_error(e), hint="--help lists the options and their defaults") from None
+    check_engine_config(cfg)
+    return cfg
+
+
+def check_engine_config(cfg: EngineConfig) -> None:
+    """What the engine would refuse only after spawning its processes (or loading weights), found first and
+    said in the options' terms: --device cuda without a GPU, a --tp that does not divide the model, a model
+    directory without weights."""
+    import torch
+
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        gpu_build = torch.version.cuda or torch.version.hip
+        build = "" if gpu_build else f" (torch {torch.__version__} is built without CUDA)"
+        raise CliError(f"--device cuda: torch sees no GPU on this machine{build}",
+                       hint="--device cpu (or no --device) runs on the CPU")
+    try:
+        mcfg = cfg.load_model_config()
+    except (FileNotFoundError, ValueError) as e:
+        raise CliError(str(e)) from None     # (it names the model)
+    check_tp_option(mcfg, cfg.tensor_parallel_size)
+    try:
+        cfg.effective_load_format()
+    except MissingWeights as e:
+        raise CliError(f"--model {cfg.model}: no weights (*.safetensors) in {e.directory}",
+                       hint="--load-format dummy runs it with random weights") from None
+    except FileNotFoundError as e:
+        raise CliError(str(e)) from None
+
+
+def check_tp_option(mcfg, tp: int) -> None:
+    """CliError unless --tp `tp` divides the head counts and MLP width of `mcfg` (a ModelConfig), listing
+    the sizes that do."""
+    sizes = {"attention heads": mcfg.num_heads, "KV heads": mcfg.num_kv_heads,
+             "MLP columns (intermediate_size)": mcfg.intermediate_size}
+    bad = [f"{n} {what}" for what, n in sizes.items() if n % tp]
+    if bad:
+        common = functools.reduce(math.gcd, sizes.values())
+        fits = [str(d) for d in range(1, min(common, 64) + 1) if common % d == 0]
+        raise CliError(f"--tp {tp} does not divide the model's {', '.join(bad)}; --tp can be {', '.join(fits)}")

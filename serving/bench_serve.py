@@ -40,7 +40,9 @@ from .workloads import lognormal_lengths
 
 def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("target")
-    g.add_argument("--base-url", default=None, help="server URL, e.g. http://10.0.0.5:8000 (default: --host/--port)")
+    g.add_argument("--base-url", default=None,
+                   help="server URL, e.g. http://10.0.0.5:8000 (or the OpenAI client's http://10.0.0.5:8000/v1; "
+                        "default: --host/--port)")
     g.add_argument("--host", default="127.0.0.1", help="server host, when no --base-url")
     g.add_argument("--port", type=int, default=8000, help="server port, when no --base-url")
     g.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"],
@@ -192,6 +194,13 @@ _SERVER_HINT = ("start a server first (`tp-overlap serve`, in another terminal),
                 "--host/--port at one")
 
 
+def server_root(url: str) -> str:
+    """The server's root URL: OpenAI clients take it with `/v1` (the README's client example does), and the
+    routes here add that themselves."""
+    url = url.rstrip("/")
+    return url[:-len("/v1")] if url.endswith("/v1") else url
+
+
 async def _first_model(client, base: str, headers: dict) -> str:
     """The first model the server lists, or CliError naming what went wrong."""
     import httpx
@@ -204,6 +213,9 @@ async def _first_model(client, base: str, headers: dict) -> str:
     if r.status_code == 401:
         raise CliError(f"{base}/v1/models answered 401 (the server wants an API key)",
                        hint="pass --api-key, or set TP_OVERLAP_API_KEY", status=1)
+    if r.status_code == 404:
+        raise CliError(f"{base}/v1/models answered 404: that is no OpenAI-compatible server's root URL",
+                       hint="point --base-url at the server's root, e.g. http://127.0.0.1:8000", status=1)
     try:
         r.raise_for_status()
         return r.json()["data"][0]["id"]
@@ -217,7 +229,7 @@ async def run_benchmark(a: argparse.Namespace) -> dict:
 
     from tqdm import tqdm
 
-    base = (a.base_url or f"http://{a.host}:{a.port}").rstrip("/")
+    base = server_root(a.base_url or f"http://{a.host}:{a.port}")
     api_key = a.api_key or os.environ.get("TP_OVERLAP_API_KEY") or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limit = a.max_concurrency or a.num_prompts

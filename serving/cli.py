@@ -17,8 +17,8 @@ import sys
 import time
 from typing import Optional
 
-from .args import (DEBUG_HINT, CliError, Parser, add_debug_arg, add_engine_args, describe_validation_error,
-                   engine_config_from_args, report_error)
+from .args import (DEBUG_HINT, CliError, Parser, add_debug_arg, add_engine_args, check_tp_option,
+                   describe_validation_error, engine_config_from_args, report_error)
 from .config import SamplingParams
 
 
@@ -156,14 +156,12 @@ def _tune(args) -> int:
     try:  # before anything is measured: a cache it cannot write would lose the run
         tables.writable_or_raise(tables.cache_dir())
     except PermissionError as e:
-        print(f"tp-overlap tune: {e}", file=sys.stderr)
-        return 1
+        raise CliError(str(e), status=1) from None
 
     try:
         mcfg = EngineConfig(model=args.model).load_model_config()
     except (FileNotFoundError, ValueError) as e:
-        print(f"tp-overlap tune: {e}", file=sys.stderr)
-        return 2
+        raise CliError(str(e)) from None
     import torch
 
     from tp_overlap_plugin.tuning.shapes import ModelDims
@@ -171,15 +169,9 @@ def _tune(args) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and torch.cuda.device_count() < args.tp:
-        print(f"tp-overlap tune: --tp {args.tp} needs {args.tp} GPUs on this machine, found "
-              f"{torch.cuda.device_count()}", file=sys.stderr)
-        return 2
+        raise CliError(f"--tp {args.tp} needs {args.tp} GPUs on this machine, found {torch.cuda.device_count()}")
+    check_tp_option(mcfg, args.tp)
     dims = ModelDims.of(mcfg)
-    try:
-        dims.check_tp(args.tp)
-    except ValueError as e:
-        print(f"tp-overlap tune: {e}", file=sys.stderr)
-        return 2
     label = os.path.basename(os.path.normpath(args.model))
     return run(label, dims, args.tp, device, quick=args.quick, budget_min=args.budget_min, force=args.force,
                margin=args.margin, engine_margin=args.engine_margin, model_spec=args.model,

@@ -247,7 +247,15 @@ class EngineConfig(BaseModel):
             return self.load_format
         if any(d.glob("*.safetensors")):
             return "safetensors"
-        raise FileNotFoundError(f"no *.safetensors in {d}; pass load_format='dummy' for random weights")
+        raise MissingWeights(d)
+
+
+class MissingWeights(FileNotFoundError):
+    """A model directory without weights (a shipped config has none); `directory` is where they were sought."""
+
+    def __init__(self, directory: Path):
+        super().__init__(f"no *.safetensors in {directory}; pass load_format='dummy' for random weights")
+        self.directory = directory
 
 
 # vLLM's default cap (--max-logprobs) and OpenAI's chat limit: a top-k this wide is one small topk per step.

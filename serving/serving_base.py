@@ -114,8 +114,16 @@ class OpenAIServing:
             return plain
         return with_special
 
-    def _check_context(self, n_prompt: int, max_tokens: int, param: str) -> None:
+    def _check_context(self, n_prompt: int, max_tokens: int, param: str, prompt_param: str) -> None:
+        """A 400 naming what to change when the prompt and `param`=max_tokens do not fit the context: the
+        prompt (`prompt_param`) when it alone leaves no room, else either."""
         limit = self.max_model_len
+        if n_prompt >= limit:
+            raise ApiError(400, f"{n_prompt} prompt tokens leave no room for a reply in this model's context of "
+                                f"{limit} tokens (max_model_len), and the request asks for {n_prompt} prompt tokens "
+                                f"+ {param}={max_tokens}; shorten the {prompt_param} to at most "
+                                f"{max(limit - max_tokens, 1)} tokens", param=prompt_param,
+                           code="context_length_exceeded")
         if n_prompt + max_tokens > limit:
             raise ApiError(400, f"this model's context is {limit} tokens (max_model_len) but the request needs "
                                 f"{n_prompt + max_tokens}: {n_prompt} prompt tokens + {param}={max_tokens}; "

@@ -42,7 +42,7 @@ class OpenAIServingChat(OpenAIServing):
                                param="messages", code="context_length_exceeded")
             max_tokens = self.max_model_len - len(ids)
         else:
-            self._check_context(len(ids), requested, param)
+            self._check_context(len(ids), requested, param, "messages")
             max_tokens = requested
         kw = dict(req.sampling_kwargs(), max_tokens=max_tokens, logprobs=req.logprobs,
                   top_logprobs=req.top_logprobs or 0)

@@ -23,7 +23,7 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, (_, ids) in enumerate(prompts):
             if not ids:
                 raise ApiError(400, f"prompt {i} is empty; at least one token is required", param="prompt")
-            self._check_context(len(ids), req.max_tokens, "max_tokens")
+            self._check_context(len(ids), req.max_tokens, "max_tokens", "prompt")
         want_lp = req.logprobs is not None
         kw = dict(req.sampling_kwargs(), max_tokens=req.max_tokens, logprobs=want_lp,
                   top_logprobs=req.logprobs or 0, prompt_logits=req.echo and want_lp)

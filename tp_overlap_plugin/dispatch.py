@@ -108,10 +108,13 @@ class Dispatcher:
         """The start-up warning for a flag that, for want of a table, changes nothing here."""
         if self.mode != "table" or self.missing is None:
             return None
-        return (f"tp_overlap: no dispatch table for {device_name} at TP={world} (no {self.missing} in the cache "
-                f"{tables.cache_dir() / 'dispatch'} nor shipped), so the flag runs the stock path for every op on "
-                f"this device. Run `{tables.tune_command(world, model)}` on this machine to measure one; or set "
-                f"the tp_overlap option \"dispatch\": \"overlap\" to force our kernels.")
+        cached = tables.cache_dir() / "dispatch" / self.missing
+        # (a cached table that exists but does not read was skipped with a warning of its own)
+        where = (f"the cached {cached} does not read, and none is shipped" if cached.exists()
+                 else f"no {self.missing} in the cache {cached.parent} nor shipped")
+        return (f"tp_overlap: no dispatch table for {device_name} at TP={world} ({where}), so the flag runs "
+                f"the stock path for every op on this device. Run `{tables.tune_command(world, model)}` on this "
+                f"machine to measure one; or set the tp_overlap option \"dispatch\": \"overlap\" to force our kernels.")
 
     def missing_shapes(self, ops: Iterable[tuple[str, int, int]], world: int) -> list[tuple[str, int, int]]:
         """Which of a model's local matmuls (layer, K, N), as one rank holds them, the table has no row

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 from tp_overlap_plugin import tables
@@ -42,6 +43,9 @@ def _bar(ctx, phase: str, total: int, done: int):
         from tqdm import tqdm
     except ImportError:
         return _Lines(phase, total, done)
+    # A thread lock: tqdm's default one adds a multiprocessing semaphore, which this rank's os._exit leaks
+    # (the resource tracker then warns as tune ends).
+    tqdm.set_lock(threading.RLock())
     return tqdm(total=total, initial=done, desc=f"{phase:>12s}", unit="row", file=sys.stderr, dynamic_ncols=True,
                 bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]")
 

@@ -153,8 +153,9 @@ def _finish(plan: Plan, device_name: str, summary: dict, interrupted: str | None
               f"{s['wall_s']:.0f} s{note}", file=sys.stderr)
     took = time.monotonic() - t0
     if interrupted:
-        print(f"tp-overlap tune: {interrupted} after {took:.0f} s; the rows measured so far are kept in the cache, "
-              f"and `tp-overlap tune --tp {world} --model {model}` resumes from there.", file=sys.stderr)
+        error = "" if interrupted.startswith("interrupted") else "error: "
+        print(f"tp-overlap tune: {error}{interrupted} after {took:.0f} s; the rows measured so far are kept in the "
+              f"cache, and `tp-overlap tune --tp {world} --model {model}` resumes from there.", file=sys.stderr)
         return 130 if interrupted.startswith("interrupted") else 1
     stopped = any(s["stopped"] for s in summary["phases"].values())
     print(f"tp-overlap tune: done in {took:.0f} s" + (" (stopped early: run it again to measure the rest)"
