@@ -111,11 +111,11 @@ def build_table(rows: list[dict], candidates: dict, env: dict, command: str) -> 
     return table
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], timed: str = "CUDA graphs") -> str:
     """Per (M, K, N): F.linear, the best candidate, and every candidate (µs); the failures."""
     rows = sorted(rows, key=lambda r: (r["K"], r["N"], r["M"]))
     labels = list(dict.fromkeys(lb for r in rows for lb in r["us"]))
-    md = "## Per shape: the fastest candidate against F.linear (µs per call, CUDA graphs)\n\n" + md_table(
+    md = f"## Per shape: the fastest candidate against F.linear (µs per call, {timed})\n\n" + md_table(
         ["layers", "M", "K", "N", "F.linear", "best", "config", "F.linear/best"],
         [[", ".join(r["names"]), r["M"], r["K"], r["N"], r["cublas_us"], r["us"][r["best"]] if r["best"] else "-",
           r["best"] or "-", r["cublas_us"] / r["us"][r["best"]] if r["best"] else "-"] for r in rows])

@@ -269,8 +269,9 @@ def _all_reduce_markdown(t: dict) -> str:
 
 def engine_markdown(t: dict) -> str:
     spread = any("ratio" in r for r in t["engine"])
-    md = (f"\n## The engine's verdict: whole steps, stock engine against the flag (ms per step, CUDA graphs as "
-          f"served)\n\nA step size keeps the flag only where its step beat stock's by {t['engine_margin']}x in every "
+    timed = "one eager step each, CPU" if t["device"] == "cpu" else "CUDA graphs as served"
+    md = (f"\n## The engine's verdict: whole steps, stock engine against the flag (ms per step, {timed})"
+          f"\n\nA step size keeps the flag only where its step beat stock's by {t['engine_margin']}x in every "
           "interleaved repeat; else the flag's ops in the replicated layout where they did (measured where the flag's "
           "step was sequence-parallel), else it runs stock. Between measured sizes a step runs as the more cautious of "
           "its neighbours.\n\n")
