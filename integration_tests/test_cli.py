@@ -80,7 +80,9 @@ def test_every_subcommand_help_shows_the_defaults():
 
 def test_serve_help_explains_the_flag(monkeypatch):
     # issue 40: --help named neither --tp-overlap-config's keys nor that the flag runs stock until `tune`
-    from tp_overlap_plugin.serving.config import TPOverlapConfig
+    import dataclasses
+
+    from tp_overlap_plugin.options import TPOverlapOptions
 
     monkeypatch.setenv("COLUMNS", "10000")     # nothing wrapped at a hyphen
     leaves = dict(_leaf_parsers(build_parser()))
@@ -89,7 +91,7 @@ def test_serve_help_explains_the_flag(monkeypatch):
         flag = text.split("--tp-overlap ", 1)[1].split(" --")[0]
         assert "until `tp-overlap tune` has made one here" in flag and "runs the stock path" in flag
         options = text.split("--tp-overlap-config JSON ", 1)[1]
-        for key in set(TPOverlapConfig.model_fields) - {"enabled"}:
+        for key in {f.name for f in dataclasses.fields(TPOverlapOptions)} - {"enabled"}:
             assert f" {key} (" in options, key
         assert 'dispatch ("table" | "overlap" | "stock", default "table")' in options
 

@@ -9,6 +9,7 @@ and bench_offline.py do not import each other.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -18,7 +19,7 @@ from typing import NoReturn, Optional
 
 from pydantic import ValidationError
 
-from .config import EngineConfig, MissingWeights, TPOverlapConfig
+from .config import EngineConfig, MissingWeights
 
 DEBUG_HINT = "--debug shows the traceback"
 
@@ -115,15 +116,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def _tp_overlap_keys() -> str:
     """--tp-overlap-config's keys for --help, from the options' own model (so that the two cannot drift)."""
+    from tp_overlap_plugin.options import TPOverlapOptions
+
+    hints = typing.get_type_hints(TPOverlapOptions)
     parts = []
-    for name, f in TPOverlapConfig.model_fields.items():
-        if name == "enabled":
+    for f in dataclasses.fields(TPOverlapOptions):
+        if f.name == "enabled":
             continue
-        kind = typing.get_args(f.annotation) if typing.get_origin(f.annotation) is typing.Literal else None
-        values = " | ".join(f'"{v}"' for v in kind) if kind else {int: "int", float: "float", str: "str"}.get(
-            next((t for t in typing.get_args(f.annotation) or (f.annotation,) if t is not type(None)), None), "")
+        annotation = hints[f.name]
+        optional = typing.get_origin(annotation) is typing.Union
+        inner = [t for t in typing.get_args(annotation) if t is not type(None)] if optional else [annotation]
+        literal = next((t for t in inner if typing.get_origin(t) is typing.Literal), None)
+        values = (" | ".join(f'"{v}"' for v in typing.get_args(literal)) if literal is not None
+                  else {int: "int", float: "float", str: "str"}.get(inner[0], ""))
         default = f", default {json.dumps(f.default)}" if f.default is not None else ""
-        parts.append(f"{name} ({values}{default}): {f.description}.")
+        parts.append(f"{f.name} ({values}{default}): {f.metadata['help']}.")
     return " ".join(parts)
 
 

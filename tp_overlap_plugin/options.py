@@ -38,6 +38,11 @@ _OFF = ("0", "false", "off", "no")
 _ON = ("1", "true", "on", "yes")
 
 
+def _option(default, help: str):
+    """A field with its one description, which --help prints (serving/args.py)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclasses.dataclass(frozen=True)
 class TPOverlapOptions:
     """What the flag does, where it is on. Every field means the same in both adapters."""
@@ -46,20 +51,18 @@ class TPOverlapOptions:
     __pydantic_config__ = {"extra": "forbid"}
 
     enabled: bool = True
-    # symmetric heap bytes per rank; default: what the layers allocate (heap_bytes)
-    heap_size: Optional[int] = None
-    # seconds a kernel waits on a peer before it gives up and the step fails; default
-    # TP_OVERLAP_HEAP_TIMEOUT_S or 60 (heap.DEFAULT_HEAP_TIMEOUT_S)
-    heap_timeout_s: Optional[float] = None
-    # table: the measured choice per op and size for this device and TP size (stock where
-    # unmeasured); overlap: always our kernels; stock: never (tp_overlap_plugin/dispatch.py)
-    dispatch: Literal["table", "overlap", "stock"] = "table"
-    # a dispatch table JSON to use instead of the cached or shipped one
-    dispatch_table: Optional[str] = None
-    # the heap backend (heap.py); default per device: torch on CUDA, ipc on ROCm, shm on the CPU
-    backend: Optional[Literal["torch", "ipc", "shm"]] = None
-    # the largest message our all-reduce takes; larger ones take the stock all-reduce
-    max_bytes: int = DEFAULT_MAX_BYTES
+    heap_size: Optional[int] = _option(None, "symmetric heap bytes per rank; default: what the layers allocate "
+                                             "(heap_bytes)")
+    heap_timeout_s: Optional[float] = _option(None, "seconds a kernel waits on a peer before it gives up and the "
+                                                    "step fails; default TP_OVERLAP_HEAP_TIMEOUT_S or 60")
+    dispatch: Literal["table", "overlap", "stock"] = _option(
+        "table", "table: the measured choice per op and size for this device and TP size (stock where "
+                 "unmeasured); overlap: always our kernels; stock: never")
+    dispatch_table: Optional[str] = _option(None, "a dispatch table JSON to use instead of the cached or shipped one")
+    backend: Optional[Literal["torch", "ipc", "shm"]] = _option(
+        None, "the heap backend; default per device: torch on CUDA, ipc on ROCm, shm on the CPU")
+    max_bytes: int = _option(DEFAULT_MAX_BYTES, "the largest message our all-reduce takes; larger ones take the "
+                                                "stock all-reduce")
 
     def __post_init__(self):
         def bad(name: str, rule: str):
