@@ -159,7 +159,7 @@ def test_serve_on_a_busy_port_ends_with_one_error_line():
 def test_serve_checks_its_port_before_loading_the_engine(monkeypatch, capsys):
     import socket
 
-    from tp_overlap_plugin.serving import engine
+    from tp_overlap_plugin.serving.engine import async_llm as engine
 
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--port", "99999"])

@@ -48,7 +48,7 @@ def build_tables(device_name: str, world: int, plan: Plan, summary: dict | None 
     if summary:
         md += run_markdown(plan, summary)
     stem = tables.cache_dir() / "evidence" / f"{tables.device_key(device_name)}-tp{world}"
-    tables.write_atomic(stem.with_suffix(".md"), _header(table, plan) + md)
+    tables.write_atomic(stem.with_suffix(".md"), drop_empty_sections(_header(table, plan) + md))
     out["evidence"] = stem.with_suffix(".md")
     png = _chart(table, stem.with_suffix(".png"))
     out["png"] = png or "no PNG: matplotlib is not installed (pip install matplotlib)"
@@ -174,3 +174,22 @@ def _chart(table: dict, path: Path) -> str | None:
     return str(path)
 
 
+def drop_empty_sections(md: str) -> str:
+    """The evidence without headings that have nothing under them: a heading whose next non-blank line
+    is a heading of its level or above, or the end (a CPU smoke run leaves whole tables empty). Repeated,
+    since dropping a section's last subsection empties the section."""
+    while True:
+        lines = md.split("\n")
+        keep = []
+        for i, line in enumerate(lines):
+            level = len(line) - len(line.lstrip("#"))
+            if level and line[level:level + 1] == " ":
+                nxt = next((x for x in lines[i + 1:] if x.strip()), None)
+                nlevel = 0 if nxt is None else len(nxt) - len(nxt.lstrip("#"))
+                if nxt is None or (nlevel and nxt[nlevel:nlevel + 1] == " " and nlevel <= level):
+                    continue
+            keep.append(line)
+        out = "\n".join(keep)
+        if out == md:
+            return md
+        md = out
