@@ -157,8 +157,12 @@ def _random_calls(seed, world):
 
 def _random_sequence(ctx, seed, dtype):
     W, r, dev = ctx.world_size, ctx.rank, ctx.device
+    used = ctx.heap.used
     ag = AllGatherGemm(ctx.heap, max_rows=RANDOM_MAX_ROWS, k=45, dtype=dtype)
     rs = GemmReduceScatter(ctx.heap, max_rows=RANDOM_MAX_ROWS, n=23, dtype=dtype)
+    # what the ops took against what their heap_bytes() promise (the engine sizes its heap by them)
+    took = (ctx.heap.used - used, AllGatherGemm.heap_bytes(W, RANDOM_MAX_ROWS, 45, dtype)
+            + GemmReduceScatter.heap_bytes(W, RANDOM_MAX_ROWS, 23, dtype))
     got = []
     for i, (op, m, k, n) in enumerate(_random_calls(seed, W)):
         a, b = _operands(seed + i, W, m, k, n, dtype)
@@ -167,7 +171,7 @@ def _random_sequence(ctx, seed, dtype):
         else:
             got.append(rs(a[r].to(dev), b[r].to(dev)).cpu())
     ctx.heap.check()
-    return got, stats.snapshot()
+    return got, stats.snapshot(), took
 
 
 @pytest.mark.parametrize("world", [3])
@@ -175,7 +179,8 @@ def test_fused_ops_with_m_changing_every_call(world, device):
     seed = int(torch.randint(0, 2**30, ()))
     dtype = torch.float16 if device == "cpu" else torch.bfloat16
     results = run_ranks(_random_sequence, world, (seed, dtype), device=device, heap_size=4 << 20, timeout=600)
-    for r, (got, counts) in enumerate(results):
+    for r, (got, counts, (took, promised)) in enumerate(results):
+        assert took <= promised + 256, (took, promised)  # + the alignment before the first buffer
         for i, (op, m, k, n) in enumerate(_random_calls(seed, world)):
             a, b = _operands(seed + i, world, m, k, n, dtype)
             if op == "ag":  # m rows per shard

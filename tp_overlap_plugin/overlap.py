@@ -331,8 +331,11 @@ PIECE_BYTES = 256 << 10
 PUSH_STEP_ELEMS = 16384      # elements one push step moves (32 KB of bf16: 64-128 B per thread)
 PUSHERS_PER_PEER = 8         # ~8 programs fill the links to one peer (bench/results/remote-bw-tp2-*)
 # AG-GEMM multiplies the peers' rows in this many runs of row blocks, a wait before each (a constexpr:
-# one kernel per world size; runs beyond the shard's row blocks are empty).
-AG_SEGMENTS = 4
+# one kernel per world size; runs beyond the shard's row blocks are empty). Each run is one more copy
+# of the tile loop in the compiled kernel: with 2, ptxas takes 1.2x as long as on v3's kernel, with
+# 4 over 2x (sm_90, bench/notes/ag_gemm.md); 2 already end a link-bound shape about one run's
+# compute after the link.
+AG_SEGMENTS = 2
 # The device's dense 16-bit FLOP/s over the bytes per second it pushes into its peers: H200 ~750
 # TFLOP/s over ~340 GB/s (DESIGN.md section 9). push_plan's estimate of when the pushes end, in
 # units of the GEMM's time; tune measures plans in its stead.
