@@ -1,6 +1,6 @@
 """The README's headline table, made from the newest interleaved stock-vs-flag results in bench/results/
-(bench/e2e.py offline, bench/serve_load.py over HTTP; one of each per TP size, the newest by its
-timestamp). CPU runs and --quick runs never count.
+(bench/e2e.py offline, bench/serve_load.py over HTTP): per TP size and scenario, the newest run that
+measured it, by its timestamp. CPU runs and --quick runs never count.
 
     python bench/readme_table.py            # rewrite the block between the markers in README.md
     python bench/readme_table.py --check    # exit 1 when the README's block is not what the results make
@@ -28,51 +28,72 @@ END = "<!-- /headline-table -->"
 SCHEMAS = {"e2e": "e2e-interleaved/1", "serve": "serve-interleaved/1"}
 
 
-def newest(results_dir: str, kind: str) -> dict[int, tuple[str, dict]]:
-    """Per TP size, the newest GPU run of this kind: {tp: (file name, payload)}."""
-    best: dict[int, tuple[tuple, str, dict]] = {}
+def _runs(results_dir: str, kind: str):
+    """Every GPU, non-quick run of this kind, oldest first: (sort key, file name, payload)."""
+    runs = []
     for path in sorted(glob.glob(os.path.join(results_dir, f"{kind}-*.json"))):
         with open(path) as f:
             data = json.load(f)
         env = data.get("environment", {})
         if data.get("schema") != SCHEMAS[kind] or data["config"].get("quick") or env.get("device") == "cpu":
             continue
-        key = (env.get("timestamp", env["date"]), os.path.basename(path))
-        if env["tp"] not in best or key > best[env["tp"]][0]:
-            best[env["tp"]] = (key, os.path.basename(path), data)
-    return {tp: (name, data) for tp, (_, name, data) in best.items()}
+        runs.append(((env.get("timestamp", env["date"]), os.path.basename(path)), os.path.basename(path), data))
+    return sorted(runs, key=lambda r: r[0])
+
+
+def newest_rows(results_dir: str) -> dict[tuple[int, str], tuple[str, str, dict]]:
+    """Per (TP size, scenario), the newest run that measured it: {(tp, scenario): (kind, file, payload)}.
+    Per scenario, not per file: a run of only the prefill scenarios must not hide the decode rows an older
+    run measured (its source line says which file each row comes from)."""
+    best: dict[tuple[int, str], tuple[str, str, dict]] = {}
+    for kind in ("e2e", "serve"):
+        for _, name, data in _runs(results_dir, kind):
+            tp = data["environment"]["tp"]
+            if kind == "e2e":
+                for scen, s in data["summary"].items():
+                    if "overlap_over_stock" in s:
+                        best[(tp, scen)] = (kind, name, data)
+            elif "throughput_ratio" in data["summary"].get("inf", {}):
+                best[(tp, "HTTP")] = (kind, name, data)
+    return best
 
 
 def _tok(xs: list[float]) -> str:
     return f"{statistics.median(xs):.0f}" if xs else "-"
 
 
+def _row_order(tp: int, scen: str) -> tuple:
+    """By TP; within it prefill, decode by batch, mixes, then HTTP (scenario names are 'family-b<n>' or
+    'family-c<n>')."""
+    family, _, size = scen.partition("-")
+    families = ["prefill", "decode", "mix", "HTTP"]
+    rank = families.index(family) if family in families else len(families) - 1
+    return tp, rank, int(size[1:]) if size[1:].isdigit() else 0, scen
+
+
 def render(results_dir: str = RESULTS) -> str:
-    e2e, serve = newest(results_dir, "e2e"), newest(results_dir, "serve")
-    if not e2e and not serve:
+    best = newest_rows(results_dir)
+    if not best:
         return ("No interleaved stock-vs-flag results yet (issue 11). On the GPU machine: `python bench/e2e.py "
                 "--model llama-3-8b --tp 2` and `python bench/serve_load.py --model llama-3-8b --tp 2`, then "
                 "`python bench/readme_table.py`.\n")
     rows, sources = [], []
-    for tp in sorted(set(e2e) | set(serve)):
-        if tp in e2e:
-            name, data = e2e[tp]
-            for scen, s in data["summary"].items():
-                if "overlap_over_stock" not in s:
-                    continue
-                r = s["overlap_over_stock"]
-                rows.append(f"| {scen}: {s['workload']} | {tp} | {_tok(s['stock']['output_tokens_per_s'])} | "
-                            f"{_tok(s['overlap']['output_tokens_per_s'])} | {fmt_ratio(r)} | {r['call']} |")
-            sources.append(_source(name, data, f">= {data['config']['min_seconds']:g} s per scenario"))
-        if tp in serve:
-            name, data = serve[tp]
-            s = data["summary"].get("inf")
-            if s and "throughput_ratio" in s:
-                r = s["throughput_ratio"]
-                rows.append(f"| HTTP, all at once: {data['config']['workload']} | {tp} | "
-                            f"{_tok(s['stock']['output_throughput'])} | {_tok(s['overlap']['output_throughput'])} | "
-                            f"{fmt_ratio(r)} | {r['call']} |")
-                sources.append(_source(name, data, "Poisson sweep and latencies in its .md"))
+    for (tp, scen), (kind, name, data) in sorted(best.items(), key=lambda kv: _row_order(*kv[0])):
+        if kind == "e2e":
+            s = data["summary"][scen]
+            r = s["overlap_over_stock"]
+            rows.append(f"| {scen}: {s['workload']} | {tp} | {_tok(s['stock']['output_tokens_per_s'])} | "
+                        f"{_tok(s['overlap']['output_tokens_per_s'])} | {fmt_ratio(r)} | {r['call']} |")
+            source = _source(name, data, f">= {data['config']['min_seconds']:g} s per scenario")
+        else:
+            s = data["summary"]["inf"]
+            r = s["throughput_ratio"]
+            rows.append(f"| HTTP, all at once: {data['config']['workload']} | {tp} | "
+                        f"{_tok(s['stock']['output_throughput'])} | {_tok(s['overlap']['output_throughput'])} | "
+                        f"{fmt_ratio(r)} | {r['call']} |")
+            source = _source(name, data, "Poisson sweep and latencies in its .md")
+        if source not in sources:
+            sources.append(source)
     head = ("| scenario | TP | stock out tok/s | tp-overlap out tok/s | ratio [min–max] | call |\n"
             "|---|---|---|---|---|---|\n")
     return head + "\n".join(rows) + "\n\n" + "".join(f"- {s}\n" for s in sources)

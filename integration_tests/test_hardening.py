@@ -222,7 +222,7 @@ def _after_a_give_up(ctx, seed):
     its slot in the peers' heaps keeps a sentinel; the peers time out naming it, and their rows of
     it are NaN. Returns (the normal outputs, the second call's output, its error, what GAVE_UP's
     slot holds on this rank after the second call)."""
-    from tp_overlap_plugin.heap import ERR_CODE, ERR_PEER, ERR_RANK, ERR_TIMEOUT
+    from tp_overlap_plugin.error_slot import ERR_CODE, ERR_PEER, ERR_RANK, ERR_STUCK
     from tp_overlap_plugin.overlap import AllGatherGemm
     h, r, W, dev = ctx.heap, ctx.rank, ctx.world_size, ctx.device
     dtype = torch.float16 if dev.type == "cpu" else torch.bfloat16
@@ -239,7 +239,7 @@ def _after_a_give_up(ctx, seed):
             op.gathered[half, (GAVE_UP - r - 1) % W].fill_(SENTINEL)
     if r == GAVE_UP:
         h.error[ERR_RANK], h.error[ERR_PEER] = r, (r + 1) % W
-        h.error[ERR_CODE] = ERR_TIMEOUT
+        h.error[ERR_CODE] = ERR_STUCK
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     torch.distributed.barrier(group=ctx.group)  # sentinels and the error in place before anyone pushes

@@ -67,6 +67,6 @@ def test_hub_id_loads_from_the_cache_offline(tmp_path):
     assert "tiny-org/not-cached" in out["missing"] and "HF_HUB_OFFLINE is set" in out["missing"]
     assert str(hub) in out["missing"]
     # the command line: one line and the hint, no traceback
-    assert out["cli_rc"] == 1 and "Traceback" not in proc.stderr
+    assert out["cli_rc"] == 2 and "Traceback" not in proc.stderr  # a --model that names nothing: a bad command line
     error = next(line for line in proc.stderr.splitlines() if line.startswith("tp-overlap generate: error:"))
     assert "not in the Hugging Face cache" in error and "hf download tiny-org/not-cached" in error
