@@ -52,7 +52,7 @@ def _one_shot(comm, x, y, sub, warps):
         one_shot_all_reduce_kernel[grid](
             x_ptr=x, out_ptr=y, slots_ptr=slots, epoch_ptr=comm.one_shot_epochs, n=x.numel(),
             slot_stride=slots.stride(0), src_stride=slots.stride(1), rank=h.rank, heap_bases=h.heap_bases,
-            error_ptr=h.error, W=h.world_size, PEERS=peers_pow2(h.world_size), BLOCK=block, SUB=sub,
+            error_ptr=h.error, WORLD=h.world_size, PEERS=peers_pow2(h.world_size), BLOCK=block, SUB=sub,
             num_warps=warps, **comm.cache_modifiers)
     return op
 

@@ -163,3 +163,36 @@ def test_no_source_file_past_600_lines():
     stale = {p for p in KNOWN_LONG if lengths.get(p, 0) <= MAX_LINES}
     if stale:
         pytest.fail(f"no longer past {MAX_LINES} lines, drop from KNOWN_LONG: {sorted(stale)}")
+
+
+# ---- the kernels' vocabulary (kernels/__init__.py) ---------------------------------------------------
+
+# Names the world size or the peer count once had: one name per thing now.
+RETIRED_PARAMS = {"W", "world", "world_size", "WORLD_SIZE", "NUM_RANKS", "PEERS_POW2", "NUM_PEERS"}
+
+
+def _kernel_functions():
+    for f in sorted((ROOT / "kernels").glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
+            if isinstance(node, ast.FunctionDef) and any(
+                    "jit" in ast.unparse(d) for d in node.decorator_list):
+                yield f.name, node
+
+
+def test_kernels_name_the_world_size_and_peers_one_way():
+    found = list(_kernel_functions())
+    assert len(found) > 20, "the walker found too few @triton.jit functions"
+    retired = [f"{name}:{fn.name}({a.arg})" for name, fn in found
+               for a in fn.args.args + fn.args.kwonlyargs if a.arg in RETIRED_PARAMS]
+    assert not retired, f"use WORLD / PEERS (kernels/__init__.py): {retired}"
+
+
+def test_kernel_helpers_take_flags_by_keyword():
+    """A bare True/False among a call's positional arguments inside a kernel: say which flag it sets."""
+    bare = []
+    for name, fn in _kernel_functions():
+        for call in ast.walk(fn):
+            if isinstance(call, ast.Call) and any(isinstance(a, ast.Constant) and isinstance(a.value, bool)
+                                                  for a in call.args):
+                bare.append(f"{name}:{call.lineno} {ast.unparse(call.func)}")
+    assert not bare, f"pass these flags by keyword: {bare}"

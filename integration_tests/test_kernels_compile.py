@@ -133,9 +133,8 @@ KERNELS = {
                    {"Q_HEADS": 32, "KV_HEADS": 8, "HEADS_P2": 64, "HALF": 64}),
     "silu_mul": (silu_mul_kernel, _sig("x_ptr:*bf16 out_ptr:*bf16 stride_x:i32 stride_out:i32 n:i32", None, ["BLOCK"]),
                  {"BLOCK": 1024}),
-    "barrier": (barrier_kernel,
-                {"flags_ptr": "*i64", "epoch_ptr": "*i64", "rank": "i32", "world": "i32",
-                 "heap_bases": "*i64", "error_ptr": "*i64"}, {}),
+    "barrier": (barrier_kernel, _sig("flags_ptr:*i64 epoch_ptr:*i64 rank:i32 heap_bases:*i64 error_ptr:*i64", None,
+                                     ["WORLD"]), {"WORLD": 4}),
     "clock": (clock_kernel, {"out_ptr": "*i64"}, {}),
 }
 # The all-reduces (kernels/allreduce.py, allreduce_norm.py): arrival marked in the data, 16-byte
@@ -149,22 +148,22 @@ _SLOTS = {"x_ptr": 16, "out_ptr": 16, "slots_ptr": 16, "scatter_ptr": 16, "gathe
 _CACHE = {"PEER_STORE": "", "POLL_LOAD": ""}
 for _w, _peers in ((2, 1), (8, 8)):
     _sub = sub_block(4096, _w, 8 * 32)  # what collectives.py launches on NVIDIA (8 warps)
-    _cx = {"W": _w, "BLOCK": 4096, **_CACHE}
+    _cx = {"WORLD": _w, "BLOCK": 4096, **_CACHE}
     KERNELS[f"one_shot_all_reduce_bf16_w{_w}"] = (
         one_shot_all_reduce_kernel,
         _sig("x_ptr:*bf16 out_ptr:*bf16 slots_ptr:*i16 epoch_ptr:*i64 n:i32 slot_stride:i32 src_stride:i32", _LAMPORT,
-             ["W", "PEERS", "BLOCK", "SUB", *_CACHE]), {**_cx, "PEERS": _peers, "SUB": _sub}, {"num_warps": 8})
+             ["WORLD", "PEERS", "BLOCK", "SUB", *_CACHE]), {**_cx, "PEERS": _peers, "SUB": _sub}, {"num_warps": 8})
     KERNELS[f"two_shot_all_reduce_bf16_w{_w}"] = (
         two_shot_all_reduce_kernel,
         _sig("x_ptr:*bf16 out_ptr:*bf16 scatter_ptr:*i16 gather_ptr:*i16 epoch_ptr:*i64 n:i32 scatter_slot_stride:i32 "
-             "scatter_src_stride:i32 gather_slot_stride:i32", _LAMPORT, ["W", "BLOCK", *_CACHE]), _cx,
+             "scatter_src_stride:i32 gather_slot_stride:i32", _LAMPORT, ["WORLD", "BLOCK", *_CACHE]), _cx,
         {"num_warps": 8})
     KERNELS[f"all_reduce_rmsnorm_bf16_w{_w}"] = (
         all_reduce_rmsnorm_kernel,
         _sig("x_ptr:*bf16 res_ptr:*bf16 w_ptr:*bf16 bias_ptr:*bf16 out_ptr:*bf16 res_out_ptr:*bf16 slots_ptr:*i16 "
              "push_epoch_ptr:*i64 row_epoch_ptr:*i64 rows:i32 n:i32 stride_x:i32 stride_res:i32 stride_out:i32 "
              "stride_res_out:i32 slot_stride:i32 src_stride:i32 row_stride:i32 eps:fp32", _LAMPORT,
-             ["W", "PEERS", "BLOCK", "SUB", "ONE_TILE", "HAS_BIAS", *_CACHE]),
+             ["WORLD", "PEERS", "BLOCK", "SUB", "ONE_TILE", "HAS_BIAS", *_CACHE]),
         # at 2 ranks an 8192-wide row is one receive tile, normalised from registers; at 8, four
         {**_cx, "PEERS": _peers, "SUB": row_blocks(8192, _w, 2, NORM_THREADS)[1], "ONE_TILE": _w == 2, "HAS_BIAS": True},
         lambda target: {"num_warps": norm_num_warps(target.warp_size)})
@@ -175,13 +174,13 @@ for _w, _peers in ((2, 1), (8, 8)):
 # weight: its K stride is 1, which the JIT makes a constant too.
 _GEMM_AR_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 bias_ptr:*bf16 out_ptr:*bf16 slots_ptr:*i16 calls_ptr:*i64 M:i32 N:i32 K:i32 "
                  "stride_am:i32 stride_bk:i32 stride_bn:i32 stride_om:i32 slot_stride:i32 src_stride:i32 row_stride:i32")
-_GEMM_AR_CX = ["W", "PEERS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SUB_M", "GROUP_M", "EVEN_K", "INTERPRET", "HAS_BIAS",
+_GEMM_AR_CX = ["WORLD", "PEERS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SUB_M", "GROUP_M", "EVEN_K", "INTERPRET", "HAS_BIAS",
                *_CACHE]
 for _name, _w, _peers, _bm, _bn, _bk, _sub, _one in (("gemm_all_reduce_bf16_w2", 2, 1, 16, 128, 256, 16,
                                                       {"rank": 1, "M": 1}),
                                                      ("gemm_all_reduce_bf16_w8", 8, 8, 64, 32, 128, 16, {})):
     _one = {"stride_bk": 1, **_one}
-    _cx = {"W": _w, "PEERS": _peers, "BLOCK_M": _bm, "BLOCK_N": _bn, "BLOCK_K": _bk, "SUB_M": _sub, "GROUP_M": 4,
+    _cx = {"WORLD": _w, "PEERS": _peers, "BLOCK_M": _bm, "BLOCK_N": _bn, "BLOCK_K": _bk, "SUB_M": _sub, "GROUP_M": 4,
            "EVEN_K": False, "INTERPRET": False, "HAS_BIAS": True, **_CACHE, **_one}
     KERNELS[_name] = (gemm_all_reduce_kernel, _sig(_GEMM_AR_ARGS, _LAMPORT, _GEMM_AR_CX + list(_one)), _cx,
                       {"num_warps": 4, "num_stages": 4 if _bm == 16 else 3})

@@ -13,9 +13,9 @@ from tp_overlap_plugin.kernels import triton_compat
 
 
 @triton.jit
-def _kernel(x_ptr, out_ptr, n, scale, rank, W: tl.constexpr, BLOCK: tl.constexpr, FLAG: tl.constexpr = False):
+def _kernel(x_ptr, out_ptr, n, scale, rank, WORLD: tl.constexpr, BLOCK: tl.constexpr, FLAG: tl.constexpr = False):
     offs = tl.arange(0, BLOCK)
-    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * scale + rank + W, mask=offs < n)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * scale + rank + WORLD, mask=offs < n)
 
 
 class _FakeJit:
@@ -38,12 +38,12 @@ def test_direct_launch_passes_every_parameter_in_signature_order(monkeypatch):
     monkeypatch.setattr(triton_compat, "current_raw_stream", lambda: (lambda index: 1234 + index))
     monkeypatch.setattr(triton_compat, "launch_hooks_active", lambda: False)
     fake = _FakeJit()
-    L = launch_mod.Launcher(fake, torch.device("cuda", 1), ("x_ptr", "out_ptr", "n", "scale"), rank=3, W=4,
+    L = launch_mod.Launcher(fake, torch.device("cuda", 1), ("x_ptr", "out_ptr", "n", "scale"), rank=3, WORLD=4,
                             BLOCK=64, num_warps=8)
     x, out = torch.zeros(64), torch.zeros(64)
     L(5, x, out, 48, 0.5)
     assert len(fake.compiles) == 1 and fake.compiles[0][0] == (5,)
-    assert fake.compiles[0][1] == {"rank": 3, "W": 4, "BLOCK": 64, "num_warps": 8, "x_ptr": x, "out_ptr": out,
+    assert fake.compiles[0][1] == {"rank": 3, "WORLD": 4, "BLOCK": 64, "num_warps": 8, "x_ptr": x, "out_ptr": out,
                                    "n": 48, "scale": 0.5}
     L(7, x, out, 32, 2.0)  # same specialisation (n a multiple of 16): no Triton call
     assert len(fake.compiles) == 1
@@ -59,9 +59,9 @@ def test_direct_launch_passes_every_parameter_in_signature_order(monkeypatch):
 
 def test_launcher_names_missing_and_unknown_parameters():
     with pytest.raises(ValueError, match=r"no value for \['rank'\]"):
-        launch_mod.Launcher(_kernel, torch.device("cpu"), ("x_ptr", "out_ptr", "n", "scale"), W=4, BLOCK=64)
+        launch_mod.Launcher(_kernel, torch.device("cpu"), ("x_ptr", "out_ptr", "n", "scale"), WORLD=4, BLOCK=64)
     with pytest.raises(ValueError, match="not parameters of the kernel: .*'nope'"):
-        launch_mod.Launcher(_kernel, torch.device("cpu"), ("x_ptr", "nope"), rank=0, W=4, BLOCK=64)
+        launch_mod.Launcher(_kernel, torch.device("cpu"), ("x_ptr", "nope"), rank=0, WORLD=4, BLOCK=64)
 
 
 @pytest.mark.gpu
@@ -72,14 +72,14 @@ def test_direct_launches_compute_what_triton_launches_compute():
     gone through Triton, give the bits of Triton's own launch (the kernel contracts x * scale + 3
     into one FMA, so torch's two roundings are only close); NaN where nothing was written."""
     dev = torch.device("cuda", torch.cuda.current_device())
-    L = launch_mod.Launcher(_kernel, dev, ("x_ptr", "out_ptr", "n", "scale"), rank=1, W=2, BLOCK=64)
+    L = launch_mod.Launcher(_kernel, dev, ("x_ptr", "out_ptr", "n", "scale"), rank=1, WORLD=2, BLOCK=64)
     base = torch.randn(80, device=dev)
     for _ in range(3):  # the first round compiles through Triton, the others launch directly
         for n, off in ((64, 0), (33, 0), (1, 0), (48, 1), (17, 3)):
             x = base[off:off + 64]
             out, ref = (torch.full((64,), float("nan"), device=dev) for _ in range(2))
             L(1, x, out, n, 3.0)
-            _kernel[(1,)](x, ref, n, 3.0, 1, W=2, BLOCK=64)
+            _kernel[(1,)](x, ref, n, 3.0, 1, WORLD=2, BLOCK=64)
             torch.cuda.synchronize()
             assert torch.equal(out[:n], ref[:n]) and out[n:].isnan().all()
             torch.testing.assert_close(out[:n], x[:n] * 3.0 + 3)

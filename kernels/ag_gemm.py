@@ -79,9 +79,9 @@ def _shard_tile(a_ptr, b_ptr, c_ptr, src, pid_m, pid_n, rows, N, K, k_blocks, st
         acc = tl.full((BLOCK_M, BLOCK_N), float("nan"), tl.float32)
     else:
         acc = gemm_tile(a_ptr, b_ptr, pid_m, pid_n, rows, N, K, 0, k_blocks, K, 1, stride_bk, stride_bn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, False, False)
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET)
     c_shard = c_ptr + tl.cast(src, tl.int64) * rows * N
-    store_tile(c_shard, c_shard, acc, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N, False, False)
+    store_tile(c_shard, c_shard, acc, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -174,7 +174,7 @@ def ag_gemm_kernel(a_ptr, b_ptr, c_ptr, gathered_ptr, counts_ptr, calls_ptr, row
             for item in range(mine, first + items, seg_lanes):
                 j, pid_m, pid_n = _peer_tile(item, first, rb_lo, blocks, tiles_n, WORLD, GROUP_M)
                 _shard_tile(gathered_half, b_ptr, c_ptr, (rank + 1 + j) % WORLD, pid_m, pid_n, rows, N, K, k_blocks,
-                            stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, True)
+                            stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, POISON=True)
     if calls.finish_call(calls_ptr, epoch):
         # every program has passed its waits on this half's counts, and every count was waited for
         # (all pieces of the call are in): zero them for call e + 2

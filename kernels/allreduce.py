@@ -65,7 +65,7 @@ def poison(out_ptr, offs, mask):
 
 @triton.jit
 def one_shot_all_reduce_kernel(x_ptr, out_ptr, slots_ptr, epoch_ptr, n, slot_stride, src_stride, rank,
-                               heap_bases, error_ptr, W: tl.constexpr, PEERS: tl.constexpr,
+                               heap_bases, error_ptr, WORLD: tl.constexpr, PEERS: tl.constexpr,
                                BLOCK: tl.constexpr, SUB: tl.constexpr, PEER_STORE: tl.constexpr,
                                POLL_LOAD: tl.constexpr):
     """slots[e % 2][src][chunk] in every heap receives rank src's chunk in its call e. Chunks are
@@ -80,13 +80,13 @@ def one_shot_all_reduce_kernel(x_ptr, out_ptr, slots_ptr, epoch_ptr, n, slot_str
         epoch = advance(epoch_ptr + c)
         payload = sendable(bits(tl.load(x_ptr + offs, mask=mask)))
         dst = slots_ptr + (epoch % 2) * slot_stride + rank * src_stride + offs
-        for q in tl.static_range(1, W):
-            peer = (rank + q) % W
+        for q in tl.static_range(1, WORLD):
+            peer = (rank + q) % WORLD
             tl.store(rma.translate(dst, rank, peer, heap_bases), payload, mask=mask & live,
                      cache_modifier=PEER_STORE)
     tl.debug_barrier()  # the epochs stored above are read back below, by other threads
     ok = pid >= 0
-    cols, srcs = peer_tile(rank, W, PEERS)
+    cols, srcs = peer_tile(rank, WORLD, PEERS)
     dtype = x_ptr.dtype.element_ty
     for c in range(pid, chunks, tl.num_programs(0)):
         epoch = tl.load(epoch_ptr + c) - 1
@@ -96,11 +96,11 @@ def one_shot_all_reduce_kernel(x_ptr, out_ptr, slots_ptr, epoch_ptr, n, slot_str
                 mask = offs < n
                 mine = sendable(bits(tl.load(x_ptr + offs, mask=mask, other=0)))
                 ptrs = slots_ptr + (epoch % 2) * slot_stride + srcs * src_stride + offs[:, None]
-                m = mask[:, None] & (cols < W - 1)
+                m = mask[:, None] & (cols < WORLD - 1)
                 tile, landed = wait_landed(ptrs, m, srcs, epoch, rank, heap_bases, error_ptr, POLL_LOAD)
                 ok = ok & landed
                 if ok:
-                    acc = sum_in_rank_order(tile, mine.to(dtype, bitcast=True).to(tl.float32), rank, W, dtype)
+                    acc = sum_in_rank_order(tile, mine.to(dtype, bitcast=True).to(tl.float32), rank, WORLD, dtype)
                     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
                     not_yet(ptrs, m)
             if not ok:
@@ -111,7 +111,7 @@ def one_shot_all_reduce_kernel(x_ptr, out_ptr, slots_ptr, epoch_ptr, n, slot_str
 @triton.jit
 def two_shot_all_reduce_kernel(x_ptr, out_ptr, scatter_ptr, gather_ptr, epoch_ptr, n, scatter_slot_stride,
                                scatter_src_stride, gather_slot_stride, rank, heap_bases, error_ptr,
-                               W: tl.constexpr, BLOCK: tl.constexpr, PEER_STORE: tl.constexpr,
+                               WORLD: tl.constexpr, BLOCK: tl.constexpr, PEER_STORE: tl.constexpr,
                                POLL_LOAD: tl.constexpr):
     """Chunk c belongs to rank c % W. scatter[e % 2][src][c // W] in the owner's heap receives rank
     src's chunk c; gather[e % 2][c] in every other heap receives the owner's sum. Bandwidth, not
@@ -126,28 +126,28 @@ def two_shot_all_reduce_kernel(x_ptr, out_ptr, scatter_ptr, gather_ptr, epoch_pt
         offs = c * BLOCK + lane
         mask = offs < n
         epoch = advance(epoch_ptr + c)
-        owner = c % W
+        owner = c % WORLD
         payload = sendable(bits(tl.load(x_ptr + offs, mask=mask)))
-        dst = scatter_ptr + (epoch % 2) * scatter_slot_stride + rank * scatter_src_stride + (c // W) * BLOCK + lane
+        dst = scatter_ptr + (epoch % 2) * scatter_slot_stride + rank * scatter_src_stride + (c // WORLD) * BLOCK + lane
         tl.store(rma.translate(dst, rank, owner, heap_bases), payload,
                  mask=mask & live & flag(owner != rank), cache_modifier=PEER_STORE)
     tl.debug_barrier()  # the epochs stored above are read back below, by other threads
     ok = pid >= 0
     # the chunks I own: sum them, keep the sum, push it into every peer's gather slot
     for c in range(pid, chunks, tl.num_programs(0)):
-        if c % W == rank:
+        if c % WORLD == rank:
             offs = c * BLOCK + lane
             mask = offs < n
             epoch = tl.load(epoch_ptr + c) - 1
             acc = tl.full((BLOCK,), -0.0, tl.float32)  # -0.0 + v == v for every v, signed zeros included
-            for s in tl.static_range(W):
+            for s in tl.static_range(WORLD):
                 if ok:
                     if s == rank:
                         mine = sendable(bits(tl.load(x_ptr + offs, mask=mask, other=0)))
                         acc += mine.to(dtype, bitcast=True).to(tl.float32)
                     else:
                         ptrs = (scatter_ptr + (epoch % 2) * scatter_slot_stride + s * scatter_src_stride
-                                + (c // W) * BLOCK + lane[:, None])
+                                + (c // WORLD) * BLOCK + lane[:, None])
                         tile, landed = wait_landed(ptrs, mask[:, None], s, epoch, rank, heap_bases, error_ptr,
                                                    POLL_LOAD)
                         ok = ok & landed
@@ -157,8 +157,8 @@ def two_shot_all_reduce_kernel(x_ptr, out_ptr, scatter_ptr, gather_ptr, epoch_pt
             if ok:
                 total = sendable(bits(acc.to(dtype)))
                 dst = gather_ptr + (epoch % 2) * gather_slot_stride + offs
-                for q in tl.static_range(1, W):
-                    peer = (rank + q) % W
+                for q in tl.static_range(1, WORLD):
+                    peer = (rank + q) % WORLD
                     tl.store(rma.translate(dst, rank, peer, heap_bases), total, mask=mask,
                              cache_modifier=PEER_STORE)
                 tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty, bitcast=True), mask=mask)
@@ -166,13 +166,13 @@ def two_shot_all_reduce_kernel(x_ptr, out_ptr, scatter_ptr, gather_ptr, epoch_pt
                 poison(out_ptr, offs, mask)
     # the chunks others own: copy their owner's sum
     for c in range(pid, chunks, tl.num_programs(0)):
-        if c % W != rank:
+        if c % WORLD != rank:
             offs = c * BLOCK + lane
             mask = offs < n
             if ok:
                 epoch = tl.load(epoch_ptr + c) - 1
                 ptrs = gather_ptr + (epoch % 2) * gather_slot_stride + offs[:, None]
-                tile, landed = wait_landed(ptrs, mask[:, None], c % W, epoch, rank, heap_bases, error_ptr, POLL_LOAD)
+                tile, landed = wait_landed(ptrs, mask[:, None], c % WORLD, epoch, rank, heap_bases, error_ptr, POLL_LOAD)
                 ok = ok & landed
                 if ok:
                     tl.store(out_ptr + offs, column(tile, 0).to(out_ptr.dtype.element_ty, bitcast=True), mask=mask)

@@ -45,7 +45,7 @@ def row_blocks(hidden: int, world: int, elsize: int, threads: int) -> tuple[int,
 @triton.jit
 def all_reduce_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr, slots_ptr, push_epoch_ptr,
                               row_epoch_ptr, rows, n, stride_x, stride_res, stride_out, stride_res_out, slot_stride,
-                              src_stride, row_stride, eps, rank, heap_bases, error_ptr, W: tl.constexpr,
+                              src_stride, row_stride, eps, rank, heap_bases, error_ptr, WORLD: tl.constexpr,
                               PEERS: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, ONE_TILE: tl.constexpr,
                               HAS_BIAS: tl.constexpr, PEER_STORE: tl.constexpr, POLL_LOAD: tl.constexpr):
     """slots[e % 2][src][r] in every heap receives rank src's row r in its call e.
@@ -68,12 +68,12 @@ def all_reduce_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, bias_ptr, out_ptr, res_out_
         epoch = advance(push_epoch_ptr + i)
         dst = slots_ptr + (epoch % 2) * slot_stride + rank * src_stride + r * row_stride
         payload = sendable(bits(tl.load(x_ptr + r * stride_x + cols, mask=mask)))
-        for q in tl.static_range(1, W):
-            peer = (rank + q) % W
+        for q in tl.static_range(1, WORLD):
+            peer = (rank + q) % WORLD
             tl.store(rma.translate(dst + cols, rank, peer, heap_bases), payload, mask=mask & live,
                      cache_modifier=PEER_STORE)
     ok = pid >= 0
-    pcols, srcs = peer_tile(rank, W, PEERS)
+    pcols, srcs = peer_tile(rank, WORLD, PEERS)
     lane = tl.arange(0, SUB)
     if ONE_TILE:
         w_row = tl.load(w_ptr + lane, mask=lane < n, other=0).to(tl.float32)
@@ -89,11 +89,11 @@ def all_reduce_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, bias_ptr, out_ptr, res_out_
                     mine = sendable(bits(tl.load(x_ptr + r * stride_x + cols, mask=mask, other=0)))
                     res = tl.load(res_ptr + r * stride_res + cols, mask=mask, other=0).to(tl.float32)
                     ptrs = base + srcs * src_stride + cols[:, None]
-                    m = mask[:, None] & (pcols < W - 1)
+                    m = mask[:, None] & (pcols < WORLD - 1)
                     tile, landed = wait_landed(ptrs, m, srcs, epoch, rank, heap_bases, error_ptr, POLL_LOAD)
                     ok = ok & landed
                     if ok:
-                        total = sum_in_rank_order(tile, mine.to(dtype, bitcast=True).to(tl.float32), rank, W, dtype)
+                        total = sum_in_rank_order(tile, mine.to(dtype, bitcast=True).to(tl.float32), rank, WORLD, dtype)
                         total = total.to(dtype).to(tl.float32)
                         if HAS_BIAS:
                             bias = tl.load(bias_ptr + cols, mask=mask, other=0).to(tl.float32)

@@ -116,9 +116,9 @@ def _prefill_kernel(Q, K, V, Out, cu_seqlens_q, context_lens, block_tables,
     diag = first // BLOCK_N * BLOCK_N
     end = tl.minimum(ctx, first + TOK_M)
     acc, l_i, m_i = _prefill_keys(acc, l_i, m_i, q, q_pos, K, V, bt_row, kv_head_off, stride_kb, stride_kp,
-                                  0, diag, qk_scale, offs_d, d_mask, PAGE, BLOCK_N, PRECISION, UPCAST, False)
+                                  0, diag, qk_scale, offs_d, d_mask, PAGE, BLOCK_N, PRECISION, UPCAST, DIAGONAL=False)
     acc, l_i, m_i = _prefill_keys(acc, l_i, m_i, q, q_pos, K, V, bt_row, kv_head_off, stride_kb, stride_kp,
-                                  diag, end, qk_scale, offs_d, d_mask, PAGE, BLOCK_N, PRECISION, UPCAST, True)
+                                  diag, end, qk_scale, offs_d, d_mask, PAGE, BLOCK_N, PRECISION, UPCAST, DIAGONAL=True)
     out = acc / l_i[:, None]
     tl.store(Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])

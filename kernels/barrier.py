@@ -8,15 +8,15 @@ from tp_overlap_plugin.kernels import rma
 
 
 @triton.jit
-def barrier_kernel(flags_ptr, epoch_ptr, rank, world, heap_bases, error_ptr):
+def barrier_kernel(flags_ptr, epoch_ptr, rank, heap_bases, error_ptr, WORLD: tl.constexpr):
     epoch = tl.load(epoch_ptr) + 1
     # Every thread loads the epoch and one stores it: without the barrier a late warp could load the
     # advanced value and wait for an epoch that no peer will raise.
     tl.debug_barrier()
     tl.store(epoch_ptr, epoch)
-    rma.barrier(flags_ptr, epoch, rank, world, heap_bases, error_ptr)
+    rma.barrier(flags_ptr, epoch, rank, WORLD, heap_bases, error_ptr)
 
 
 def launch_barrier(heap, flags, epoch):
-    barrier_kernel[(1,)](flags_ptr=flags, epoch_ptr=epoch, rank=heap.rank, world=heap.world_size,
-                         heap_bases=heap.heap_bases, error_ptr=heap.error, num_warps=1)
+    barrier_kernel[(1,)](flags_ptr=flags, epoch_ptr=epoch, rank=heap.rank, heap_bases=heap.heap_bases,
+                         error_ptr=heap.error, WORLD=heap.world_size, num_warps=1)

@@ -92,7 +92,8 @@ def _b_block(b_ptr, k, col0, BLOCK_K: tl.constexpr, B_KMAJOR: tl.constexpr):
 @triton.jit
 def gemm_tile(a_ptr, b_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_am, stride_ak, stride_bk, stride_bn,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-              INTERPRET: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr, SILU_MUL: tl.constexpr = _PLAIN):
+              INTERPRET: tl.constexpr, TMA: tl.constexpr = False, B_KMAJOR: tl.constexpr = False,
+              SILU_MUL: tl.constexpr = _PLAIN):
     """fp32 accumulator of A[tile rows, K blocks k_lo..k_hi) @ B[same K, tile cols].
 
     SILU_MUL: B is gate | up side by side, 2N columns (gate_up_proj's weight as it is loaded), and
@@ -155,7 +156,7 @@ def _store_part(c_ptr, c_desc, part, pid_m, col0, M, N, stride_cm, stride_cn,
 
 @triton.jit
 def store_tile(c_ptr, c_desc, acc, pid_m, pid_n, M, N, stride_cm, stride_cn,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, C_TMA: tl.constexpr, SUBTILE: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, C_TMA: tl.constexpr = False, SUBTILE: tl.constexpr = False,
                CACHE: tl.constexpr = _NO_CACHE):
     """Rows >= M and columns >= N of the tile are not stored. CACHE: the store's cache modifier
     (".wt" for a push into a peer's heap on CDNA, which a reader polls: kernels/allreduce.py)."""
@@ -227,7 +228,7 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, s
         k_lo = (item % slices) * k_per
         k_hi = tl.minimum(k_lo + k_per, k_blocks)
         acc = gemm_tile(a_ptr, b_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_am, stride_ak, stride_bk, stride_bn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, TMA, B_KMAJOR, SILU_MUL)
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, TMA=TMA, B_KMAJOR=B_KMAJOR, SILU_MUL=SILU_MUL)
         if SPLIT:
             cells = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             tile_ws = split_ws_ptr + tile.to(tl.int64) * slices * BLOCK_M * BLOCK_N
@@ -241,6 +242,7 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, s
                     total += tl.load(tile_ws + s * BLOCK_M * BLOCK_N + cells, cache_modifier=".cg")
                 tl.atomic_xchg(split_count_ptr + tile, 0, sem="relaxed", scope="gpu")
                 store_tile(c_ptr, c_desc, total, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N,
-                           C_TMA, SUBTILE)
+                           C_TMA=C_TMA, SUBTILE=SUBTILE)
         else:
-            store_tile(c_ptr, c_desc, acc, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, C_TMA, SUBTILE)
+            store_tile(c_ptr, c_desc, acc, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, C_TMA=C_TMA,
+                       SUBTILE=SUBTILE)

@@ -38,7 +38,7 @@ from tp_overlap_plugin.kernels.gemm import gemm_tile, store_tile, tile_coords
 @triton.jit
 def gemm_all_reduce_kernel(a_ptr, b_ptr, bias_ptr, out_ptr, slots_ptr, calls_ptr, M, N, K, stride_am, stride_bk,
                            stride_bn, stride_om, slot_stride, src_stride, row_stride, rank, heap_bases, error_ptr,
-                           W: tl.constexpr, PEERS: tl.constexpr, BLOCK_M: tl.constexpr,
+                           WORLD: tl.constexpr, PEERS: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_M: tl.constexpr,
                            GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr,
                            HAS_BIAS: tl.constexpr, PEER_STORE: tl.constexpr, POLL_LOAD: tl.constexpr):
@@ -58,16 +58,16 @@ def gemm_all_reduce_kernel(a_ptr, b_ptr, bias_ptr, out_ptr, slots_ptr, calls_ptr
     for t in range(tl.program_id(0), tiles, P):
         pid_m, pid_n = tile_coords(t, tiles_m, tiles_n, GROUP_M)
         acc = gemm_tile(a_ptr, b_ptr, pid_m, pid_n, M, N, K, 0, k_blocks, stride_am, 1, stride_bk, stride_bn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, False, False)
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET)
         payload = sendable(bits(acc.to(dtype)))
-        for q in tl.static_range(1, W):
-            there = rma.translate(mine, rank, (rank + q) % W, heap_bases)
-            store_tile(there, there, payload, pid_m, pid_n, push_rows, N, row_stride, 1, BLOCK_M, BLOCK_N, False, False,
-                       PEER_STORE)
-        store_tile(mine, mine, payload, pid_m, pid_n, M, N, row_stride, 1, BLOCK_M, BLOCK_N, False, False)
+        for q in tl.static_range(1, WORLD):
+            there = rma.translate(mine, rank, (rank + q) % WORLD, heap_bases)
+            store_tile(there, there, payload, pid_m, pid_n, push_rows, N, row_stride, 1, BLOCK_M, BLOCK_N,
+                       CACHE=PEER_STORE)
+        store_tile(mine, mine, payload, pid_m, pid_n, M, N, row_stride, 1, BLOCK_M, BLOCK_N)
     tl.debug_barrier()  # my own tiles, stored above, are read back below by other threads
     ok = live
-    pcols, srcs = peer_tile(rank, W, PEERS)
+    pcols, srcs = peer_tile(rank, WORLD, PEERS)
     lane = tl.arange(0, SUB_M * BLOCK_N)
     for t in range(tl.program_id(0), tiles, P):
         pid_m, pid_n = tile_coords(t, tiles_m, tiles_n, GROUP_M)
@@ -80,18 +80,18 @@ def gemm_all_reduce_kernel(a_ptr, b_ptr, bias_ptr, out_ptr, slots_ptr, calls_ptr
                 offs = rows.to(tl.int64) * row_stride + cols
                 own = tl.load(mine + offs, mask=mask, other=0)
                 ptrs = slot + srcs.to(tl.int64) * src_stride + offs[:, None]
-                m = mask[:, None] & (pcols < W - 1)
+                m = mask[:, None] & (pcols < WORLD - 1)
                 tile, landed = wait_landed(ptrs, m, srcs, epoch, rank, heap_bases, error_ptr, POLL_LOAD)
                 ok = ok & landed
                 if ok:
-                    total = sum_in_rank_order(tile, own.to(dtype, bitcast=True).to(tl.float32), rank, W, dtype)
+                    total = sum_in_rank_order(tile, own.to(dtype, bitcast=True).to(tl.float32), rank, WORLD, dtype)
                     if HAS_BIAS:  # after the sum, rounded as the stock path's `all_reduce(y) + bias` is
                         bias = tl.load(bias_ptr + cols, mask=cols < N, other=0).to(tl.float32)
                         total = total.to(dtype).to(tl.float32) + bias
                     store_tile(out_ptr, out_ptr, tl.reshape(total, (SUB_M, BLOCK_N)), (pid_m * BLOCK_M + r0) // SUB_M,
-                               pid_n, M, N, stride_om, 1, SUB_M, BLOCK_N, False, False)
+                               pid_n, M, N, stride_om, 1, SUB_M, BLOCK_N)
                     not_yet(ptrs, m)
             if not ok:
                 store_tile(out_ptr, out_ptr, tl.full((SUB_M, BLOCK_N), float("nan"), tl.float32),
-                           (pid_m * BLOCK_M + r0) // SUB_M, pid_n, M, N, stride_om, 1, SUB_M, BLOCK_N, False, False)
+                           (pid_m * BLOCK_M + r0) // SUB_M, pid_n, M, N, stride_om, 1, SUB_M, BLOCK_N)
     calls.finish_call(calls_ptr, epoch)

@@ -71,11 +71,10 @@ def _peers_chunk(c, ok, a_ptr, b_ptr, recv_half, counts_half, rows, N, K, stride
         owner = (rank + 1 + j) % WORLD
         pid_m, pid_n = tile_coords(lo + (item - first) // (WORLD - 1), row_blocks, tiles_n, GROUP_M)
         acc = gemm_tile(a_ptr + tl.cast(owner, tl.int64) * rows * stride_am, b_ptr, pid_m, pid_n, rows, N, K, 0,
-                        k_blocks, stride_am, 1, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET,
-                        False, False)
+                        k_blocks, stride_am, 1, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET)
         # mine in the owner's heap: slot (me - owner - 1) mod W = W - 2 - j
         there = rma.translate(recv_half + tl.cast(WORLD - 2 - j, tl.int64) * slot_stride, rank, owner, heap_bases)
-        store_tile(there, there, acc, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N, False, False)
+        store_tile(there, there, acc, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N)
     # Each owner learns how many of this chunk's tiles this program stored for it, once, after the
     # loop: an atomic per tile inside it would stop the compiler from flattening it. The barrier
     # puts every thread's stores before the releasing adds (cumulativity).
@@ -111,7 +110,7 @@ def _own_chunk(c, ok, a_mine, b_ptr, c_ptr, recv_half, counts_half, rows, N, K, 
     for item in tl.range(calls.first_item(first, P), end, P, flatten=FLATTEN):
         pid_m, pid_n = tile_coords(item - first + lo, row_blocks, tiles_n, GROUP_M)
         acc = gemm_tile(a_mine, b_ptr, pid_m, pid_n, rows, N, K, 0, k_blocks, stride_am, 1, stride_bk, stride_bn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, False, False)
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET)
         mine = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for src in tl.static_range(WORLD):  # no branch in the loop body: it stays one pipelined loop
@@ -119,12 +118,12 @@ def _own_chunk(c, ok, a_mine, b_ptr, c_ptr, recv_half, counts_half, rows, N, K, 
             theirs = load_tile(recv_half + tl.cast(slot, tl.int64) * slot_stride, pid_m, pid_n,
                                tl.where(src == rank, 0, rows), N, BLOCK_M, BLOCK_N)
             total += tl.where(src == rank, mine, theirs)
-        store_tile(c_ptr, c_ptr, total, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N, False, False)
+        store_tile(c_ptr, c_ptr, total, pid_m, pid_n, rows, N, N, 1, BLOCK_M, BLOCK_N)
     if not ok:  # rows whose partials may never arrive: NaN, not stale or uninitialised memory
         for item in range(calls.first_item(first, P), first + size, P):
             pid_m, pid_n = tile_coords(item - first + lo, row_blocks, tiles_n, GROUP_M)
             store_tile(c_ptr, c_ptr, tl.full((BLOCK_M, BLOCK_N), float("nan"), tl.float32), pid_m, pid_n, rows, N,
-                       N, 1, BLOCK_M, BLOCK_N, False, False)
+                       N, 1, BLOCK_M, BLOCK_N)
     return ok
 
 

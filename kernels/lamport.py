@@ -131,18 +131,18 @@ def column(tile, j):
 
 
 @triton.jit
-def sum_in_rank_order(tile, mine, rank, W: tl.constexpr, DTYPE: tl.constexpr):
+def sum_in_rank_order(tile, mine, rank, WORLD: tl.constexpr, DTYPE: tl.constexpr):
     """fp32 sum of every rank's block in rank order 0..W-1: `mine` for this rank, the column of
     `tile` that rank s's push landed in for the others (column j holds rank (rank + 1 + j) % W)."""
     acc = tl.full(mine.shape, -0.0, tl.float32)  # -0.0 + v == v for every v, signed zeros included
-    for s in tl.static_range(W):
-        theirs = column(tile, (s - rank - 1 + W) % W).to(DTYPE, bitcast=True).to(tl.float32)
+    for s in tl.static_range(WORLD):
+        theirs = column(tile, (s - rank - 1 + WORLD) % WORLD).to(DTYPE, bitcast=True).to(tl.float32)
         acc += tl.where(s == rank, mine, theirs)
     return acc
 
 
 @triton.jit
-def peer_tile(rank, W: tl.constexpr, PEERS: tl.constexpr):
+def peer_tile(rank, WORLD: tl.constexpr, PEERS: tl.constexpr):
     """(column index, writer rank) of the receive tile's columns, as [1, PEERS] rows."""
     cols = tl.arange(0, PEERS)
-    return cols[None, :], ((rank + 1 + cols) % W)[None, :]
+    return cols[None, :], ((rank + 1 + cols) % WORLD)[None, :]

@@ -172,14 +172,14 @@ def signal_wait(flag_ptr, expected, rank, peer, heap_bases, error_ptr):
 
 
 @triton.jit
-def barrier(flags_ptr, epoch, rank, world, heap_bases, error_ptr):
-    """All `world` ranks meet at `epoch`. flags_ptr[s] in my heap is written only by rank s.
+def barrier(flags_ptr, epoch, rank, WORLD: tl.constexpr, heap_bases, error_ptr):
+    """All WORLD ranks meet at `epoch`. flags_ptr[s] in my heap is written only by rank s.
     A rank that has already given up on a peer does not announce its arrival: its peers then time
     out and report too, rather than run on as if it had reached the barrier."""
     ok = no_error(error_ptr)
     if ok:
-        for peer in range(world):
+        for peer in range(WORLD):
             signal_set(flags_ptr + rank, epoch, rank, peer, heap_bases)
-        for peer in range(world):
+        for peer in range(WORLD):
             ok = ok & signal_wait(flags_ptr + peer, epoch, rank, peer, heap_bases, error_ptr)
     return ok

@@ -168,7 +168,7 @@ class HeapAllReduce:
             block = CHUNK_BYTES // es
             one_shot, scatter, gather = (_bits_view(t, es) for t in (self.one_shot_slots, self.scatter_slots,
                                                                       self.gather_slots))
-            comm = dict(rank=h.rank, heap_bases=h.heap_bases, error_ptr=h.error, W=W, BLOCK=block,
+            comm = dict(rank=h.rank, heap_bases=h.heap_bases, error_ptr=h.error, WORLD=W, BLOCK=block,
                         num_warps=NUM_WARPS, **self.cache_modifiers)
             self._launch[es] = (block, {
                 "one_shot": Launcher(one_shot_all_reduce_kernel, h.device, ("x_ptr", "out_ptr", "n"), **comm,
@@ -282,7 +282,7 @@ class HeapAllReduceNorm:
              "stride_out", "stride_res_out", "eps", "HAS_BIAS"),
             slots_ptr=self.slots, push_epoch_ptr=self.push_epochs, row_epoch_ptr=self.row_epochs, n=hidden,
             slot_stride=self.slots.stride(0), src_stride=self.slots.stride(1), row_stride=self.slots.stride(2),
-            rank=heap.rank, heap_bases=heap.heap_bases, error_ptr=heap.error, W=W, PEERS=peers_pow2(W),
+            rank=heap.rank, heap_bases=heap.heap_bases, error_ptr=heap.error, WORLD=W, PEERS=peers_pow2(W),
             BLOCK=self.block, SUB=self.sub, ONE_TILE=hidden <= self.sub, num_warps=self.num_warps,
             **cache_modifiers(heap.device))
         heap.publish()

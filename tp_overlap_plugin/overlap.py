@@ -582,7 +582,7 @@ class GemmAllReduce:
             launch = self._launchers[(cfg.num_warps, cfg.num_stages)] = Launcher(
                 gemm_all_reduce_kernel, h.device, _GEMM_AR_VARYING, N=self.n, slots_ptr=self.slots,
                 calls_ptr=self.calls, slot_stride=self.slots.stride(0), src_stride=self.slots.stride(1),
-                row_stride=self.slots.stride(2), rank=h.rank, heap_bases=h.heap_bases, error_ptr=h.error, W=W,
+                row_stride=self.slots.stride(2), rank=h.rank, heap_bases=h.heap_bases, error_ptr=h.error, WORLD=W,
                 PEERS=peers, INTERPRET=h.device.type == "cpu", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 **self.cache_modifiers)
         launch(min(tiles, self.programs), x, weight, bias if bias is not None else out, out, m, k, x.stride(0),
