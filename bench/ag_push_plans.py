@@ -1,7 +1,7 @@
-"""AG-GEMM's push plans against each other at world size W (kernels/ag_gemm.py, overlap.PushPlan), so
+"""AG-GEMM's push plans against each other at world size W (kernels/ag_gemm.py, ops.ag_gemm.PushPlan), so
 the defaults come from a measurement: per Llama shape at M tokens, the op in CUDA graphs with
 
-- `default`: overlap.push_plan's plan and AG_SEGMENTS runs of row blocks;
+- `default`: ops.ag_gemm.push_plan's plan and AG_SEGMENTS runs of row blocks;
 - `pushers=S`: S pushing programs (the default's pieces and join);
 - `join=J`: the pushers take the peers' rows from run J on (J = 0: every run);
 - `segments=R`: R runs of row blocks (a kernel of its own; its plan by push_plan);
@@ -27,7 +27,9 @@ from benchlib import bench_parser, capture_graph, environment, interleaved_ms, m
 from overlap import llama_shapes  # noqa: E402
 
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
-from tp_overlap_plugin.overlap import AG_SEGMENTS, AllGatherGemm, _fused_config, num_programs, push_plan  # noqa: E402
+from tp_overlap_plugin.ops.ag_gemm import AG_SEGMENTS, AllGatherGemm, push_plan  # noqa: E402
+from tp_overlap_plugin.ops.device import num_programs  # noqa: E402
+from tp_overlap_plugin.ops.operands import fused_config  # noqa: E402
 from tp_overlap_plugin.tuning.fused_ops import weight_t  # noqa: E402
 
 CALLS = 10  # per graph
@@ -65,7 +67,7 @@ def _rank(ctx, m, rounds, quick):
                 dist.all_gather_into_tensor(full, shard, group=ctx.device_group)
                 return full @ b
             ref = sequential().float()
-            cfg = _fused_config(rows, n, k, dev, None)
+            cfg = fused_config(rows, n, k, dev, None)
             programs = num_programs(dev)
             default = push_plan(rows, n, k, 2, W, programs, cfg.block_m)
             variants = _variants(default, AG_SEGMENTS, quick)

@@ -28,10 +28,11 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import environment  # noqa: E402
 
-from tp_overlap_plugin.collectives import NUM_WARPS, HeapAllReduce, HeapAllReduceNorm  # noqa: E402
+from tp_overlap_plugin.ops.all_reduce import HeapAllReduce, NUM_WARPS  # noqa: E402
+from tp_overlap_plugin.ops.all_reduce_norm import HeapAllReduceNorm  # noqa: E402
 from tp_overlap_plugin.kernels.allreduce import one_shot_all_reduce_kernel, sub_block  # noqa: E402
 from tp_overlap_plugin.kernels.lamport import peers_pow2  # noqa: E402
-from tp_overlap_plugin.overlap import GemmAllReduce  # noqa: E402
+from tp_overlap_plugin.ops.gemm_ar import GemmAllReduce  # noqa: E402
 from tp_overlap_plugin.kernels.barrier import launch_barrier  # noqa: E402
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
 from tp_overlap_plugin.tuning.allreduce import torch_symm_all_reduce  # noqa: E402

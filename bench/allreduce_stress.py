@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import (add_share_gpus_option, bench_parser, environment, md_table, publish,  # noqa: E402
                       ranks_share_gpus, shared_gpus_banner)
 
-from tp_overlap_plugin.collectives import HeapAllReduce  # noqa: E402
+from tp_overlap_plugin.ops.all_reduce import HeapAllReduce  # noqa: E402
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
 
 MIN_BYTES, MAX_BYTES = 8 << 10, 16 << 20

@@ -24,7 +24,7 @@ from benchlib import (bench_parser, environment, graph_time_per_call_ms, md_tabl
                       time_per_call_ms)
 from remote_bw import copy_kernel  # noqa: E402
 
-from tp_overlap_plugin.collectives import HeapAllReduce  # noqa: E402
+from tp_overlap_plugin.ops.all_reduce import HeapAllReduce  # noqa: E402
 from tp_overlap_plugin.kernels.barrier import launch_barrier  # noqa: E402
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
 from tp_overlap_plugin.tuning.allreduce import (SIZES, all_reduce_sweep, norm_heap_bytes, norm_sweep,  # noqa: E402

@@ -36,7 +36,10 @@ from overlap import llama_shapes  # noqa: E402
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
 from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel  # noqa: E402
 from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel  # noqa: E402
-from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter, _fused_config, num_programs  # noqa: E402
+from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm  # noqa: E402
+from tp_overlap_plugin.ops.device import num_programs  # noqa: E402
+from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter  # noqa: E402
+from tp_overlap_plugin.ops.operands import fused_config  # noqa: E402
 from tp_overlap_plugin.tuning.fused_ops import weight_t  # noqa: E402
 
 CALLS = 10  # per graph
@@ -111,7 +114,7 @@ def _rank(ctx, m, rounds):
             b = weight_t(n, k, dev, gen)
             a = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen)
             c = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-            cfg = _fused_config(rows, n, k, dev, None)
+            cfg = fused_config(rows, n, k, dev, None)
             row["config"] = cfg.label()
             if op == "ag":
                 real, own = AllGatherGemm(h, rows, k), AllGatherGemm(h, rows, k)

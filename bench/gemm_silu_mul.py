@@ -2,8 +2,8 @@
 
   stock        cuBLAS (F.linear's matmul) [M, K] x [K, 2I], then layer_ops.silu_mul [M, 2I] -> [M, I]
                (the stock layers; the flag's too, before this)
-  ours + silu  our GEMM core (overlap.gemm, the table's tiles), then the same kernel
-  fused        overlap.gemm_silu_mul: the core with the activation in its epilogue, one launch, the
+  ours + silu  our GEMM core (ops.gemm, the table's tiles), then the same kernel
+  fused        ops.gemm.gemm_silu_mul: the core with the activation in its epilogue, one launch, the
                [M, 2I] product never written
 
 and the parts alone (cuBLAS, our GEMM, the SiLU-mul kernel). Shapes: Llama-3-8B's gate_up at TP=1
@@ -40,7 +40,7 @@ def correctness(dev, shapes, ms, extra_configs) -> list[dict]:
     """The fused kernel's output against silu(gate) * up in float64 (rows sampled at large M)."""
     import torch
     from tp_overlap_plugin.gemm_config import pick_config
-    from tp_overlap_plugin.overlap import gemm_silu_mul, silu_mul_config
+    from tp_overlap_plugin.ops.gemm import gemm_silu_mul, silu_mul_config
     from tp_overlap_plugin.tuning.silu_mul import reference
     gen = torch.Generator().manual_seed(0)
     out = []

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import bench_parser, environment, grouped_bars, md_table, write_results  # noqa: E402
 
-from tp_overlap_plugin.collectives import HeapAllReduce  # noqa: E402
+from tp_overlap_plugin.ops.all_reduce import HeapAllReduce  # noqa: E402
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
 from tp_overlap_plugin.tuning.allreduce import all_reduce_sweep, torch_symm_all_reduce  # noqa: E402
 from tp_overlap_plugin.tuning.fused_ops import measure_shape, torch_fused_group  # noqa: E402

@@ -28,7 +28,8 @@ from benchlib import (add_share_gpus_option, bench_parser, environment, md_table
                       ranks_share_gpus, shared_gpus_banner)
 
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
-from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter  # noqa: E402
+from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm  # noqa: E402
+from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter  # noqa: E402
 
 HIDDEN, QKV = 4096, 6144      # Llama-3-8B: qkv's N and o_proj's K are divided by W
 MAX_ROWS = 1024               # per shard

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tp_overlap_plugin import stats
-from tp_overlap_plugin.collectives import HeapAllReduce
+from tp_overlap_plugin.ops.all_reduce import HeapAllReduce
 from tp_overlap_plugin.kernels.allreduce import CHUNK_BYTES
 from tp_overlap_plugin.multirank import run_ranks
 

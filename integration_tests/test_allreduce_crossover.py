@@ -4,7 +4,7 @@ decides it where a measurement exists."""
 
 import json
 
-from tp_overlap_plugin.collectives import DEFAULT_ONE_SHOT_BYTES
+from tp_overlap_plugin.ops.all_reduce import DEFAULT_ONE_SHOT_BYTES
 from tp_overlap_plugin.dispatch import Dispatcher
 from tp_overlap_plugin.tuning.rules import all_reduce_rows, one_shot_crossover
 

@@ -76,7 +76,7 @@ def _cases(world):
 
 
 def _run(ctx, seed):
-    from tp_overlap_plugin.collectives import HeapAllReduceNorm
+    from tp_overlap_plugin.ops.all_reduce_norm import HeapAllReduceNorm
 
     ops = {}
     for _, hidden, dtype, _ in _cases(ctx.world_size):  # built up front, in the same order on every rank

@@ -362,7 +362,8 @@ def _self_peer_ops(ctx):
     sys.path.insert(0, str(ROOT / "bench"))
     from fused_costs import _own_heap_only
 
-    from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter
+    from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm
+    from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter
 
     h, W, rows, k, n = ctx.heap, ctx.world_size, 16, 32, 24
     g = torch.Generator().manual_seed(ctx.rank)

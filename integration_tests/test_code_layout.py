@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-PACKAGES = ["tp_overlap_plugin", "tp_overlap_plugin.kernels", "tp_overlap_plugin.serving", "tp_overlap_plugin.tuning"]
+PACKAGES = ["tp_overlap_plugin", "tp_overlap_plugin.kernels", "tp_overlap_plugin.ops", "tp_overlap_plugin.serving",
+            "tp_overlap_plugin.tuning"]
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 600
 # Files allowed past the limit, each with the reason it cannot be cut yet: none.

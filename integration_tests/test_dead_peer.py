@@ -26,8 +26,11 @@ POISONED = {"cpu": ("all_reduce", "gemm_all_reduce", "all_reduce_norm"), "cuda":
 
 def _build(ctx):
     """Every op of this test, set up collectively; each entry runs it once and returns its output."""
-    from tp_overlap_plugin.collectives import HeapAllReduce, HeapAllReduceNorm
-    from tp_overlap_plugin.overlap import AllGatherGemm, GemmAllReduce, GemmReduceScatter
+    from tp_overlap_plugin.ops.all_reduce import HeapAllReduce
+    from tp_overlap_plugin.ops.all_reduce_norm import HeapAllReduceNorm
+    from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm
+    from tp_overlap_plugin.ops.gemm_ar import GemmAllReduce
+    from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter
 
     h, W, r, dev = ctx.heap, ctx.world_size, ctx.rank, ctx.device
     dtype = torch.float16 if dev.type == "cpu" else torch.bfloat16
@@ -160,7 +163,7 @@ def _custom_op_after_a_death(ctx):
     """vLLM's adapter: only `torch.ops.tp_overlap.all_reduce` runs, no heap.check(). As in vLLM's
     step loop, the host syncs once per step (sampled tokens), after several all-reduces."""
     from tp_overlap_plugin import custom_ops
-    from tp_overlap_plugin.collectives import HeapAllReduce
+    from tp_overlap_plugin.ops.all_reduce import HeapAllReduce
 
     h, dev = ctx.heap, ctx.device
     small = h.timeout_s
@@ -212,7 +215,7 @@ def _graph_replay_after_a_death(ctx):
     two layers), replayed once a step, the host waiting for each step's "token" (its own sync).
     Returns (the tokens the host took, the replay that raised, its message)."""
     from tp_overlap_plugin import custom_ops
-    from tp_overlap_plugin.collectives import HeapAllReduce
+    from tp_overlap_plugin.ops.all_reduce import HeapAllReduce
 
     h, dev, W = ctx.heap, ctx.device, ctx.world_size
     small = h.timeout_s

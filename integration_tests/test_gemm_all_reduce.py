@@ -53,7 +53,7 @@ def _reference(xs, ws, b, dtype):
 
 
 def _run(ctx, seed):
-    from tp_overlap_plugin.overlap import GemmAllReduce
+    from tp_overlap_plugin.ops.gemm_ar import GemmAllReduce
 
     ops = {dt: GemmAllReduce(ctx.heap, MAX_ROWS, N, dt) for dt in (torch.bfloat16, torch.float16)}
     dev, outs = ctx.device, []
@@ -105,7 +105,7 @@ def _graph_replays(ctx):
     """GEMM + all-reduce captured at three Ms (1, below a tile, several tiles), the graphs replayed in
     turn with fresh inputs: the call number (and with it the receive slot) advances in device
     memory, so each replay is a new call and must not read the previous one's pushes."""
-    from tp_overlap_plugin.overlap import GemmAllReduce
+    from tp_overlap_plugin.ops.gemm_ar import GemmAllReduce
 
     W, dev, g = ctx.world_size, ctx.device, ctx.device_group
     gen = torch.Generator(device=dev).manual_seed(ctx.rank)

@@ -44,7 +44,7 @@ def _bench_candidates():
 
 
 def _check(dev, configs, shapes, layouts=LAYOUTS, dtype=torch.bfloat16):
-    from tp_overlap_plugin.overlap import _operand_descriptors, gemm
+    from tp_overlap_plugin.ops.gemm import _operand_descriptors, gemm
     gen = torch.Generator().manual_seed(0)
     bad = []
     for m, k, n in shapes:
@@ -87,7 +87,7 @@ def _silu_configs():
 def _check_silu_mul(dev, configs, shapes, layouts=LAYOUTS, dtype=torch.bfloat16):
     """gemm_silu_mul against silu(gate) * up in float64, into a NaN-filled C inside a wider NaN buffer:
     every element of C written, none beside it."""
-    from tp_overlap_plugin.overlap import gemm_silu_mul
+    from tp_overlap_plugin.ops.gemm import gemm_silu_mul
     gen = torch.Generator().manual_seed(1)
     bad = []
     for m, k, n in shapes:
@@ -142,7 +142,7 @@ def test_gemm_core_paths_on_gpu():
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="runs real kernels")
 def test_split_k_and_descriptors_replay_in_a_cuda_graph():
     from tp_overlap_plugin.gemm_config import TileConfig
-    from tp_overlap_plugin.overlap import gemm
+    from tp_overlap_plugin.ops.gemm import gemm
     m, k, n = 16, 4096, 1024
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5).t()

@@ -1,4 +1,4 @@
-"""The decode matmul (host op overlap.gemv: kernels/gemv.py's FMA stream, or the GEMM core's tiles with
+"""The decode matmul (host op ops.gemv: kernels/gemv.py's FMA stream, or the GEMM core's tiles with
 the operands swapped) against a float64 reference: both paths, every M from 1 to 64, N and K that
 are not multiples of the tiles, K shorter than one tile, bias, fp16 and bf16, poisoned outputs, and
 strided x and out; the same bits from two calls; replays from CUDA graphs; inputs it does not take
@@ -11,7 +11,7 @@ import torch
 
 from tp_overlap_plugin.decode_config import DecodeConfig
 from tp_overlap_plugin.dispatch import Dispatcher
-from tp_overlap_plugin.overlap import GEMV_MAX_ROWS, gemv, gemv_applies
+from tp_overlap_plugin.ops.gemv import GEMV_MAX_ROWS, gemv, gemv_applies
 
 # both paths at explicit configs, whatever the device's table says; the interpreter's tiles are small
 # so that a tiny shape has several tiles, K blocks, K slices (split-K) and a K tail

@@ -68,7 +68,8 @@ def test_gemm_with_more_than_2_31_elements_in_a():
     """M * K > 2^31 through the pointer path (and the table's config), checked on rows at both ends."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    from tp_overlap_plugin.overlap import gemm, pick_config
+    from tp_overlap_plugin.gemm_config import pick_config
+    from tp_overlap_plugin.ops.gemm import gemm
     import dataclasses
     dev = torch.device("cuda", 0)
     m, k, n = 139_264, 16_384, 64            # A: 2.28e9 elements (4.6 GB of bf16)
@@ -90,7 +91,7 @@ def test_gemm_with_more_than_2_31_elements_in_a():
 def _two_streams(ctx, calls):
     """Calls of one all-reduce alternate between two streams with no sync between them, each
     stream's inputs written on that stream: every result must still be its call's sum."""
-    from tp_overlap_plugin.collectives import HeapAllReduce
+    from tp_overlap_plugin.ops.all_reduce import HeapAllReduce
     ar = HeapAllReduce(ctx.heap, max_bytes=64 << 10)
     dev = ctx.device
     streams = [torch.cuda.Stream(dev), torch.cuda.Stream(dev)]
@@ -118,7 +119,7 @@ def test_one_op_on_two_streams_stays_in_call_order():
 
 
 def _aliased_norm(ctx):
-    from tp_overlap_plugin.collectives import HeapAllReduceNorm
+    from tp_overlap_plugin.ops.all_reduce_norm import HeapAllReduceNorm
     dtype = torch.float32
     op = HeapAllReduceNorm(ctx.heap, hidden=64, max_rows=4, dtype=dtype)
     x = torch.randn(4, 64, dtype=dtype, device=ctx.device)
@@ -151,7 +152,7 @@ def _held_back(ctx, timeout_s):
     rows while HELD still reads the rows they pushed for call 1, then give up waiting for HELD's call
     2. Their pushes must not land on the rows HELD is reading (call 2 goes to the other half).
     Returns (call 1's output, B, call 2's output or what call 2 raised)."""
-    from tp_overlap_plugin.overlap import AllGatherGemm
+    from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm
     h, r, W, dev = ctx.heap, ctx.rank, ctx.world_size, ctx.device
     dtype = torch.float16
     ag = AllGatherGemm(h, max_rows=ROWS, k=K, dtype=dtype)
@@ -223,7 +224,7 @@ def _after_a_give_up(ctx, seed):
     it are NaN. Returns (the normal outputs, the second call's output, its error, what GAVE_UP's
     slot holds on this rank after the second call)."""
     from tp_overlap_plugin.error_slot import ERR_CODE, ERR_PEER, ERR_RANK, ERR_STUCK
-    from tp_overlap_plugin.overlap import AllGatherGemm
+    from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm
     h, r, W, dev = ctx.heap, ctx.rank, ctx.world_size, ctx.device
     dtype = torch.float16 if dev.type == "cpu" else torch.bfloat16
     ag = {k: AllGatherGemm(h, max_rows=8, k=k, dtype=dtype) for _, k, _ in GIVE_UP_SHAPES}

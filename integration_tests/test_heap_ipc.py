@@ -122,8 +122,9 @@ def _load_from_every_peer(buf_ptr, out_ptr, rank, world, heap_bases, N: tl.const
 
 
 def _ipc_heap_carries_everything(ctx, seed):
-    from tp_overlap_plugin.collectives import HeapAllReduce
-    from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter
+    from tp_overlap_plugin.ops.all_reduce import HeapAllReduce
+    from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm
+    from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter
 
     h, W, r, dev = ctx.heap, ctx.world_size, ctx.rank, ctx.device
     assert h.backend_name == "ipc", h.backend_name

@@ -20,8 +20,9 @@ from tp_overlap_plugin.kernels.gemm_ar import gemm_all_reduce_kernel
 from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel
 from tp_overlap_plugin.kernels.gemv import gemv_kernel
 from tp_overlap_plugin.kernels.layer_ops import rmsnorm_kernel, rope_cache_kernel, silu_mul_kernel
-from tp_overlap_plugin.collectives import NORM_THREADS, norm_num_warps
-from tp_overlap_plugin.overlap import AG_SEGMENTS, RS_CHUNKS
+from tp_overlap_plugin.ops.all_reduce_norm import NORM_THREADS, norm_num_warps
+from tp_overlap_plugin.ops.ag_gemm import AG_SEGMENTS
+from tp_overlap_plugin.ops.gemm_rs import RS_CHUNKS
 from tp_overlap_plugin.kernels import triton_compat
 import triton.language as tl
 
@@ -46,7 +47,7 @@ _GEMM_TMA_WS = {**_TILES, "FLATTEN": False, **_TMA, "C_TMA": True, "WARP_SPEC": 
                 "DEVICE_DESC": True}
 _GEMM_SPLIT = {**_TILES, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "FLATTEN": False, **_TMA,
                "SPLIT": True}
-# H100's table tile at M = 1024-2048 (tma 128x256x64 w8 s3 ctma) as overlap.silu_mul_config launches it:
+# H100's table tile at M = 1024-2048 (tma 128x256x64 w8 s3 ctma) as ops.gemm.silu_mul_config launches it:
 # half the table's BLOCK_N, not flattened
 _GEMM_SILU = {**_GEMM_TMA, "BLOCK_N": 128, "SUBTILE": False, "FLATTEN": False, "SILU_MUL": True}
 _GEMM_SPLIT_PTR = {**_GEMM_SPLIT, **_PTR, "SPLIT": True}
@@ -147,7 +148,7 @@ _SLOTS = {"x_ptr": 16, "out_ptr": 16, "slots_ptr": 16, "scatter_ptr": 16, "gathe
           "stride_am": 16, "a_ptr": 16, "b_ptr": 16, "bias_ptr": 16, "calls_ptr": 16, "gathered_ptr": 16}
 _CACHE = {"PEER_STORE": "", "POLL_LOAD": ""}
 for _w, _peers in ((2, 1), (8, 8)):
-    _sub = sub_block(4096, _w, 8 * 32)  # what collectives.py launches on NVIDIA (8 warps)
+    _sub = sub_block(4096, _w, 8 * 32)  # what ops/all_reduce.py launches on NVIDIA (8 warps)
     _cx = {"WORLD": _w, "BLOCK": 4096, **_CACHE}
     KERNELS[f"one_shot_all_reduce_bf16_w{_w}"] = (
         one_shot_all_reduce_kernel,
@@ -197,7 +198,7 @@ def _compiled(name, target):
         # what Triton sees at a real launch: heap pointers, lengths and strides divisible by 16
         names = list(signature)
         attrs = {(names.index(a),): [["tt.divisibility", d]] for a, d in _SLOTS.items() if a in signature}
-        if target == "gfx942" and name in LAMPORT:  # what collectives.py passes on ROCm
+        if target == "gfx942" and name in LAMPORT:  # what ops/all_reduce.py passes on ROCm
             constexprs = {**constexprs, "PEER_STORE": ".wt", "POLL_LOAD": ".cv"}
     options = options[0] if options else None
     if callable(options):  # options that depend on the target (its warp size)
@@ -217,7 +218,7 @@ def test_kernel_compiles_for_target(name, target):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles real kernels")
 def test_gemm_silu_mul_wgmmas_stay_asynchronous():
     """The fused gate_up's two accumulators: ptxas serializes their wgmmas when the tile loop is
-    flattened (its warning C7515; ~25% slower on H100, bench/notes/gemm.md), so overlap.silu_mul_config
+    flattened (its warning C7515; ~25% slower on H100, bench/notes/gemm.md), so ops.gemm.silu_mul_config
     launches it unflattened, where they must stay asynchronous."""
     import subprocess
     import tempfile

@@ -9,7 +9,10 @@ import torch
 
 from tp_overlap_plugin import stats
 from tp_overlap_plugin.multirank import gpu_ranks_fit, run_ranks
-from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter, PushPlan, gemm, pick_config
+from tp_overlap_plugin.gemm_config import pick_config
+from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm, PushPlan
+from tp_overlap_plugin.ops.gemm import gemm
+from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter
 
 
 def _rel_err(x, ref):

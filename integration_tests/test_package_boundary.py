@@ -9,7 +9,9 @@ import sys
 PLUGIN_MODULES = ["tp_overlap_plugin", "tp_overlap_plugin.vllm_plugin", "tp_overlap_plugin.heap",
                   "tp_overlap_plugin.heap_shm", "tp_overlap_plugin.heap_ipc", "tp_overlap_plugin.heap_torch",
                   "tp_overlap_plugin.error_slot", "tp_overlap_plugin.options",
-                  "tp_overlap_plugin.overlap", "tp_overlap_plugin.collectives", "tp_overlap_plugin.layers",
+                  "tp_overlap_plugin.ops.gemm", "tp_overlap_plugin.ops.gemv", "tp_overlap_plugin.ops.ag_gemm",
+                  "tp_overlap_plugin.ops.gemm_rs", "tp_overlap_plugin.ops.gemm_ar", "tp_overlap_plugin.ops.all_reduce",
+                  "tp_overlap_plugin.ops.all_reduce_norm", "tp_overlap_plugin.layers",
                   "tp_overlap_plugin.overlap_layers", "tp_overlap_plugin.dispatch", "tp_overlap_plugin.custom_ops",
                   "tp_overlap_plugin.multirank", "tp_overlap_plugin.runtime", "tp_overlap_plugin.tables",
                   "tp_overlap_plugin.tuning.tune", "tp_overlap_plugin.tuning.rules", "tp_overlap_plugin.tuning.shapes"]

@@ -16,7 +16,8 @@ def _variants(*kernels):
 def _forty_calls(ctx):
     from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel
     from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel
-    from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter
+    from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm
+    from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter
 
     kernels = (ag_gemm_kernel, gemm_rs_kernel)
     dev, W = ctx.device, ctx.world_size

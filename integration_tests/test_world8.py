@@ -8,9 +8,10 @@ called twice so epochs and buffer halves advance."""
 import pytest
 import torch
 
-from tp_overlap_plugin.collectives import HeapAllReduce
+from tp_overlap_plugin.ops.all_reduce import HeapAllReduce
 from tp_overlap_plugin.multirank import gpu_ranks_fit, run_ranks
-from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter
+from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm
+from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter
 
 WORLD = 8
 AR_NUMEL = (1, 4097)

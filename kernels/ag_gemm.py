@@ -114,7 +114,7 @@ def ag_gemm_kernel(a_ptr, b_ptr, c_ptr, gathered_ptr, counts_ptr, calls_ptr, row
     (contiguous). gathered: [2, WORLD - 1, max_rows, K] (slot_stride = max_rows * K); counts:
     [2, WORLD - 1, SEGMENTS]. The first min(pushers, programs) programs push (at least one), then
     multiply peers' rows from segment `join` on (where the others have not started them yet when the
-    pushes end: the host's estimate, overlap.push_plan). PIECE_ROWS divides BLOCK_M, so a piece lies
+    pushes end: the host's estimate, ops.ag_gemm.push_plan). PIECE_ROWS divides BLOCK_M, so a piece lies
     in one segment."""
     epoch, ok = calls.begin_call(calls_ptr, error_ptr)
     half = epoch % 2

@@ -1,5 +1,5 @@
 """y[M, N] = x[M, K] @ W[N, K]^T for decode-sized M (1..16): a stream over an nn.Linear weight, on the
-CUDA cores. The FMA path of the decode matmul (overlap.gemv); its tensor-core path is the GEMM core
+CUDA cores. The FMA path of the decode matmul (ops.gemv); its tensor-core path is the GEMM core
 with the operands swapped (tp_overlap_plugin/decode_config.py says which runs where).
 
 At one to a few rows the op moves the weight from HBM once and does almost no arithmetic, so what

@@ -112,7 +112,7 @@ def _demo_rank(ctx, numel, iters):
     import torch
 
     from tp_overlap_plugin import stats
-    from tp_overlap_plugin.collectives import HeapAllReduce
+    from tp_overlap_plugin.ops.all_reduce import HeapAllReduce
 
     comm = HeapAllReduce(ctx.heap, max_bytes=max(numel * 4, 1))
     lines = [f"{ctx.heap!r}", f"heap_bases = {[hex(b) for b in ctx.heap.heap_bases.tolist()]}"]

@@ -88,7 +88,7 @@ def _log_dispatch(cfg: EngineConfig, mcfg: ModelConfig, tp: TPGroup, device: tor
     if tp.rank != 0:
         return
     from tp_overlap_plugin.gemm_config import table_source
-    from tp_overlap_plugin.overlap import KERNEL_DTYPES
+    from tp_overlap_plugin.ops.operands import KERNEL_DTYPES
     from tp_overlap_plugin.tuning.shapes import ModelDims
     oc, world = cfg.tp_overlap, tp.world_size
     log.info("tp_overlap: %s, dispatch %s (%s); GEMM configs: %s", heap, oc.dispatch, dispatcher.source,

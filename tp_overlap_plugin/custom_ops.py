@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from tp_overlap_plugin import runtime, stats
-from tp_overlap_plugin.collectives import HeapAllReduce
+from tp_overlap_plugin.ops.all_reduce import HeapAllReduce
 
 
 @dataclass

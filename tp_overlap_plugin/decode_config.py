@@ -1,4 +1,4 @@
-"""Configs of the decode matmul (`overlap.gemv`, y = x @ W^T for 1..64 rows) and where they come from.
+"""Configs of the decode matmul (`ops.gemv`, y = x @ W^T for 1..64 rows) and where they come from.
 
 The decode matmul has two paths, one kernel family:
 - "fma": kernels/gemv.py, each program streams whole weight rows and multiplies on the CUDA cores

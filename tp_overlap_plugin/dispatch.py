@@ -54,7 +54,7 @@ class Dispatcher:
     # {M, K, N, winner}: "fused" (gate_up with SiLU-mul in our GEMM's epilogue) or "stock"; N = gate | up
     silu_mul_rows: list[dict] = field(default_factory=list)
     # the all-reduce's "auto": one-shot up to this many bytes, two-shot above (tune measures it per
-    # device and world size; None: collectives.DEFAULT_ONE_SHOT_BYTES)
+    # device and world size; None: ops.all_reduce.DEFAULT_ONE_SHOT_BYTES)
     one_shot_max_bytes: int | None = None
     # {M, shapes, runs}: the engine's verdict per step size of a model (its linear ops: [op, K, N]);
     # runs in STEP_RUNS
@@ -232,7 +232,7 @@ class Dispatcher:
     @_remembered
     def gemm_silu_mul(self, m: int, k: int, n: int) -> bool:
         """True: gate_up_proj ([m, k] input, n = gate | up local columns) and its SiLU-mul run as one
-        launch of our GEMM with the activation in the epilogue (overlap.gemm_silu_mul); False: the
+        launch of our GEMM with the activation in the epilogue (ops.gemm.gemm_silu_mul); False: the
         layer's matmul (cuBLAS) and then the SiLU-mul kernel. The table's rows compare the two as
         measured by bench/gemm_silu_mul.py. Unmeasured: False."""
         if self.mode != "table":

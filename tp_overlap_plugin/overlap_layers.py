@@ -16,7 +16,7 @@ engine's verdict (Dispatcher.step_runs, from tune's whole-step check): a step si
 step lost to the stock engine's runs the replicated layout, or every op stock; the fused all-reduce +
 norm runs where the dispatcher picks our all-reduce, GEMM + all-reduce where the dispatcher's
 gemm_all_reduce rows say it beats both. In the replicated layout every local matmul (column, row,
-LM head) goes through `OverlapTPLayers.linear`: our decode matmul (overlap.gemv, 1-64 rows) where the
+LM head) goes through `OverlapTPLayers.linear`: our decode matmul (ops.gemv, 1-64 rows) where the
 table's gemv rows say it streams the weight faster than cuBLAS, F.linear elsewhere. At TP=1 there is
 no heap and no communication: the flag's layers are those local matmuls alone.
 """
@@ -29,13 +29,18 @@ import torch
 from torch import nn
 
 from tp_overlap_plugin import runtime, stats
-from tp_overlap_plugin.collectives import HeapAllReduce, HeapAllReduceNorm
+from tp_overlap_plugin.ops.all_reduce import HeapAllReduce
+from tp_overlap_plugin.ops.all_reduce_norm import HeapAllReduceNorm
 from tp_overlap_plugin.dispatch import Dispatcher
 from tp_overlap_plugin.heap import SymmetricHeap
 from tp_overlap_plugin.layers import (ColumnParallelLinear, ParallelLMHead, PendingAllReduce, RowParallelLinear,
                                       TPGroup, TPLayers, VocabParallelEmbedding, activate_silu_mul)
-from tp_overlap_plugin.overlap import (KERNEL_DTYPES, AllGatherGemm, GemmAllReduce, GemmReduceScatter, gemm_silu_mul,
-                                       gemm_silu_mul_applies, gemv, gemv_applies)
+from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm
+from tp_overlap_plugin.ops.gemm import gemm_silu_mul, gemm_silu_mul_applies
+from tp_overlap_plugin.ops.gemm_ar import GemmAllReduce
+from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter
+from tp_overlap_plugin.ops.gemv import gemv, gemv_applies
+from tp_overlap_plugin.ops.operands import KERNEL_DTYPES
 
 ALL_REDUCE_BYTES = 8 << 20
 STOCK = Dispatcher(mode="stock")  # the ops of a step that the engine's verdict runs stock
@@ -174,7 +179,7 @@ class OverlapTPLayers(TPLayers):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """F.linear on this rank's weight, or our decode matmul where the table says it streams the
-        weight faster (decode-sized x: overlap.gemv)."""
+        weight faster (decode-sized x: ops.gemv)."""
         if self.takes_gemv(x, weight):
             return gemv(x, weight, bias)
         return nn.functional.linear(x, weight, bias)

@@ -206,7 +206,7 @@ def _ensure_all_reduce(opts: TPOverlapOptions) -> str:
     if device.type == "cpu":
         _use_triton_interpreter()
     from tp_overlap_plugin import custom_ops
-    from tp_overlap_plugin.collectives import HeapAllReduce
+    from tp_overlap_plugin.ops.all_reduce import HeapAllReduce
     from tp_overlap_plugin.heap import SymmetricHeap
 
     from tp_overlap_plugin.dispatch import Dispatcher

@@ -11,7 +11,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tp_overlap_plugin.collectives import HeapAllReduce, HeapAllReduceNorm
+from tp_overlap_plugin.ops.all_reduce import HeapAllReduce
+from tp_overlap_plugin.ops.all_reduce_norm import HeapAllReduceNorm
 from tp_overlap_plugin.kernels import layer_ops
 from tp_overlap_plugin.tuning.timing import record, repeats_us
 

@@ -1,4 +1,4 @@
-"""The decode matmul's candidate configs (overlap.gemv with an explicit DecodeConfig) against F.linear on
+"""The decode matmul's candidate configs (ops.gemv with an explicit DecodeConfig) against F.linear on
 one GPU, and the config table `decode_config.pick_decode_config` reads (`tp-overlap tune`'s phase
 decode_configs; the table goes into the cache, tables.cached_path("decode", device)).
 
@@ -60,7 +60,7 @@ def measure_entry(m: int, k: int, n: int, names: list, cands: list, dev, stream,
     import torch
     import torch.nn.functional as F
 
-    from tp_overlap_plugin.overlap import gemv
+    from tp_overlap_plugin.ops.gemv import gemv
     from tp_overlap_plugin.tuning.gemv import weight_copies
     from tp_overlap_plugin.tuning.timing import rotating_ms
     weights = weight_copies(n, k, dev, gen)

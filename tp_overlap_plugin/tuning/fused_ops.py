@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 
 from tp_overlap_plugin import runtime
-from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter, gemm
+from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm
+from tp_overlap_plugin.ops.gemm import gemm
+from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter
 from tp_overlap_plugin.tuning.timing import repeats_us
 
 ALL = ("cublas", "nccl", "sequential", "triton_gemm", "ours", "ours_graph", "sequential_graph")

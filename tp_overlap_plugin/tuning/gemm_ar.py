@@ -23,10 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tp_overlap_plugin.collectives import HeapAllReduce, HeapAllReduceNorm
+from tp_overlap_plugin.ops.all_reduce import HeapAllReduce
+from tp_overlap_plugin.ops.all_reduce_norm import HeapAllReduceNorm
 from tp_overlap_plugin.gemm_config import gemm_all_reduce_config
 from tp_overlap_plugin.kernels import layer_ops
-from tp_overlap_plugin.overlap import GemmAllReduce
+from tp_overlap_plugin.ops.gemm_ar import GemmAllReduce
 from tp_overlap_plugin.tuning.results import md_table
 from tp_overlap_plugin.tuning.timing import cycle, record, repeats_us
 

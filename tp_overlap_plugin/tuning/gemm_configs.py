@@ -186,7 +186,8 @@ def measure_entry(m: int, k: int, n: int, names: list, cands: list, dev, stream,
     CUDA error that takes the context down sets the entry's "stopped" (the caller stops there)."""
     import torch
 
-    from tp_overlap_plugin.overlap import gemm, num_programs, split_slices
+    from tp_overlap_plugin.ops.device import num_programs
+    from tp_overlap_plugin.ops.gemm import gemm, split_slices
     from tp_overlap_plugin.tuning.timing import rotating_ms
     nbytes = 2 * (m * k + n * k + m * n)
     copies = max(1, min(32, math.ceil(2 * l2 / nbytes)))
@@ -248,7 +249,7 @@ def preflight(labels: list[str], dry_run: bool = False) -> None:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
-    from tp_overlap_plugin.overlap import gemm
+    from tp_overlap_plugin.ops.gemm import gemm
     large, small = candidates()
     by_label = {c.label(): c for c in large + small}
     small_labels = {c.label() for c in small}

@@ -1,7 +1,7 @@
-"""Decode-sized linear layers on one GPU: cuBLAS (F.linear) against our GEMV (overlap.gemv), µs per
+"""Decode-sized linear layers on one GPU: cuBLAS (F.linear) against our GEMV (ops.gemv), µs per
 call in CUDA graphs, for every local matmul of a rank at TP=W (bench/gemv.py: Llama-3 8B and 70B;
 `tp-overlap tune`: its model's qkv, o_proj, gate_up, down, and the LM head's vocab shard), at the
-decode row counts DECODE_ROWS that the GEMV takes (overlap.GEMV_MAX_ROWS).
+decode row counts DECODE_ROWS that the GEMV takes (ops.gemv.GEMV_MAX_ROWS).
 
 Each call in a graph reads another copy of the weight, and the copies together overflow L2 (as a
 model's layers do), so both stream the weight from HBM; the floor is weight bytes / the HBM copy
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from tp_overlap_plugin.tuning.results import md_table
 from tp_overlap_plugin.tuning.timing import cycle, repeats_us
 
-# The decode row counts the GEMV is measured at: those up to overlap.GEMV_MAX_ROWS run (decode_rows()).
+# The decode row counts the GEMV is measured at: those up to ops.gemv.GEMV_MAX_ROWS run (decode_rows()).
 DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 QUICK_ROWS = (1, 8, 64)
 L2_FLUSH_BYTES = 256 << 20
@@ -32,8 +32,8 @@ CALLS = 20
 
 
 def decode_rows(quick: bool = False) -> list[int]:
-    """The row counts to measure: DECODE_ROWS (QUICK_ROWS with --quick) that overlap.gemv takes."""
-    from tp_overlap_plugin.overlap import GEMV_MAX_ROWS
+    """The row counts to measure: DECODE_ROWS (QUICK_ROWS with --quick) that ops.gemv takes."""
+    from tp_overlap_plugin.ops.gemv import GEMV_MAX_ROWS
     rows = [m for m in (QUICK_ROWS if quick else DECODE_ROWS) if m <= GEMV_MAX_ROWS]
     return rows if not quick or GEMV_MAX_ROWS in rows else rows + [GEMV_MAX_ROWS]
 
@@ -55,12 +55,12 @@ def weight_copies(n: int, k: int, dev: torch.device, gen: torch.Generator) -> li
 
 def measure(shape_list, rows, gpu: bool, repeats: int = 1, on_row=None) -> list[dict]:
     """The decode-matmul sweep: per (name, K, N) in `shape_list` and M in `rows`, F.linear and ours
-    (overlap.gemv with the config its table picks), checked against float64 first (on the device: the
+    (ops.gemv with the config its table picks), checked against float64 first (on the device: the
     CPU reference of a large shard takes tens of seconds), then timed in `repeats` interleaved rounds
     (CUDA graphs on a GPU; one eager call by wall clock on the CPU, a smoke run). `on_row(row)` is
     called after each row."""
     from tp_overlap_plugin.decode_config import pick_decode_config
-    from tp_overlap_plugin.overlap import gemv
+    from tp_overlap_plugin.ops.gemv import gemv
     dev = torch.device("cuda" if gpu else "cpu")
     gen = torch.Generator(device=dev).manual_seed(0)
     out = []

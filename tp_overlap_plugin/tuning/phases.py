@@ -200,7 +200,7 @@ def _gemv(ctx, plan, todo, keep, go, crashed):
 
 
 def _all_reduce(ctx, plan, todo, keep, go, crashed):
-    from tp_overlap_plugin.collectives import HeapAllReduce
+    from tp_overlap_plugin.ops.all_reduce import HeapAllReduce
     from tp_overlap_plugin.tuning import allreduce
     sizes = [it for it in todo if "bytes" in it]
     norms = [it for it in todo if "tokens" in it]

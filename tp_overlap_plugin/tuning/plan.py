@@ -129,8 +129,9 @@ def plan_candidates(plan: Plan):
 def heap_bytes(plan: Plan) -> int:
     import torch
 
-    from tp_overlap_plugin.collectives import HeapAllReduce
-    from tp_overlap_plugin.overlap import AllGatherGemm, GemmReduceScatter
+    from tp_overlap_plugin.ops.all_reduce import HeapAllReduce
+    from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm
+    from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter
     from tp_overlap_plugin.tuning import allreduce, gemm_ar
     if plan.world == 1:
         return 1 << 20

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 
-from tp_overlap_plugin.collectives import DEFAULT_ONE_SHOT_BYTES
+from tp_overlap_plugin.ops.all_reduce import DEFAULT_ONE_SHOT_BYTES
 from tp_overlap_plugin.dispatch import Dispatcher
 from tp_overlap_plugin.tuning.results import md_table
 
@@ -25,7 +25,7 @@ MARGIN = 1.02
 # end to end spread 0.3% (issue 39: TP=2 prefill-b32 0.987-0.990 over 3 pairs, H200x4), and 1% is
 # three times that. A real win smaller than 1% is given up to stay never slower than stock.
 ENGINE_MARGIN = 1.01
-# The engine's all-reduce runs algorithm "auto": one-shot up to the op's one-shot limit (collectives.
+# The engine's all-reduce runs algorithm "auto": one-shot up to the op's one-shot limit (ops.all_reduce.
 # DEFAULT_ONE_SHOT_BYTES), two-shot above; so that is the time the table compares with NCCL. Each rank
 # of a one-shot reads every peer's whole message, W - 1 times a ring's traffic: with v1 at 2 MB it won
 # in a CUDA graph on idle links (21.8 vs 29.5 us) yet cost 7% of decode throughput at batch 256 end to

@@ -1,5 +1,5 @@
 """gate_up_proj and its SiLU-mul on one GPU: the stock pair (cuBLAS [M, K] x [K, 2I], then the SiLU-mul
-kernel) against overlap.gemm_silu_mul (our GEMM core with the activation in its epilogue: one launch,
+kernel) against ops.gemm.gemm_silu_mul (our GEMM core with the activation in its epilogue: one launch,
 the [M, 2I] product never written), each in a CUDA graph, taking turns in interleaved repeats
 (`tp-overlap tune`'s phase silu_mul: the dispatch table's gemm_silu_mul rows, rules.gemm_silu_mul_rows).
 bench/gemm_silu_mul.py times the parts beside them (our GEMM + the kernel, cuBLAS, our GEMM, the
@@ -40,7 +40,7 @@ def measure_row(shape: str, m: int, k: int, n2: int, dev, *, repeats: int, sampl
     from tp_overlap_plugin.gemm_config import pick_config
     from tp_overlap_plugin.kernels import layer_ops
     from tp_overlap_plugin.layers import activate_silu_mul
-    from tp_overlap_plugin.overlap import gemm, gemm_silu_mul, silu_mul_config
+    from tp_overlap_plugin.ops.gemm import gemm, gemm_silu_mul, silu_mul_config
     from tp_overlap_plugin.tuning.timing import repeats_us
     gpu = dev.type == "cuda"
     w = (torch.randn(n2, k, device=dev, generator=gen) / k ** 0.5).to(torch.bfloat16)

@@ -1,0 +1,38 @@
+"""What a kernel launch needs to know of its device: grid sizes for kernels that wait on peers, the warp
+width the receive tiles are sized by, and the cache modifiers peer memory needs on CDNA. The interpreter
+(device cpu) gets what keeps its serial programs correct."""
+
+from __future__ import annotations
+
+import torch
+
+from tp_overlap_plugin import runtime
+
+
+def num_programs(device: torch.device) -> int:
+    """Persistent grid size: one program per SM. The interpreter runs programs one after another;
+    one program walks all tiles in order there."""
+    return resident_programs(device, cross_program_waits=True)
+
+
+def warp_size(device: torch.device) -> int:
+    """Threads of a warp (a wavefront on CDNA): the receive tiles are sized per thread
+    (kernels/lamport.py: tile_elems). The interpreter's programs are sized as on NVIDIA."""
+    return runtime.warp_size(device) if device.type == "cuda" else 32
+
+
+def resident_programs(device: torch.device, cross_program_waits: bool = False) -> int:
+    """Grid size of a kernel that spins on peers: one program per SM at most, so every program is
+    resident at once and none spins on a peer program that its own rank has not scheduled. The
+    interpreter runs a grid's programs one after another, so a kernel whose programs wait on other
+    programs of their own rank (`cross_program_waits`) gets one program there."""
+    if device.type == "cuda":
+        return runtime.multiprocessor_count(device)
+    return 1 if cross_program_waits else 4
+
+
+def cache_modifiers(device: torch.device) -> dict:
+    """On CDNA, stores to peer memory stay in the sender's L2 unless written through, and polls
+    need a cache modifier to stay coherent (kernels/allreduce.py: _wait_landed)."""
+    cdna = device.type == "cuda" and torch.version.hip is not None
+    return {"PEER_STORE": ".wt" if cdna else "", "POLL_LOAD": ".cv" if cdna else ""}
