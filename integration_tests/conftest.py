@@ -16,6 +16,21 @@ from tp_overlap_plugin.multirank import gpu_ranks_fit
 os.environ["TP_OVERLAP_CACHE"] = tempfile.mkdtemp(prefix="tp_overlap_test_cache_")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """The whole suite (plain `pytest`, as CI runs it) on two xdist workers, a test file per worker at a
+    time, so that its module fixtures (servers) start once: most of the suite is one busy process
+    (the interpreter, compiles, an engine), and CI has 2 cores. Not where a GPU is visible (GPU tests
+    would share the GPUs with the other worker's), nor without pytest-xdist (the test extra), nor
+    when a run names its tests or its own -n."""
+    opt = config.option
+    if (config.args_source == pytest.Config.ArgsSource.TESTPATHS and config.pluginmanager.hasplugin("xdist")
+            and "PYTEST_XDIST_WORKER" not in os.environ   # a worker runs this hook too
+            and getattr(opt, "numprocesses", None) is None and not opt.collectonly and not opt.usepdb
+            and (os.cpu_count() or 1) > 1 and torch.cuda.device_count() == 0):
+        opt.numprocesses, opt.dist = 2, "loadfile"
+
+
 def pytest_generate_tests(metafunc):
     if "device" in metafunc.fixturenames:
         metafunc.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

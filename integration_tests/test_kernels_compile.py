@@ -103,12 +103,14 @@ KERNELS = {
     "gemm_silu_mul_tma": (gemm_kernel, _tma_sig(_GEMM_SILU), _GEMM_SILU, {"num_warps": 8, "num_stages": 3}),
     "gemm_split_k": (gemm_kernel, _tma_sig(_GEMM_SPLIT), _GEMM_SPLIT, {"num_warps": 4, "num_stages": 4}),
     "gemm_split_k_ptr": (gemm_kernel, _sig(_GEMM_ARGS, None, _GEMM_SPLIT_PTR), _GEMM_SPLIT_PTR, {"num_warps": 4}),
-    # the fused ops: the same tiles in two loops each, waits between them, peer stores in them
-    "ag_gemm": (ag_gemm_kernel, _sig(_AG_ARGS, None, _AG), _AG),
-    "gemm_rs": (gemm_rs_kernel, _sig(_RS_ARGS, None, _RS), _RS),
+    # the fused ops: the same tiles in two loops each, waits between them, peer stores in them; with
+    # 8 warps, as the config tables launch 128x256 tiles (at 4 warps the accumulator spills, which the
+    # host never runs, and ptxas took minutes over it on CI's cores)
+    "ag_gemm": (ag_gemm_kernel, _sig(_AG_ARGS, None, _AG), _AG, {"num_warps": 8}),
+    "gemm_rs": (gemm_rs_kernel, _sig(_RS_ARGS, None, _RS), _RS, {"num_warps": 8}),
     # what the JIT compiles on rank 1 for one-row shards: Triton makes integer arguments equal to 1 constants
-    "ag_gemm_rank1": (ag_gemm_kernel, _sig(_AG_ARGS, None, {**_AG, **_ONE}), {**_AG, **_ONE}),
-    "gemm_rs_rank1": (gemm_rs_kernel, _sig(_RS_ARGS, None, {**_RS, **_ONE}), {**_RS, **_ONE}),
+    "ag_gemm_rank1": (ag_gemm_kernel, _sig(_AG_ARGS, None, {**_AG, **_ONE}), {**_AG, **_ONE}, {"num_warps": 8}),
+    "gemm_rs_rank1": (gemm_rs_kernel, _sig(_RS_ARGS, None, {**_RS, **_ONE}), {**_RS, **_ONE}, {"num_warps": 8}),
     # decode GEMV at one row (the JIT makes M == 1 a constant) with a bias and a K tail, as the layers launch it
     "gemv": (gemv_kernel, _sig("x_ptr:*bf16 w_ptr:*bf16 bias_ptr:*bf16 y_ptr:*bf16 M:i32 N:i32 K:i32 stride_xm:i32 "
                                "stride_wn:i32 stride_ym:i32", None,
