@@ -31,6 +31,26 @@ def pytest_cmdline_main(config):
         opt.numprocesses, opt.dist = 2, "loadfile"
 
 
+def _printable(text):
+    # undecodable bytes a server logged (surrogate escapes) would kill the xdist worker that sends
+    # the report: its channel only takes valid UTF-8
+    return text.encode("utf-8", "backslashreplace").decode("utf-8") if isinstance(text, str) else text
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    report.sections = [(title, _printable(body)) for title, body in report.sections]
+    if isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:   # a skip
+        path, line, msg = report.longrepr
+        report.longrepr = (path, line, _printable(msg))
+    elif report.longrepr is not None:
+        text = str(report.longrepr)
+        if _printable(text) != text:   # a failure's text with such bytes: sent as plain text
+            report.longrepr = _printable(text)
+
+
 def pytest_generate_tests(metafunc):
     if "device" in metafunc.fixturenames:
         metafunc.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

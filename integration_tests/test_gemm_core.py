@@ -55,12 +55,14 @@ def _check(dev, configs, shapes, layouts=LAYOUTS, dtype=torch.bfloat16):
               # a row stride no descriptor can take (not 16-byte aligned): the pointer fallback
               "unaligned": torch.empty(k, n + 1, dtype=dtype, device=dev)[:, :n].copy_(w.t())}
         for cfg in configs:
-            for name in layouts:
+            # "unaligned" is the descriptors' fallback; under the interpreter a pointer config reads it
+            # as it reads row-major (a GPU compiles it anew: its row stride is not divisible by 16)
+            for name in [n for n in layouts if dev.type != "cpu" or cfg.tma or n != "unaligned"]:
                 b = bs[name]
                 # every shape here has 16-byte aligned rows: descriptors unless the layout forbids them
                 described = cfg.tma and _operand_descriptors(a, b, cfg) is not None
                 assert described == (cfg.tma and name != "unaligned"), (cfg.label(), name)
-                for rep in range(2):  # twice: split-K's arrival counters must be back at zero
+                for rep in range(1 if cfg.split_k == 1 else 2):  # split-K's counters must be back at zero
                     out = torch.full((m, n), float("nan"), dtype=dtype, device=dev)
                     gemm(a, b, out=out, config=cfg)
                     err = ((out.double().cpu() - ref).norm() / ref.norm()).item()

@@ -99,20 +99,25 @@ class OpenAIServing:
             raise ApiError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
-    def _encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ApiError(400, "this model has no tokenizer; send the prompt as token ids", param="prompt")
-        return list(self.tokenizer.encode(text)) if text else []
+    # Tokenization is the engine's (engine/input_processor.py); these turn its errors into 400s.
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            return self.engine.input_processor.encode(text, add_special_tokens)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="prompt") from None
+
+    def _chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """The ids /v1/chat/completions feeds the model for these messages."""
+        return self._encode_chat(self._chat_text(messages, add_generation_prompt))
+
+    def _chat_text(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        try:
+            return self.engine.input_processor.chat_text(messages, add_generation_prompt)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="messages") from None
 
     def _encode_chat(self, text: str) -> list[int]:
-        # Chat templates usually write the BOS token themselves; encoding with special tokens would then
-        # add a second one. Keep the tokenizer's own prefix only when the template did not write it.
-        with_special = list(self.tokenizer.encode(text))
-        plain = list(self.tokenizer.encode(text, add_special_tokens=False))
-        prefix = with_special[:len(with_special) - len(plain)]
-        if prefix and plain[:len(prefix)] == prefix:
-            return plain
-        return with_special
+        return self.engine.input_processor.encode_chat(text)
 
     def _check_context(self, n_prompt: int, max_tokens: int, param: str, prompt_param: str) -> None:
         """A 400 naming what to change when the prompt and `param`=max_tokens do not fit the context: the

@@ -24,15 +24,7 @@ class OpenAIServingChat(OpenAIServing):
         if ignored:
             logger.debug("chat request: ignoring %s (they change nothing on this server)",
                          ", ".join(f"{k}={v!r}" for k, v in ignored.items()))
-        if self.tokenizer is None:
-            raise ApiError(400, "this model has no tokenizer, so no chat template; use /v1/completions with "
-                                "token ids", param="messages")
-        messages = [m.for_template() for m in req.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
-        except ValueError as e:
-            raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-        ids = self._encode_chat(text)
+        ids = self._chat_ids([m.for_template() for m in req.messages], req.add_generation_prompt)
         requested = req.requested_max_tokens()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         if requested is None:

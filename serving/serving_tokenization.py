@@ -10,20 +10,14 @@ from .serving_base import OpenAIServing
 class OpenAIServingTokenization(OpenAIServing):
     def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         self.check_model(req.model)
-        if self.tokenizer is None:
-            raise ApiError(400, "this model has no tokenizer", param="prompt" if req.prompt is not None else "messages")
         if req.prompt is not None:
-            ids = list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False))
+            ids = self._encode(req.prompt, req.add_special_tokens is not False)
         else:
-            messages = [m.for_template() for m in req.messages]
-            try:
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
-            except ValueError as e:
-                raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+            text = self._chat_text([m.for_template() for m in req.messages], req.add_generation_prompt)
             if req.add_special_tokens is None:     # what /v1/chat/completions feeds the model
                 ids = self._encode_chat(text)
             else:
-                ids = list(self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens))
+                ids = self._encode(text, req.add_special_tokens)
         strs = [self.tokenizer.decode([t]) for t in ids] if req.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
 

@@ -51,10 +51,8 @@ class InputProcessor:
             raise TypeError(f"sampling params must be SamplingParams or dict, not {type(params).__name__}")
         text: Optional[str] = None
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model directory has no tokenizer; pass the prompt as token ids")
             text = prompt
-            ids = self.tokenizer.encode(prompt) if prompt else []
+            ids = self.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             ids = list(prompt)
         else:
@@ -77,6 +75,35 @@ class InputProcessor:
         if params.structured_output is not None:
             grammar = self.compile_grammar(params)
         return ProcessedRequest(text, ids, params, grammar)
+
+    # ---- tokenization: the one place text becomes ids (the server's handlers call these too) ----------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of `text`; ValueError when the model has no tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; send the prompt as token ids")
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)) if text else []
+
+    def chat_text(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The messages through the model's chat template; ValueError when the model has no tokenizer
+        (so no template) or the template rejects them (the message says which)."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template; send token ids to the "
+                             "completions API")
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        except ValueError as e:
+            raise ValueError(f"the chat template rejected the messages: {e}") from None
+
+    def encode_chat(self, text: str) -> list[int]:
+        """The ids of a rendered chat. Templates usually write the BOS token themselves, and encoding
+        with special tokens would add a second: the tokenizer's own prefix is kept only when the
+        template did not write it."""
+        with_special = self.encode(text)
+        plain = self.encode(text, add_special_tokens=False)
+        prefix = with_special[:len(with_special) - len(plain)]
+        if prefix and plain[:len(prefix)] == prefix:
+            return plain
+        return with_special
 
     def compile_grammar(self, params: SamplingParams):
         """The compiled grammar of params.structured_output; RequestError naming the problem."""
