@@ -15,7 +15,7 @@ from tp_overlap_plugin.heap import SymmetricHeap
 from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel
 from tp_overlap_plugin.ops.device import num_programs
 from tp_overlap_plugin.ops.operands import check_operands, fused_config, kernel_applies
-from tp_overlap_plugin.ops.slots import peer_slots_bytes
+from tp_overlap_plugin.ops.slots import alloc_peer_slots, peer_slots_bytes
 
 # AG-GEMM's push (kernels/ag_gemm.py). A piece is the unit a pusher moves before its releasing
 # add, which waits for the piece's stores to land: large enough that the wait is a small share of
@@ -87,10 +87,7 @@ class AllGatherGemm:
             raise ValueError(f"AllGatherGemm needs max_rows, k, segments >= 1; got {max_rows}, {k}, {segments}")
         self.heap, self.max_rows, self.k, self.dtype, self.segments = heap, max_rows, k, dtype, segments
         self.device_group = device_group if device_group is not None else dist.group.WORLD
-        slots = max(heap.world_size - 1, 1)
-        self.gathered = heap.alloc((2, slots, max_rows, k), dtype, name="ag_gemm.gathered")
-        self.counts = heap.alloc((2, slots, segments), torch.int64, name="ag_gemm.counts")
-        self.counts.zero_()
+        self.gathered, self.counts = alloc_peer_slots(heap, max_rows, k, dtype, segments, "ag_gemm.gathered")
         self.calls = torch.zeros(2, dtype=torch.int64, device=heap.device)  # kernels/calls.py
         self.programs = num_programs(heap.device)
         self.stream_order = runtime.StreamOrder()

@@ -12,7 +12,7 @@ from tp_overlap_plugin.heap import SymmetricHeap
 from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel
 from tp_overlap_plugin.ops.device import num_programs
 from tp_overlap_plugin.ops.operands import check_operands, fused_config, kernel_applies
-from tp_overlap_plugin.ops.slots import peer_slots_bytes
+from tp_overlap_plugin.ops.slots import alloc_peer_slots, peer_slots_bytes
 
 # GEMM-RS splits each shard's tiles into this many runs, so that my own rows wait only for partials
 # stored a run earlier (kernels/gemm_rs.py). Fixed, so the kernel compiles once per world size.
@@ -35,11 +35,7 @@ class GemmReduceScatter:
             raise ValueError(f"GemmReduceScatter needs max_rows, n, chunks >= 1; got {max_rows}, {n}, {chunks}")
         self.heap, self.max_rows, self.n, self.dtype, self.chunks = heap, max_rows, n, dtype, chunks
         self.device_group = device_group if device_group is not None else dist.group.WORLD
-        W = heap.world_size
-        slots = max(W - 1, 1)
-        self.recv = heap.alloc((2, slots, max_rows, n), dtype, name="gemm_rs.recv")
-        self.counts = heap.alloc((2, slots, chunks), torch.int64, name="gemm_rs.counts")
-        self.counts.zero_()
+        self.recv, self.counts = alloc_peer_slots(heap, max_rows, n, dtype, chunks, "gemm_rs.recv")
         self.calls = torch.zeros(2, dtype=torch.int64, device=heap.device)  # kernels/calls.py
         self.programs = num_programs(heap.device)
         self.stream_order = runtime.StreamOrder()

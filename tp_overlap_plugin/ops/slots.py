@@ -47,3 +47,16 @@ def peer_slots_bytes(world: int, max_rows: int, cols: int, dtype: torch.dtype, c
     slots = max(world - 1, 1)
     es = torch.empty((), dtype=dtype).element_size()
     return round_up(2 * slots * max_rows * cols * es, 256) + round_up(2 * slots * counters * 8, 256)
+
+
+def alloc_peer_slots(heap: SymmetricHeap, max_rows: int, cols: int, dtype: torch.dtype, counters: int,
+                     name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """AG-GEMM's and GEMM-RS's receive slots, [2, W - 1, max_rows, cols] of `dtype` (slot j of a
+    call parity is written by rank me + 1 + j), and their arrival counts, [2, W - 1, counters] int64,
+    zero."""
+    slots = max(heap.world_size - 1, 1)
+    data = heap.alloc((2, slots, max_rows, cols), dtype, name=name)
+    counts = heap.alloc((2, slots, counters), torch.int64, name=name.rsplit(".", 1)[0] + ".counts")
+    counts.zero_()
+    return data, counts
+
