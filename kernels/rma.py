@@ -38,6 +38,7 @@ _ERR_PEER = tl.constexpr(error_slot.ERR_PEER)
 _ERR_FLAG_OFFSET = tl.constexpr(error_slot.ERR_FLAG_OFFSET)
 _ERR_EXPECTED = tl.constexpr(error_slot.ERR_EXPECTED)
 _ERR_SEEN = tl.constexpr(error_slot.ERR_SEEN)
+_ERR_BOUND_NS = tl.constexpr(error_slot.ERR_BOUND_NS)
 _ERR_TIMEOUT_NS = tl.constexpr(error_slot.ERR_TIMEOUT_NS)  # not an error: the wait bound, in ns, set by the host
 ERR_STUCK = tl.constexpr(error_slot.ERR_STUCK)
 
@@ -128,6 +129,7 @@ def report(flag_ptr, expected, seen, rank, peer, heap_bases, error_ptr, CODE: tl
         tl.store(error_ptr + _ERR_FLAG_OFFSET, flag_ptr.to(tl.int64) - my_base)
         tl.store(error_ptr + _ERR_EXPECTED, expected)
         tl.store(error_ptr + _ERR_SEEN, seen)
+        tl.store(error_ptr + _ERR_BOUND_NS, tl.load(error_ptr + _ERR_TIMEOUT_NS))
         tl.atomic_xchg(error_ptr, CODE, sem="release", scope="gpu")
 
 

@@ -16,6 +16,7 @@ ERR_PEER = 2          # the peer it waited for
 ERR_FLAG_OFFSET = 3   # the flag's offset in the heap
 ERR_EXPECTED = 4      # the epoch it waited for
 ERR_SEEN = 5          # the value it saw last
+ERR_BOUND_NS = 6      # the bound in ns that wait had (the host may have set another since)
 ERR_TIMEOUT_NS = 7    # the wait bound in ns (set by the host)
 ERR_WORDS = 8
 
