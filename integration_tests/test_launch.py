@@ -57,6 +57,22 @@ def test_direct_launch_passes_every_parameter_in_signature_order(monkeypatch):
     assert len(fake.compiles) == 5 and len(fake.direct) == 1
 
 
+def test_a_varying_constexpr_is_keyed_by_value(monkeypatch):
+    """BLOCK 16 and 32 are two kernels, though an integer argument of either would specialise alike
+    (both multiples of 16): a launch with BLOCK=32 must not reuse the BLOCK=16 kernel."""
+    monkeypatch.setattr(triton_compat, "current_raw_stream", lambda: (lambda index: 0))
+    monkeypatch.setattr(triton_compat, "launch_hooks_active", lambda: False)
+    fake = _FakeJit()
+    L = launch_mod.Launcher(fake, torch.device("cuda", 0), ("x_ptr", "out_ptr", "n", "scale", "BLOCK"), rank=0,
+                            WORLD=2)
+    x, out = torch.zeros(64), torch.zeros(64)
+    L(1, x, out, 16, 1.0, 16)
+    L(1, x, out, 16, 1.0, 32)
+    assert [c[1]["BLOCK"] for c in fake.compiles] == [16, 32] and fake.direct == []
+    L(1, x, out, 16, 1.0, 16)
+    assert len(fake.compiles) == 2 and fake.direct[-1][-2] == 16
+
+
 def test_launcher_names_missing_and_unknown_parameters():
     with pytest.raises(ValueError, match=r"no value for \['rank'\]"):
         launch_mod.Launcher(_kernel, torch.device("cpu"), ("x_ptr", "out_ptr", "n", "scale"), WORLD=4, BLOCK=64)

@@ -27,11 +27,14 @@ import torch
 from tp_overlap_plugin.kernels import triton_compat
 
 
-def _spec_source(name: str, value) -> str:
+def _spec_source(name: str, value, constexpr: bool) -> str:
     """Python source of what of a varying argument the compiled kernel depends on, for the kind of
-    `value` (the argument's first value): a tensor's dtype and 16-byte alignment; an integer's being 1
-    or a multiple of 16, and its type (a later float or bool there is another kernel); a float's type;
-    anything else (a constexpr, a bool, None) by value."""
+    `value` (the argument's first value): a constexpr's value (one kernel per value: BLOCK_M 16 and
+    32 are two kernels, though both are multiples of 16); a tensor's dtype and 16-byte alignment; an
+    integer's being 1 or a multiple of 16, and its type (a later float or bool there is another
+    kernel); a float's type; anything else (a bool, None) by value."""
+    if constexpr:
+        return name
     if isinstance(value, torch.Tensor):
         return f"{name}.dtype, {name}.data_ptr() & 15 == 0"
     if isinstance(value, int) and not isinstance(value, bool):
@@ -41,7 +44,7 @@ def _spec_source(name: str, value) -> str:
     return name
 
 
-def _generated(values: tuple, slots: list[int]):
+def _generated(values: tuple, slots: list[int], constexprs: list[bool]):
     """(key, fill): the key of a call's varying arguments, and the argument list with them put into
     their slots of a template, as generated functions (Triton generates its binder the same way): a
     generic per-argument loop cost as much host time as the launch it saves. Built from the first
@@ -49,7 +52,7 @@ def _generated(values: tuple, slots: list[int]):
     another key, never the wrong kernel."""
     names = [f"a{i}" for i in range(len(values))]
     params = ", ".join(names)
-    body = ", ".join(_spec_source(n, v) for n, v in zip(names, values))
+    body = ", ".join(_spec_source(n, v, c) for n, v, c in zip(names, values, constexprs))
     puts = "".join(f"    t[{slot}] = {n}\n" for slot, n in zip(slots, names))
     scope: dict = {}
     exec(f"def key({params}):\n    return ({body},)\n"  # noqa: S102 - our own source, from names
@@ -77,6 +80,9 @@ class Launcher:
         # the argument tuple in signature order, with the varying slots to fill per call
         self.template = [fixed[n] if n in fixed else defaults.get(n) for n in names]
         self.slots = [names.index(n) for n in self.varying]
+        # the parameters annotated tl.constexpr (an object, or its source text under postponed annotations)
+        constexprs = {n for n, p in inspect.signature(kernel.fn).parameters.items() if "constexpr" in str(p.annotation)}
+        self.constexprs = [n in constexprs for n in self.varying]
         self.compiled: dict = {}
         self.key = self.fill = None  # generated from the first call (_generated)
         if self.direct:
@@ -86,7 +92,7 @@ class Launcher:
     def __call__(self, grid_x: int, *values) -> None:
         if self.direct and not triton_compat.launch_hooks_active():
             if self.key is None:
-                self.key, self.fill = _generated(values, self.slots)
+                self.key, self.fill = _generated(values, self.slots, self.constexprs)
             key = self.key(*values)
             launch = self.compiled.get(key)
             if launch is not None:
