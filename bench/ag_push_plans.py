@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import bench_parser, capture_graph, environment, interleaved_ms, md_table, publish  # noqa: E402
+from benchlib import (bench_parser, capture_graph, environment, interleaved_ms, md_table, publish,  # noqa: E402
+                      slowest_rank)
 from overlap import llama_shapes  # noqa: E402
 
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
@@ -101,10 +102,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     per_rank = run_ranks(_rank, args.tp, (args.m, 3 if args.quick else 5, args.quick), device="cuda",
                          heap_size=1400 << 20, timeout=args.timeout)
-    rows = {}
-    for key, row in per_rank[0].items():
-        timed = [v for v in row if isinstance(row[v], float) and not v.endswith("_rel_err")]
-        rows[key] = {**row, **{v: max(r[key][v] for r in per_rank) for v in timed}}
+    rows = {key: slowest_rank([r[key] for r in per_rank]) for key in per_rank[0]}
     names = sorted({v for r in rows.values() for v in r if isinstance(r[v], float) and not v.endswith("_rel_err")})
     md = md_table(["shape", "config", *[f"{v} ms" for v in names], "worst rel. error"],
                   [[key, r["config"], *[r.get(v, "") for v in names],

@@ -230,6 +230,16 @@ def comparison_header(script: str, payload: dict) -> list[str]:
         f"fresh processes. {how}\n"]
 
 
+def slowest_rank(rows: list[dict]) -> dict:
+    """One result row from every rank's row of it: each timing (a float that is not a `*rel_err`) the
+    slowest rank's, since a collective op ends when its last rank does; the rest rank 0's."""
+    out = dict(rows[0])
+    for key, v in out.items():
+        if isinstance(v, float) and not key.endswith("rel_err"):
+            out[key] = max(r.get(key, v) for r in rows)
+    return out
+
+
 def median_or_nan(xs: list) -> float:
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else float("nan")

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import bench_parser, capture_graph, environment, interleaved_ms, md_table, publish  # noqa: E402
+from benchlib import (bench_parser, capture_graph, environment, interleaved_ms, md_table, publish,  # noqa: E402
+                      slowest_rank)
 from overlap import llama_shapes  # noqa: E402
 
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
@@ -146,13 +147,6 @@ def _rank(ctx, m, rounds):
     return out
 
 
-def _combine(per_rank):
-    rows = {}
-    for key, row in per_rank[0].items():
-        rows[key] = {**row, **{v: max(r[key][v] for r in per_rank) for v in VARIANTS if v in row}}
-    return rows
-
-
 def main(argv=None):
     p = bench_parser(__doc__)
     p.add_argument("--m", type=int, default=8192)
@@ -160,7 +154,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     per_rank = run_ranks(_rank, args.tp, (args.m, 3 if args.quick else 5), device="cuda", heap_size=1400 << 20,
                          timeout=args.timeout)
-    rows = _combine(per_rank)
+    rows = {key: slowest_rank([r[key] for r in per_rank]) for key in per_rank[0]}
     md = md_table(["shape", "op", "config", *[f"{v} ms" for v in VARIANTS], "w1/cuBLAS", "self_peer/w1",
                    "ours/self_peer", "ours/cuBLAS"],
                   [[key, r["op"], r["config"], *[r.get(v, "") for v in VARIANTS], r["w1"] / r["cublas"],

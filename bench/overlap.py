@@ -20,7 +20,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import bench_parser, environment, grouped_bars, md_table, write_results  # noqa: E402
+from benchlib import bench_parser, environment, grouped_bars, md_table, slowest_rank, write_results  # noqa: E402
 
 from tp_overlap_plugin.ops.all_reduce import HeapAllReduce  # noqa: E402
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
@@ -115,22 +115,16 @@ def _renamed(row: dict) -> dict:
 
 
 def _combine(per_rank):
-    """Max over ranks of each timing (the op ends when the slowest rank ends)."""
-    def merge(rows):
-        out = dict(rows[0])
-        for key, v in out.items():
-            if isinstance(v, float) and not key.endswith("rel_err"):
-                out[key] = max(r.get(key, v) for r in rows)
-        return out
+    """Per row, the slowest rank's timings (benchlib.slowest_rank)."""
     r0 = per_rank[0]
     def common(section):
         return [k for k in r0[section] if all(k in r[section] for r in per_rank)]
 
     def common_list(section):
         return range(min(len(r[section]) for r in per_rank))
-    res = {"shapes": {k: merge([r["shapes"][k] for r in per_rank]) for k in common("shapes")},
-           "sweep": {k: merge([r["sweep"][k] for r in per_rank]) for k in common("sweep")},
-           "all_reduce": [merge([r["all_reduce"][i] for r in per_rank]) for i in common_list("all_reduce")],
+    res = {"shapes": {k: slowest_rank([r["shapes"][k] for r in per_rank]) for k in common("shapes")},
+           "sweep": {k: slowest_rank([r["sweep"][k] for r in per_rank]) for k in common("sweep")},
+           "all_reduce": [slowest_rank([r["all_reduce"][i] for r in per_rank]) for i in common_list("all_reduce")],
            "errors": sum((r["errors"] for r in per_rank), [])}
     for row in list(res["shapes"].values()) + list(res["sweep"].values()):
         if all(isinstance(row.get(k), float) for k in ("cublas", "nccl", "sequential")):

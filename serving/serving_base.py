@@ -108,16 +108,13 @@ class OpenAIServing:
 
     def _chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         """The ids /v1/chat/completions feeds the model for these messages."""
-        return self._encode_chat(self._chat_text(messages, add_generation_prompt))
+        return self.engine.input_processor.encode_chat(self._chat_text(messages, add_generation_prompt))
 
     def _chat_text(self, messages: list[dict], add_generation_prompt: bool) -> str:
         try:
             return self.engine.input_processor.chat_text(messages, add_generation_prompt)
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
-
-    def _encode_chat(self, text: str) -> list[int]:
-        return self.engine.input_processor.encode_chat(text)
 
     def _check_context(self, n_prompt: int, max_tokens: int, param: str, prompt_param: str) -> None:
         """A 400 naming what to change when the prompt and `param`=max_tokens do not fit the context: the

@@ -15,7 +15,7 @@ class OpenAIServingTokenization(OpenAIServing):
         else:
             text = self._chat_text([m.for_template() for m in req.messages], req.add_generation_prompt)
             if req.add_special_tokens is None:     # what /v1/chat/completions feeds the model
-                ids = self._encode_chat(text)
+                ids = self.engine.input_processor.encode_chat(text)
             else:
                 ids = self._encode(text, req.add_special_tokens)
         strs = [self.tokenizer.decode([t]) for t in ids] if req.return_token_strs else None
