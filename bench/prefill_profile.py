@@ -117,7 +117,8 @@ def measure(args, payload: dict) -> None:
                 profiled_ms = (time.perf_counter() - t_round) * 1e3
             path = os.path.join(tmp, "trace.json")
             prof.export_chrome_trace(path)
-            breakdown = kernel_breakdown(device_events(path), len(profiled))
+            events = device_events(path)
+            breakdown = kernel_breakdown(events, len(profiled))
         # which path each op took in the profiled round (rank 0): the layout and kernels behind the times
         op_paths = stats.since(before)
     round_ms = [sum(r) for r in rounds]
@@ -131,6 +132,12 @@ def measure(args, payload: dict) -> None:
     res["efficiency"] = res["achieved_flops_per_s"] / roof["flops_per_s"] if roof else None
     res["gemm_efficiency"] = (flops["linear"] / (breakdown["ms_per_step"]["GEMM"] * len(profiled) / 1e3)
                               / roof["flops_per_s"] if roof and breakdown["ms_per_step"]["GEMM"] else None)
+    if args.events and events:
+        # the profiled round's kernels in order (name, start and length in us from the first), to place
+        # each op, collective and gap of a layer against the op bench's prediction
+        t0 = min(e["ts"] for e in events)
+        res["events"] = [[e["name"][:80], round(e["ts"] - t0, 1), round(e["dur"], 1)]
+                         for e in sorted(events, key=lambda e: e["ts"])]
     payload["result"] = res
     log("prefill", f"{res['steps_per_round']} steps per round, round {res['round_ms_median']:.1f} ms, "
         f"{res['achieved_flops_per_s'] / 1e12:.0f} TFLOP/s" +
@@ -183,6 +190,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--async-scheduling", action="store_true",
                    help="build step i+1 while step i runs, as the server does (default: synchronous steps)")
+    p.add_argument("--events", action="store_true",
+                   help="keep the profiled round's kernel sequence (name, start, length) in the JSON")
     add_engine_args(p)
     args = p.parse_args(argv)
     resolve_device(args)
