@@ -106,6 +106,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dispatch", default="table", choices=["table", "overlap", "stock"])
     p.add_argument("--dispatch-table", default=None, metavar="JSON",
                    help="a dispatch table to use instead of the shipped one (a candidate, before it ships)")
+    p.add_argument("--fused-ops", default="kernel", choices=["kernel", "chunked"],
+                   help="the sharded layout's AG-GEMM / GEMM-RS (tp_overlap.fused_ops)")
     p.add_argument("--tag", default="")
     p.add_argument("--out", default=RESULTS_DIR)
 
@@ -114,7 +116,7 @@ def overlap_config(args) -> dict | None:
     """The engine's tp_overlap option from add_engine_args' flags (None: the stock layers)."""
     if not args.tp_overlap:
         return None
-    return {"dispatch": args.dispatch, "dispatch_table": args.dispatch_table}
+    return {"dispatch": args.dispatch, "dispatch_table": args.dispatch_table, "fused_ops": args.fused_ops}
 
 
 def resolve_device(args) -> None:

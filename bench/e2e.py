@@ -139,7 +139,7 @@ def run_variant(args, specs: dict[str, dict]) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens or (64 if args.quick else 8192),
         num_kv_blocks=kv_blocks(specs),
         load_format="dummy" if args.model != "demo" else "auto",
-        tp_overlap={"dispatch": args.dispatch} if args.variant == "overlap" else None,
+        tp_overlap={"dispatch": args.dispatch, "fused_ops": args.fused_ops} if args.variant == "overlap" else None,
         async_scheduling=args.async_scheduling,
         **(dict(dtype="bfloat16") if args.device == "cpu" else {}))
     out = {"engine": args.variant, "results": {}, "config": json.loads(cfg.model_dump_json())}

@@ -135,6 +135,11 @@ def _combine(per_rank):
                 row["comm_hidden"] = max(0.0, min(1.0, (row["sequential"] - row["ours"]) / row["nccl"]))
         if isinstance(row.get("ours_graph"), float) and isinstance(row.get("sequential_graph"), float):
             row["graph_seq_vs_ours"] = row["sequential_graph"] / row["ours_graph"]
+        if isinstance(row.get("chunked"), float) and isinstance(row.get("floor"), float):
+            row["chunked_vs_sequential"] = row["sequential"] / row["chunked"]
+            row["chunked_vs_floor"] = row["chunked"] / row["floor"]
+        if isinstance(row.get("chunked_graph"), float) and isinstance(row.get("sequential_graph"), float):
+            row["graph_seq_vs_chunked"] = row["sequential_graph"] / row["chunked_graph"]
     return res
 
 
@@ -154,6 +159,14 @@ def _markdown(res):
                      r.get("graph_seq_vs_ours", float("nan")),
                      ])
     md += md_table(hdr, rows)
+    md += "\n## The chunked ops (vendor GEMM per chunk, pushes on a side stream: ops/chunked.py), ms\n\n"
+    md += md_table(["shape", "sequential", "ours", "chunked", "seq/chunked", "chunked/floor", "seq graph",
+                    "ours graph", "chunked graph", "seq/chunked graph"],
+                   [[key, r.get("sequential", float("nan")), r.get("ours", float("nan")), r.get("chunked", float("nan")),
+                     r.get("chunked_vs_sequential", float("nan")), r.get("chunked_vs_floor", float("nan")),
+                     r.get("sequential_graph", float("nan")), r.get("ours_graph", float("nan")),
+                     r.get("chunked_graph", float("nan")), r.get("graph_seq_vs_chunked", float("nan"))]
+                    for key, r in list(res["shapes"].items()) + list(res["sweep"].items())])
     md += "\n## M sweep, Llama-3-8B shapes (ms): the dispatch table\n\n"
     rows = [[k, r.get("sequential", float("nan")), r.get("torch_fused", float("nan")), r.get("ours", float("nan")),
              r.get("ours_vs_sequential", float("nan")), "overlap" if r.get("ours_vs_sequential", 0) > 1.0 else "stock",

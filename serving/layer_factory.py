@@ -60,7 +60,7 @@ def make_layers(cfg: EngineConfig, mcfg: ModelConfig, tp: TPGroup, ctrl_group, d
         # decode matmul where the table's gemv rows pick it, F.linear elsewhere)
         _log_dispatch(cfg, mcfg, tp, device, dtype, dispatcher, name, "no heap at TP=1", interpreted)
         return OverlapTPLayers(tp, dtype, device, None, max_tokens, dispatcher, oc.max_bytes), None
-    needed = required_heap_bytes(mcfg.hidden_size, max_tokens, world, dtype, oc.max_bytes)
+    needed = required_heap_bytes(mcfg.hidden_size, max_tokens, world, dtype, oc.max_bytes, oc.fused_ops)
     size = oc.heap_bytes(needed)
     try:
         # ranks sharing a GPU map each other's heaps through IPC handles (as multirank.run_ranks)
@@ -79,7 +79,7 @@ def make_layers(cfg: EngineConfig, mcfg: ModelConfig, tp: TPGroup, ctrl_group, d
                            f"on {device} ({e}); {advice}") from e
     _log_dispatch(cfg, mcfg, tp, device, dtype, dispatcher, name, f"heap {size >> 20} MiB/rank (fused-op and "
                   f"all-reduce buffers for {max_tokens} tokens per step)", interpreted)
-    return OverlapTPLayers(tp, dtype, device, heap, max_tokens, dispatcher, oc.max_bytes), heap
+    return OverlapTPLayers(tp, dtype, device, heap, max_tokens, dispatcher, oc.max_bytes, oc.fused_ops), heap
 
 
 def _log_dispatch(cfg: EngineConfig, mcfg: ModelConfig, tp: TPGroup, device: torch.device, dtype: torch.dtype,

@@ -24,6 +24,7 @@ from tp_overlap_plugin.dispatch import MODES
 ENV_SWITCH = "TP_OVERLAP"
 CONFIG_KEY = "tp_overlap"
 BACKENDS = ("torch", "ipc", "shm")
+FUSED_OPS = ("kernel", "chunked")
 # The all-reduce's capacity: larger messages take the stock all-reduce.
 DEFAULT_MAX_BYTES = 8 << 20
 # The heap's own control block (error slot, host-barrier flags), with room to spare.
@@ -61,6 +62,9 @@ class TPOverlapOptions:
     dispatch_table: Optional[str] = _option(None, "a dispatch table JSON to use instead of the cached or shipped one")
     backend: Optional[Literal["torch", "ipc", "shm"]] = _option(
         None, "the heap backend; default per device: torch on CUDA, ipc on ROCm, shm on the CPU")
+    fused_ops: Literal["kernel", "chunked"] = _option(
+        "kernel", "the sequence-parallel layout's fused AG-GEMM / GEMM-RS: kernel: one Triton launch each, "
+                  "GEMM and pushes in it; chunked: the vendor GEMM per chunk, pushes beside it (ops/chunked.py)")
     max_bytes: int = _option(DEFAULT_MAX_BYTES, "the largest message our all-reduce takes; larger ones take the "
                                                 "stock all-reduce")
 
@@ -81,6 +85,8 @@ class TPOverlapOptions:
             raise bad("dispatch_table", "a path")
         if self.backend is not None and self.backend not in BACKENDS:
             raise bad("backend", f"one of {BACKENDS}")
+        if self.fused_ops not in FUSED_OPS:
+            raise bad("fused_ops", f"one of {FUSED_OPS}")
         if not _is_int(self.max_bytes) or self.max_bytes <= 0:
             raise bad("max_bytes", "a positive integer")
 

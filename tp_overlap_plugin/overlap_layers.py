@@ -36,6 +36,7 @@ from tp_overlap_plugin.heap import SymmetricHeap
 from tp_overlap_plugin.layers import (ColumnParallelLinear, ParallelLMHead, PendingAllReduce, RowParallelLinear,
                                       TPGroup, TPLayers, VocabParallelEmbedding, activate_silu_mul)
 from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm
+from tp_overlap_plugin.ops.chunked import ChunkedAllGatherGemm, ChunkedGemmReduceScatter
 from tp_overlap_plugin.ops.gemm import gemm_silu_mul, gemm_silu_mul_applies
 from tp_overlap_plugin.ops.gemm_ar import GemmAllReduce
 from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter
@@ -86,13 +87,15 @@ def warm_up_token_counts(max_tokens: int, world: int, buckets=()) -> list[int]:
 
 
 def required_heap_bytes(hidden: int, max_tokens: int, world: int, dtype: torch.dtype,
-                        all_reduce_bytes: int = ALL_REDUCE_BYTES) -> int:
+                        all_reduce_bytes: int = ALL_REDUCE_BYTES, fused_ops: str = "kernel") -> int:
     """Heap for one model: AG-GEMM's and GEMM-RS's receive slots of T/W rows of the hidden size
     (every column layer reads, and every row layer writes, the hidden size; one op of each serves all
     layers), the all-reduce's, the fused all-reduce + norm's and GEMM + all-reduce's receive slots
     (row layers output the hidden size: one op of each), flags."""
     rows = -(-max_tokens // world)
-    return (AllGatherGemm.heap_bytes(world, rows, hidden, dtype) + GemmReduceScatter.heap_bytes(world, rows, hidden, dtype)
+    ag, rs = (ChunkedAllGatherGemm, ChunkedGemmReduceScatter) if fused_ops == "chunked" else (AllGatherGemm,
+                                                                                              GemmReduceScatter)
+    return (ag.heap_bytes(world, rows, hidden, dtype) + rs.heap_bytes(world, rows, hidden, dtype)
             + HeapAllReduce.heap_bytes(world, all_reduce_bytes)
             + HeapAllReduceNorm.heap_bytes(world, hidden, fused_norm_rows(hidden, max_tokens, dtype), dtype)
             + GemmAllReduce.heap_bytes(world, gemm_ar_rows(max_tokens), hidden, dtype) + (16 << 20))
@@ -102,16 +105,19 @@ class OverlapTPLayers(TPLayers):
     name = "overlap"
 
     def __init__(self, tp: TPGroup, dtype: torch.dtype, device, heap: Optional[SymmetricHeap], max_tokens: int,
-                 dispatcher: Optional[Dispatcher] = None, all_reduce_bytes: int = ALL_REDUCE_BYTES):
+                 dispatcher: Optional[Dispatcher] = None, all_reduce_bytes: int = ALL_REDUCE_BYTES,
+                 fused_ops: str = "kernel"):
         """`heap` is None only at TP=1: nothing is communicated, and the layers are the local matmuls
         (the decode matmul where the table picks it). `all_reduce_bytes`: the all-reduce's capacity
-        (tp_overlap.max_bytes); larger messages take the stock all-reduce."""
+        (tp_overlap.max_bytes); larger messages take the stock all-reduce. `fused_ops`: which AG-GEMM
+        and GEMM-RS the sharded layout runs (tp_overlap.fused_ops)."""
         super().__init__(tp, dtype, device)
         if heap is None and tp.world_size > 1:
             raise ValueError(f"the overlap layers at TP={tp.world_size} need a symmetric heap")
         if heap is not None and heap.world_size != tp.world_size:
             raise ValueError(f"heap spans {heap.world_size} ranks, the TP group {tp.world_size}")
         self.heap = heap
+        self.fused_ops = fused_ops
         self.max_tokens = max_tokens
         self.max_rows = -(-max_tokens // tp.world_size)
         self.dispatcher = dispatcher or Dispatcher()
@@ -130,22 +136,24 @@ class OverlapTPLayers(TPLayers):
 
     # Heap-backed ops are collective to build: every rank builds the same model in the same order,
     # so creating them as modules are constructed keeps the heap symmetric.
-    def column_op(self, k: int, n: int) -> Optional[AllGatherGemm]:
+    def column_op(self, k: int, n: int) -> "Optional[AllGatherGemm | ChunkedAllGatherGemm]":
         """The AG-GEMM for a column layer of input size k and n local output columns (None at TP=1)."""
         self._ops.add(("ag", k, n))
         if self.heap is None:
             return None
         if k not in self._ag:
-            self._ag[k] = AllGatherGemm(self.heap, self.max_rows, k, self.dtype, device_group=self.tp.group)
+            op = ChunkedAllGatherGemm if self.fused_ops == "chunked" else AllGatherGemm
+            self._ag[k] = op(self.heap, self.max_rows, k, self.dtype, device_group=self.tp.group)
         return self._ag[k]
 
-    def rs_op(self, k: int, n: int) -> Optional[GemmReduceScatter]:
+    def rs_op(self, k: int, n: int) -> "Optional[GemmReduceScatter | ChunkedGemmReduceScatter]":
         """The GEMM-RS for a row layer of k local input rows and n output columns (None at TP=1)."""
         self._ops.add(("rs", k, n))
         if self.heap is None:
             return None
         if n not in self._rs:
-            self._rs[n] = GemmReduceScatter(self.heap, self.max_rows, n, self.dtype, device_group=self.tp.group)
+            op = ChunkedGemmReduceScatter if self.fused_ops == "chunked" else GemmReduceScatter
+            self._rs[n] = op(self.heap, self.max_rows, n, self.dtype, device_group=self.tp.group)
         return self._rs[n]
 
     def norm_op(self, hidden: int) -> HeapAllReduceNorm:

@@ -16,11 +16,13 @@ import torch.distributed as dist
 
 from tp_overlap_plugin import runtime
 from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm
+from tp_overlap_plugin.ops.chunked import ChunkedAllGatherGemm, ChunkedGemmReduceScatter
 from tp_overlap_plugin.ops.gemm import gemm
 from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter
 from tp_overlap_plugin.tuning.timing import repeats_us
 
-ALL = ("cublas", "nccl", "sequential", "triton_gemm", "ours", "ours_graph", "sequential_graph")
+ALL = ("cublas", "nccl", "sequential", "triton_gemm", "ours", "ours_graph", "sequential_graph", "chunked",
+       "chunked_graph")
 TABLE = ("sequential", "ours")  # what the dispatch table compares
 
 
@@ -60,6 +62,7 @@ def measure_shape(ctx, op, m, k, n, gname, row: dict, calls, torch_fused=False, 
             b = weight_t(n, k, dev, gen)
             a_full = torch.empty(m, k, device=dev, dtype=torch.bfloat16)
             fused = AllGatherGemm(h, rows, k)
+            chunked = ChunkedAllGatherGemm(h, rows, k) if "chunked" in variants else None
 
             def gather():
                 if gpu:
@@ -72,6 +75,7 @@ def measure_shape(ctx, op, m, k, n, gname, row: dict, calls, torch_fused=False, 
                 "sequential": lambda: (gather(), torch.matmul(a_full, b)),
                 "triton_gemm": lambda: gemm(a_full, b),
                 "ours": lambda: fused(a_shard, b),
+                "chunked": lambda: chunked(a_shard, b),
             }
             if gname and torch_fused:
                 fns = {"torch_fused": lambda: torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [b], 0, gname)}
@@ -83,6 +87,7 @@ def measure_shape(ctx, op, m, k, n, gname, row: dict, calls, torch_fused=False, 
             full = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
             shard = torch.empty(rows, n, device=dev, dtype=torch.bfloat16)
             fused = GemmReduceScatter(h, rows, n)
+            chunked = ChunkedGemmReduceScatter(h, rows, n) if "chunked" in variants else None
 
             def scatter():
                 if gpu:
@@ -95,6 +100,7 @@ def measure_shape(ctx, op, m, k, n, gname, row: dict, calls, torch_fused=False, 
                 "sequential": lambda: (torch.matmul(a, b, out=full), scatter()),
                 "triton_gemm": lambda: gemm(a, b),
                 "ours": lambda: fused(a, b),
+                "chunked": lambda: chunked(a, b),
             }
             if gname and torch_fused:
                 fns = {"torch_fused": lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, gname)}
@@ -103,17 +109,18 @@ def measure_shape(ctx, op, m, k, n, gname, row: dict, calls, torch_fused=False, 
             ref = ref[ctx.rank * rows:(ctx.rank + 1) * rows]
         if not torch_fused:
             fns = {name: fn for name, fn in fns.items() if name in variants}
-        if "ours" in fns:
-            got = fns["ours"]().float()
-            if gpu:
-                torch.cuda.synchronize()
-            row["ours_rel_err"] = ((got - ref).norm() / ref.norm()).item()
+        for name in ("ours", "chunked"):
+            if name in fns:
+                got = fns[name]().float()
+                if gpu:
+                    torch.cuda.synchronize()
+                row[f"{name}_rel_err"] = ((got - ref).norm() / ref.norm()).item()
         timed = dict(fns)
         if gpu and "ours" in fns:
             # the fused ops are capturable: the same calls replayed from a CUDA graph, beside
             # sequential's, show what is left once the host's launch cost is gone
-            timed.update({f"{name}_graph": fns[name] for name in ("ours", "sequential")
-                          if f"{name}_graph" in variants})
+            timed.update({f"{name}_graph": fns[name] for name in ("ours", "sequential", "chunked")
+                          if f"{name}_graph" in variants and name in fns})
         _time(ctx, timed, row, calls, repeats, samples, gpu, log)
         if gpu:
             torch.cuda.synchronize()
