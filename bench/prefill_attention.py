@@ -86,7 +86,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     from tp_overlap_plugin.kernels.attention import paged_prefill_attention
     from tp_overlap_plugin.serving import attention as engine_attn
-    from tp_overlap_plugin.serving.attention import AttnMeta
+    from tp_overlap_plugin.serving.model.attention import AttnMeta
     default_min_len = engine_attn.SDPA_MIN_LEN
     from tp_overlap_plugin.serving.config import EngineConfig
     mcfg = EngineConfig(model=args.model, load_format="dummy").load_model_config()

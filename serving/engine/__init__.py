@@ -5,7 +5,7 @@
     input_processor.py  validate and tokenize a request once -> ProcessedRequest
     core_client.py      the client's end of the engine core: pipes, a reader thread
     core_process.py     the core process: its loop around one LLMEngine
-    llm_engine.py       LLMEngine: scheduler, block manager, the ranks (serving/workers.py); steps -> deltas
+    llm_engine.py       LLMEngine: scheduler, block manager, the ranks (serving/worker/workers.py); steps -> deltas
     outputs.py          OutputDelta per request per step; RequestOutput, rebuilt by RequestStream
     messages.py         the types that cross between request side and core
 
