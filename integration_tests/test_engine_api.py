@@ -386,7 +386,7 @@ def test_group_teardown_is_bounded(monkeypatch):
 
     import torch.distributed as dist
 
-    from tp_overlap_plugin.serving import distributed as runner
+    from tp_overlap_plugin.serving.worker import distributed as runner
 
     release = threading.Event()
     monkeypatch.setattr(dist, "destroy_process_group", lambda: release.wait(30))

@@ -80,12 +80,12 @@ def _ref64(q, kc, vc, bt, q_lens, ctx_lens, scale):
 
 
 def _dispatch_case(seed, q_lens, ctx_lens, heads, kv_heads, head_dim, page, dtype, min_lens, dev="cpu"):
-    """serving.attention.paged_attention's GPU path (decode kernel, prefill kernel, SDPA for fresh
+    """serving.model.attention.paged_attention's GPU path (decode kernel, prefill kernel, SDPA for fresh
     prompts of at least min_len tokens) into a NaN-poisoned output, against float64. The step's keys
     sit in the cache at the slots slot_mapping names (the SDPA path gathers them from there)."""
     import torch
 
-    from tp_overlap_plugin.serving import attention as attn
+    from tp_overlap_plugin.serving.model import attention as attn
 
     g = torch.Generator().manual_seed(seed)
     nbs = [-(-c // page) for c in ctx_lens]
