@@ -37,7 +37,7 @@ RUN python -c "import torch, triton; print('base image: torch', torch.__version_
  && pip install -r /tmp/requirements.txt \
  && pip install --no-deps . \
  && python -c "import torch; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); assert (2, 11) <= v < (2, 15), f'torch {torch.__version__} is outside 2.11-2.14; pick another BASE_IMAGE'" \
- && python -c "import tp_overlap_plugin.serving.api_server" \
+ && python -c "import tp_overlap_plugin.serving.entrypoints.openai.api_server" \
  && tp-overlap serve --help > /dev/null \
  && rm /tmp/requirements.txt
 

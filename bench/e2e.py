@@ -75,7 +75,7 @@ DEFAULT = "prefill-b32,decode-b64,mix-c64"
 def lengths(spec: dict) -> list[tuple[int, int]]:
     if spec["kind"] == "fixed":
         return [(spec["input_len"], spec["output_len"])] * spec["batch"]
-    from tp_overlap_plugin.serving.workloads import lognormal_lengths
+    from tp_overlap_plugin.serving.benchmarks.workloads import lognormal_lengths
     return lognormal_lengths(spec["requests"], spec["input_median"], spec["output_median"], spec["sigma"],
                              spec["max_len"], spec["seed"])
 
@@ -128,7 +128,7 @@ def run_variant(args, specs: dict[str, dict]) -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
     from tp_overlap_plugin.serving import LLM, EngineConfig
     from tp_overlap_plugin import stats
-    from tp_overlap_plugin.serving.bench_offline import measure
+    from tp_overlap_plugin.serving.benchmarks.offline import measure
 
     all_lengths = {n: lengths(s) for n, s in specs.items()}
     cfg = EngineConfig(

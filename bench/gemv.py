@@ -1,6 +1,6 @@
 """Decode-sized linear layers on one GPU: cuBLAS (F.linear) against our decode matmul (ops.gemv,
 with the config its table picks), µs per call in CUDA graphs, for every local matmul of a rank at
-TP=W (Llama-3 8B and 70B, Qwen2.5-7B, shapes from serving/model_configs; a model whose heads do not
+TP=W (Llama-3 8B and 70B, Qwen2.5-7B, shapes from serving/model/model_configs; a model whose heads do not
 divide by W is left out), at the decode row counts (--rows to choose). The sweep is
 tp_overlap_plugin/tuning/gemv.py's `measure` (what `tp-overlap tune` runs); its docstring says how
 it is measured. Results feed bench/make_dispatch_table.py --gemv.

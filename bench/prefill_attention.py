@@ -10,7 +10,7 @@ varlen call over the packed prompts, and flex_attention with a packed-causal blo
 
 Shapes: BxL (B prompts of L tokens), or mixN: lognormal lengths (median 256, sigma 1, seeded, at
 most 2048) drawn until they hold N tokens, the last one cut to fit. "engine dispatch" is the call
-the engine makes (serving.attention.paged_attention: SDPA for fresh prompts of at least
+the engine makes (serving.model.attention.paged_attention: SDPA for fresh prompts of at least
 SDPA_MIN_LEN tokens, our kernel for the rest), its host time per call beside it (the launches,
 measured without waiting for the GPU: eager attention runs between piecewise graph segments).
 
@@ -85,8 +85,8 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args(argv)
     from tp_overlap_plugin.kernels.attention import paged_prefill_attention
-    from tp_overlap_plugin.serving import attention as engine_attn
-    from tp_overlap_plugin.serving.attention import AttnMeta
+    from tp_overlap_plugin.serving.model import attention as engine_attn
+    from tp_overlap_plugin.serving.model.attention import AttnMeta
     default_min_len = engine_attn.SDPA_MIN_LEN
     from tp_overlap_plugin.serving.config import EngineConfig
     mcfg = EngineConfig(model=args.model, load_format="dummy").load_model_config()

@@ -9,7 +9,7 @@ Each run starts `tp-overlap serve` in a fresh process, waits for /health, warms 
 same workload (other prompts), then runs `tp-overlap bench serve` once per request rate: Poisson
 arrivals for --level-seconds (at least --min-requests requests), and at rate `inf` --inf-requests
 requests at once. The workload is seeded and the same for both servers: by default lognormal lengths
-(a ShareGPT-like long tail made in code, serving/workloads.py). Then SIGTERM (the graceful path users
+(a ShareGPT-like long tail made in code, serving/benchmarks/workloads.py). Then SIGTERM (the graceful path users
 hit) and the next run. Both servers get the same KV pool.
 
 Per level: output tokens/s, TTFT, TPOT and ITL at p50 and p99 (as `vllm bench serve` reports them),
@@ -32,6 +32,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# serving_helpers.ServerProcess: a server in a subprocess, shared with the tests
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "integration_tests"))
 from benchlib import (add_comparison_args, bench_parser, by_pair, comparison_header, exit_on_sigterm,  # noqa: E402
                       fmt_ratio, interleaved, load_payload, log, md_table, median_or_nan, pair_ratios, ratio_chart,
                       report, start_comparison, write_results)
@@ -43,7 +45,7 @@ STATS = [("output_throughput", "out tok/s"), ("median_ttft_ms", "TTFT p50"), ("p
 
 
 def bench_args(args, port: int, rate: float, num_prompts: int, seed: int, label: str) -> argparse.Namespace:
-    from tp_overlap_plugin.serving.bench_serve import add_bench_serve_args
+    from tp_overlap_plugin.serving.benchmarks.serve import add_bench_serve_args
     p = argparse.ArgumentParser()
     add_bench_serve_args(p)
     argv = ["--port", str(port), "--num-prompts", str(num_prompts), "--request-rate", str(rate),
@@ -80,8 +82,8 @@ def kv_blocks(args, block_size: int = 16) -> int:
 
 
 def one_run(args, engine: str, pair: int) -> dict:
-    from tp_overlap_plugin.serving.testing import ServerProcess
-    from tp_overlap_plugin.serving.bench_serve import run_benchmark
+    from serving_helpers import ServerProcess
+    from tp_overlap_plugin.serving.benchmarks.serve import run_benchmark
 
     tag = f"serve {engine}#{pair + 1}"
     env = dict(os.environ)

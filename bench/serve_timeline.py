@@ -7,7 +7,7 @@ drawn as a picture.
     python bench/serve_timeline.py --model demo --tp 1 --quick          # a logic check on the CPU
 
 One server per run (`tp-overlap serve`, the workload and server options of bench/serve_load.py) with
-TP_OVERLAP_STEP_TRACE set, so the engine writes a record per step (serving/step_trace.py says what
+TP_OVERLAP_STEP_TRACE set, so the engine writes a record per step (serving/engine/step_trace.py says what
 each field means). Each level's steps are those the engine entered between the level's first request
 and its last response.
 
@@ -35,6 +35,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# serving_helpers.ServerProcess: a server in a subprocess, shared with the tests
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "integration_tests"))
 from benchlib import (_pyplot, bench_parser, device_slug, environment, load_payload, log, md_table,  # noqa: E402
                       write_results)
 from serve_load import STATS, _key, bench_args, level_requests, server_args  # noqa: E402
@@ -45,9 +47,9 @@ DECODE_BATCHES = ((1, 8), (32, 95), (96, 128))
 
 
 def one_run(args, engine: str, pair: int) -> dict:
-    from tp_overlap_plugin.serving.bench_serve import run_benchmark
-    from tp_overlap_plugin.serving.step_trace import ENV, read_trace
-    from tp_overlap_plugin.serving.testing import ServerProcess
+    from tp_overlap_plugin.serving.benchmarks.serve import run_benchmark
+    from tp_overlap_plugin.serving.engine.step_trace import ENV, read_trace
+    from serving_helpers import ServerProcess
 
     tag = f"{engine}#{pair + 1}"
     fd, trace = tempfile.mkstemp(prefix="steps-", suffix=".jsonl")
@@ -84,7 +86,7 @@ def idle_probe(args, port: int, tag: str) -> dict:
     """The TTFT target's yardstick: the median prompt (--input-len tokens) alone on the idle server, one
     request at a time, two output tokens: its TTFT is the prefill alone (HTTP included), its TPOT one
     decode step at batch 1. Runs after the levels, so every kernel is compiled."""
-    from tp_overlap_plugin.serving.bench_serve import add_bench_serve_args, run_benchmark
+    from tp_overlap_plugin.serving.benchmarks.serve import add_bench_serve_args, run_benchmark
     p = argparse.ArgumentParser()
     add_bench_serve_args(p)
     ns = p.parse_args(["--port", str(port), "--num-prompts", str(args.idle_requests), "--request-rate", "inf",
@@ -168,7 +170,7 @@ def summarize_steps(steps: list[dict]) -> dict:
         for k, n in s.get("paths", {}).items():
             paths[k] = paths.get(k, 0) + n
     out["op_paths"] = paths
-    # Triton kernel variants built mid-serving: each is a stalled step (serving/step_trace.py)
+    # Triton kernel variants built mid-serving: each is a stalled step (serving/engine/step_trace.py)
     out["compiles"] = [{"step": s["step"], "kind": s["kind"], "tokens": s["tokens"], "seqs": s["seqs"],
                         "decodes": s["decodes"], "graph": s["graph"], "launch_ms": s["launch_ms"],
                         "kernels": s["compiles"]} for s in steps if s.get("compiles")]

@@ -202,7 +202,7 @@ def test_pair_ratios_call_a_win_or_loss_only_when_every_pair_agrees():
 
 
 def test_lognormal_workload_is_seeded_long_tailed_and_fits_the_model():
-    from tp_overlap_plugin.serving.workloads import lognormal_lengths
+    from tp_overlap_plugin.serving.benchmarks.workloads import lognormal_lengths
     a = lognormal_lengths(2000, 256, 128, 1.0, 2048, seed=3)
     assert a == lognormal_lengths(2000, 256, 128, 1.0, 2048, seed=3) != lognormal_lengths(2000, 256, 128, 1.0, 2048, 4)
     assert all(4 <= i and 4 <= o and i + o <= 2048 for i, o in a)

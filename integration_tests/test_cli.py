@@ -10,7 +10,7 @@ import torch
 
 from tp_overlap_plugin.serving.args import CliError
 from tp_overlap_plugin.serving.cli import build_parser, main
-from tp_overlap_plugin.serving.testing import free_port
+from serving_helpers import free_port
 
 
 @pytest.mark.timeout(180)

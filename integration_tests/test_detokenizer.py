@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tp_overlap_plugin.serving.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer
+from tp_overlap_plugin.serving.model.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer
 
 VOCAB = 600
 SPECIALS = ["<|eos|>", "<|end|>"]
@@ -134,8 +134,8 @@ def test_engine_emits_held_back_text_when_the_output_ends(demo_engine, monkeypat
     """The output ends one byte short of a character: the text is still the decode of the output ids,
     and the last delta carries the held-back bytes, whatever ended the output."""
     from tp_overlap_plugin.serving import SamplingParams
-    from tp_overlap_plugin.serving import runner as engine_mod
-    from tp_overlap_plugin.serving.sampler import Sampled
+    from tp_overlap_plugin.serving.worker import runner as engine_mod
+    from tp_overlap_plugin.serving.model.sampler import Sampled
 
     tok = demo_engine.tokenizer
     script = [*b"ok", 0xE4, 0xB8]

@@ -9,7 +9,7 @@ import pytest
 
 from tp_overlap_plugin.serving import LLM, AsyncLLM, EngineConfig, LLMEngine, SamplingParams
 from tp_overlap_plugin.serving.config import SHIPPED_CONFIGS
-from tp_overlap_plugin.serving.testing import process_running, slow_grammar_compiles
+from serving_helpers import process_running, slow_grammar_compiles
 
 
 def _cfg(**kw):
@@ -276,7 +276,7 @@ def test_hf_tokenizer_from_model_dir(tmp_path):
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
-    from tp_overlap_plugin.serving.testing import make_hf_checkpoint
+    from serving_helpers import make_hf_checkpoint
 
     d = make_hf_checkpoint("qwen2", tmp_path / "m", vocab_size=300, max_shard_size=None)
     bpe = ByteLevelBPETokenizer()
@@ -305,8 +305,8 @@ def test_dummy_weights_without_tokenizer_files_stream_every_token(tmp_path):
     """A config-only model dir (how the shipped 8B/70B configs are benchmarked) gets the byte
     tokenizer as a stand-in: ids past its vocabulary show as placeholders, so each generated token
     is visible text and a stream carries one delta per token (what TTFT/ITL measurements need)."""
-    from tp_overlap_plugin.serving.testing import make_hf_checkpoint
-    from tp_overlap_plugin.serving.tokenizer import ByteTokenizer
+    from serving_helpers import make_hf_checkpoint
+    from tp_overlap_plugin.serving.model.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     assert tok.decode([72, 105, 5000, 257]) == "Hi<|t5000|>" and tok.decode([72, 257], False) == "H<|eos|>"
@@ -386,7 +386,7 @@ def test_group_teardown_is_bounded(monkeypatch):
 
     import torch.distributed as dist
 
-    from tp_overlap_plugin.serving import distributed as runner
+    from tp_overlap_plugin.serving.worker import distributed as runner
 
     release = threading.Event()
     monkeypatch.setattr(dist, "destroy_process_group", lambda: release.wait(30))

@@ -1,4 +1,4 @@
-"""The engine's dead-peer check without a per-step device sync (serving/error_watch.py ErrorWatch): the heap's
+"""The engine's dead-peer check without a per-step device sync (serving/worker/error_watch.py ErrorWatch): the heap's
 error word is copied behind each step and read where the host waits anyway. Run here on the CPU with
 the lagged (GPU) logic forced on and a stand-in heap: a step whose kernels gave up raises
 RankTimeoutError before any of its tokens is emitted (rank 0), and a rank that never waits on its
@@ -9,7 +9,7 @@ import torch
 
 from tp_overlap_plugin.heap import RankTimeoutError
 from tp_overlap_plugin.serving import EngineConfig, LLMEngine, SamplingParams
-from tp_overlap_plugin.serving.error_watch import ErrorWatch
+from tp_overlap_plugin.serving.worker.error_watch import ErrorWatch
 
 
 class FakeHeap:
@@ -89,7 +89,7 @@ def test_a_step_stuck_in_a_collective_ends_at_the_bounded_wait_and_names_a_stopp
     import time
     import types
 
-    from tp_overlap_plugin.serving.workers import Workers, stopped as _stopped
+    from tp_overlap_plugin.serving.worker.workers import Workers, stopped as _stopped
     peer = mp.get_context("spawn").Process(target=time.sleep, args=(60,), daemon=True)   # a worker rank's stand-in
     peer.start()
     try:

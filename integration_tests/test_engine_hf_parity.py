@@ -10,7 +10,7 @@ import torch
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 
 from tp_overlap_plugin.serving import LLM, EngineConfig, SamplingParams
-from tp_overlap_plugin.serving.testing import hf_reference, make_hf_checkpoint
+from serving_helpers import hf_reference, make_hf_checkpoint
 
 PROMPT_LENS = (5, 11, 40)
 MAX_NEW = 6

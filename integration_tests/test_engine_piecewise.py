@@ -1,4 +1,4 @@
-"""Piecewise CUDA graphs (serving/piecewise.py): the model's forward split at attention and run
+"""Piecewise CUDA graphs (serving/worker/piecewise.py): the model's forward split at attention and run
 segment by segment over the padded static buffers gives the logits of the monolithic forward; the
 bucket choice; bad bucket lists. On the CPU the segments run eagerly (no graphs); the GPU test replays
 captured graphs against eager steps at TP=1 and TP=2 with the flag."""
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tp_overlap_plugin.serving import EngineConfig, LLMEngine
-from tp_overlap_plugin.serving.piecewise import bucket_for, default_token_counts
-from tp_overlap_plugin.serving.step_message import StepInput
+from tp_overlap_plugin.serving.worker.piecewise import bucket_for, default_token_counts
+from tp_overlap_plugin.serving.worker.step_message import StepInput
 
 BS = 4
 
@@ -109,7 +109,7 @@ def _tp2_flag_rank(ctx):
     reduce-scatter and the LM head's all-gather (torch.distributed, NCCL in the engine) go through the
     heap's all-reduce here, which graphs do hold."""
     from tp_overlap_plugin import runtime
-    from tp_overlap_plugin.serving.runner import ModelRunner
+    from tp_overlap_plugin.serving.worker.runner import ModelRunner
 
     cfg = EngineConfig(model="demo", device="cuda", dtype="bfloat16", tensor_parallel_size=2, enforce_eager=True,
                        tp_overlap={"dispatch": "overlap"}, block_size=BS, max_model_len=64, max_num_seqs=8,

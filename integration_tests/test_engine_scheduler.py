@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from tp_overlap_plugin.serving import EngineConfig, LLMEngine, SamplingParams
-from tp_overlap_plugin.serving.block_manager import BlockManager
+from tp_overlap_plugin.serving.engine.block_manager import BlockManager
 
 
 def test_block_manager_refcounts_and_all_or_nothing():
@@ -160,7 +160,7 @@ def test_prefix_cache_reuses_blocks_and_changes_nothing():
 def test_sampler_distribution_matches_filtered_softmax():
     import torch
 
-    from tp_overlap_plugin.serving.sampler import sample
+    from tp_overlap_plugin.serving.model.sampler import sample
 
     logits = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -3.0])
     n = 40000

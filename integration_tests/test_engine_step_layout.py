@@ -1,5 +1,5 @@
-"""The step's per-token layout (serving/step_layout.py) against the token-by-token rule it replaced,
-and the step timeline (serving/step_trace.py) that an engine writes when TP_OVERLAP_STEP_TRACE is set."""
+"""The step's per-token layout (serving/worker/step_layout.py) against the token-by-token rule it replaced,
+and the step timeline (serving/engine/step_trace.py) that an engine writes when TP_OVERLAP_STEP_TRACE is set."""
 
 import random
 
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from tp_overlap_plugin.serving import EngineConfig, LLMEngine, SamplingParams
-from tp_overlap_plugin.serving.step_layout import block_table_matrix, layout
-from tp_overlap_plugin.serving.step_trace import ENV, read_trace
+from tp_overlap_plugin.serving.worker.step_layout import block_table_matrix, layout
+from tp_overlap_plugin.serving.engine.step_trace import ENV, read_trace
 
 
 def _reference(q_lens, ctx, tables, bs):
@@ -80,8 +80,8 @@ def test_every_step_input_starts_16_byte_aligned():
     # and unaligned addresses with the step's sizes, or a kernel compiles mid-serving.
     import torch
 
-    from tp_overlap_plugin.serving.attention import AttnMeta
-    from tp_overlap_plugin.serving.step_layout import _aligned_offsets
+    from tp_overlap_plugin.serving.model.attention import AttnMeta
+    from tp_overlap_plugin.serving.worker.step_layout import _aligned_offsets
     for sizes in ([3, 5, 7], [1], [4, 4], [2, 9, 0, 1]):
         parts = [np.zeros(n) for n in sizes]
         for align in (2, 4):
@@ -107,7 +107,7 @@ def test_step_trace_names_the_kernels_a_step_compiled(tmp_path, monkeypatch):
     import torch
     from triton import knobs
 
-    from tp_overlap_plugin.serving.step_trace import StepTrace
+    from tp_overlap_plugin.serving.engine.step_trace import StepTrace
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
     trace = StepTrace(str(tmp_path / "steps.jsonl"), torch.device("cpu"))
 

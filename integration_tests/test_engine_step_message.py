@@ -1,10 +1,10 @@
-"""The step message (serving/step_message.py StepMessage): a step survives packing into one int64 tensor and
+"""The step message (serving/worker/step_message.py StepMessage): a step survives packing into one int64 tensor and
 the trip to another rank, including steps longer than the first buffer."""
 
 import pytest
 
 from tp_overlap_plugin.multirank import run_ranks
-from tp_overlap_plugin.serving.step_message import StepInput, StepMessage
+from tp_overlap_plugin.serving.worker.step_message import StepInput, StepMessage
 
 
 def _step(n_seqs: int, ctx: int, bs: int = 16) -> StepInput:

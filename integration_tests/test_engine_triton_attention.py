@@ -15,7 +15,7 @@ def _case(seed, q_lens, ctx_lens, heads, kv_heads, head_dim, page, dtype, dev="c
     import torch
 
     from tp_overlap_plugin.kernels.attention import paged_decode_attention, paged_prefill_attention
-    from tp_overlap_plugin.serving.attention import AttnMeta, paged_attention_ref
+    from tp_overlap_plugin.serving.model.attention import AttnMeta, paged_attention_ref
 
     g = torch.Generator().manual_seed(seed)
     n_blocks = sum(-(-c // page) for c in ctx_lens) + 3
@@ -80,12 +80,12 @@ def _ref64(q, kc, vc, bt, q_lens, ctx_lens, scale):
 
 
 def _dispatch_case(seed, q_lens, ctx_lens, heads, kv_heads, head_dim, page, dtype, min_lens, dev="cpu"):
-    """serving.attention.paged_attention's GPU path (decode kernel, prefill kernel, SDPA for fresh
+    """serving.model.attention.paged_attention's GPU path (decode kernel, prefill kernel, SDPA for fresh
     prompts of at least min_len tokens) into a NaN-poisoned output, against float64. The step's keys
     sit in the cache at the slots slot_mapping names (the SDPA path gathers them from there)."""
     import torch
 
-    from tp_overlap_plugin.serving import attention as attn
+    from tp_overlap_plugin.serving.model import attention as attn
 
     g = torch.Generator().manual_seed(seed)
     nbs = [-(-c // page) for c in ctx_lens]
@@ -226,8 +226,8 @@ def main(dev="cpu"):
                    min_lens=(1,), dev=dev)
     _dispatch_case(14, [1, 19], [7, 19], heads=8, kv_heads=2, head_dim=16, page=4, dtype=torch.float32,
                    min_lens=(1,), dev=dev)
-    # The engine's in-graph step input fix-up (serving/sampled_ids.py): ids -1-k become sampled[k].
-    from tp_overlap_plugin.serving.sampled_ids import _resolve_refs_kernel
+    # The engine's in-graph step input fix-up (serving/worker/sampled_ids.py): ids -1-k become sampled[k].
+    from tp_overlap_plugin.serving.worker.sampled_ids import _resolve_refs_kernel
     ids = torch.tensor([5, -1, 7, -3, 0, -2] * 300, dtype=torch.int64, device=dev)
     sampled = torch.tensor([11, 12, 13, 14], dtype=torch.int64, device=dev)
     want = torch.where(ids < 0, sampled[(-ids - 1).clamp(min=0)], ids)
@@ -238,7 +238,7 @@ def main(dev="cpu"):
 
 @pytest.mark.timeout(180)
 def test_triton_kernels_match_reference_under_interpreter():
-    from tp_overlap_plugin.serving.testing import run_under_interpreter
+    from serving_helpers import run_under_interpreter
     run_under_interpreter(__file__, "triton attention ok", timeout=170)
 
 

@@ -122,7 +122,7 @@ def main(dev="cpu"):
 
 @pytest.mark.timeout(300)
 def test_gemm_core_paths_under_interpreter():
-    from tp_overlap_plugin.serving.testing import run_under_interpreter
+    from serving_helpers import run_under_interpreter
     run_under_interpreter(__file__, "gemm core ok", timeout=290)
 
 

@@ -115,7 +115,7 @@ def _tp1_layers_take_the_decode_matmul():
 
 @pytest.mark.timeout(300)
 def test_gemv_matches_float64_under_interpreter():
-    from tp_overlap_plugin.serving.testing import run_under_interpreter
+    from serving_helpers import run_under_interpreter
     run_under_interpreter(__file__, "gemv ok", timeout=290)
 
 

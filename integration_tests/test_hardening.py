@@ -190,7 +190,7 @@ def test_a_held_back_rank_keeps_the_rows_it_reads():
 
 def test_warm_up_covers_every_variant_a_step_can_hit():
     """Every step size up to the budget maps, per rank and op, to a (tile config, row-count class)
-    pair that one of the warm-up steps has compiled (serving/runner.py _warm_overlap_shapes)."""
+    pair that one of the warm-up steps has compiled (serving/worker/runner.py _warm_overlap_shapes)."""
     from tp_overlap_plugin.gemm_config import SMALL_M
     from tp_overlap_plugin.overlap_layers import warm_up_token_counts
     buckets = (16, 128, 1024, 4096)

@@ -19,7 +19,7 @@ def _rmsnorm(g, dev, dtype):
     import torch
 
     from tp_overlap_plugin.kernels import layer_ops
-    from tp_overlap_plugin.serving.model import RMSNorm
+    from tp_overlap_plugin.serving.model.model import RMSNorm
     for t, n in ((1, 48), (5, 100), (3, 4096)):
         norm = RMSNorm(n, 1e-5, dtype, "cpu")
         norm.weight.data = torch.randn(n, generator=g).to(dtype)
@@ -45,9 +45,9 @@ def _rope_and_cache(g, dev, dtype):
     import torch
 
     from tp_overlap_plugin.kernels import layer_ops
-    from tp_overlap_plugin.serving.attention import write_kv
+    from tp_overlap_plugin.serving.model.attention import write_kv
     from tp_overlap_plugin.serving.config import ModelConfig
-    from tp_overlap_plugin.serving.model import Rotary
+    from tp_overlap_plugin.serving.model.model import Rotary
     for t, hq, hkv, hd in ((1, 4, 2, 16), (7, 6, 2, 32), (4, 8, 8, 64)):
         cfg = ModelConfig(arch="llama", vocab_size=16, hidden_size=hq * hd, intermediate_size=8, num_layers=1,
                           num_heads=hq, num_kv_heads=hkv, head_dim=hd, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -100,7 +100,7 @@ def main(dev="cpu"):
 
 @pytest.mark.timeout(240)
 def test_layer_ops_match_reference_under_interpreter():
-    from tp_overlap_plugin.serving.testing import run_under_interpreter
+    from serving_helpers import run_under_interpreter
     run_under_interpreter(__file__, "layer ops ok", timeout=230)
 
 

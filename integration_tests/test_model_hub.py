@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from tp_overlap_plugin.serving import LLM, EngineConfig, SamplingParams
 from tp_overlap_plugin.serving.cli import main
 from tp_overlap_plugin.serving.config import resolve_model_dir
-from tp_overlap_plugin.serving.demo import demo_hf_config, demo_state_dict
+from tp_overlap_plugin.serving.model.demo import demo_hf_config, demo_state_dict
 
 repo, rev, hub = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
 sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -51,7 +51,7 @@ class _Block(nn.Module):
 
 
 class _NormBlock(_Block):
-    """The decoder's row-layer epilogue as serving/model.py composes it: the row layer built with
+    """The decoder's row-layer epilogue as serving/model/model.py composes it: the row layer built with
     reduce_into_norm=True feeds the next RMSNorm with the residual, which in the replicated layout
     may take the all-reduce, the add and the norm as one kernel. Its gate_up has a bias (the
     column layers' bias path)."""
@@ -60,7 +60,7 @@ class _NormBlock(_Block):
 
     def __init__(self, f: TPLayers):
         super().__init__(f)
-        from tp_overlap_plugin.serving.model import RMSNorm
+        from tp_overlap_plugin.serving.model.model import RMSNorm
         self.down = f.row(I, H, bias=True, reduce_into_norm=True)
         self.norm = RMSNorm(H, 1e-5, DTYPE, "cpu")
 

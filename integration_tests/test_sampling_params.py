@@ -18,7 +18,7 @@ from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, 
 
 from tp_overlap_plugin.serving import LLM, EngineConfig, SamplingParams
 from tp_overlap_plugin.serving.config import RequestError
-from tp_overlap_plugin.serving.sampler import TokenState, sample_on_device
+from tp_overlap_plugin.serving.model.sampler import TokenState, sample_on_device
 
 V = 250   # not a multiple of 32: the bitmask's last word is partial
 # CI installs both (the serve and test extras); a bare GPU image may not have them.
@@ -214,7 +214,7 @@ def test_hf_byte_level_tokenizer(tmp_path):
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
-    from tp_overlap_plugin.serving.testing import make_hf_checkpoint
+    from serving_helpers import make_hf_checkpoint
 
     d = make_hf_checkpoint("qwen2", tmp_path / "m", vocab_size=300, max_shard_size=None)
     bpe = ByteLevelBPETokenizer()

@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from tp_overlap_plugin.serving import AsyncLLM, EngineConfig
-from tp_overlap_plugin.serving.api_server import build_app
-from tp_overlap_plugin.serving.testing import ServerProcess, fail_steps_once_flagged, free_port
+from tp_overlap_plugin.serving.entrypoints.openai.api_server import build_app
+from serving_helpers import ServerProcess, fail_steps_once_flagged, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -413,7 +413,7 @@ def test_unexpected_exception_is_a_json_500_and_the_connection_stays_open(inproc
     import http.client
     import json
 
-    from tp_overlap_plugin.serving.server_logprobs import LogprobFormatter
+    from tp_overlap_plugin.serving.entrypoints.openai.server_logprobs import LogprobFormatter
 
     _, url = inproc_server
 
@@ -452,7 +452,7 @@ def test_unexpected_exception_is_a_json_500_and_the_connection_stays_open(inproc
 def test_a_stream_that_ends_early_is_logged_with_its_id(inproc_server, monkeypatch, caplog):
     """A stream cut by an exception after its first chunk ends with an error event and [DONE], and the log
     names the stream and has the traceback; a client that hangs up mid-stream is logged with the id too."""
-    from tp_overlap_plugin.serving.server_logprobs import LogprobFormatter
+    from tp_overlap_plugin.serving.entrypoints.openai.server_logprobs import LogprobFormatter
 
     _, url = inproc_server
     caplog.set_level(logging.INFO, logger="tp_overlap.server")
@@ -533,7 +533,7 @@ def test_killed_engine_core_fails_every_stream_and_the_health_check():
     import signal
 
     from tp_overlap_plugin.serving import SamplingParams
-    from tp_overlap_plugin.serving.testing import process_running
+    from serving_helpers import process_running
 
     eng = AsyncLLM(EngineConfig(model="demo", block_size=4, max_model_len=MAX_LEN, num_kv_blocks=64,
                                 show_progress=False, tensor_parallel_size=2, dist_timeout_s=30))

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tp_overlap_plugin.serving.cli import main as cli_main
-from tp_overlap_plugin.serving.testing import ServerProcess
+from serving_helpers import ServerProcess
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tp_overlap_plugin.serving import LLM, EngineConfig, SamplingParams
-from tp_overlap_plugin.serving.testing import ServerProcess, free_port
-from tp_overlap_plugin.serving.tokenizer import ByteTokenizer
+from serving_helpers import ServerProcess, free_port
+from tp_overlap_plugin.serving.model.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tp_overlap_plugin.serving.testing import ServerProcess
+from serving_helpers import ServerProcess
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -1,4 +1,4 @@
-"""Structured output's grammars (serving/structured.py), without a model: random walks through the token
+"""Structured output's grammars (serving/engine/structured.py), without a model: random walks through the token
 masks that the engine applies, over schemas that hypothesis generates (bounded strings, enums, nested
 objects, arrays, anyOf, patterns). Every walk that the grammar ends must parse as JSON and validate against
 its schema with `jsonschema`. Two vocabularies: the demo's bytes, and bytes plus multi-byte tokens that
@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from tp_overlap_plugin.serving.config import StructuredOutput  # noqa: E402
-from tp_overlap_plugin.serving.structured import StructuredOutputs  # noqa: E402
-from tp_overlap_plugin.serving.tokenizer import ByteTokenizer  # noqa: E402
+from tp_overlap_plugin.serving.engine.structured import StructuredOutputs  # noqa: E402
+from tp_overlap_plugin.serving.model.tokenizer import ByteTokenizer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

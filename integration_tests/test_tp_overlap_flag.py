@@ -55,7 +55,7 @@ def _in_subprocess(model_dir, name, table_path, out_path):
 def test_flag_on_matches_flag_off(arch, tmp_path):
     import torch
 
-    from tp_overlap_plugin.serving.testing import make_hf_checkpoint
+    from serving_helpers import make_hf_checkpoint
 
     model_dir = str(make_hf_checkpoint(arch, tmp_path / arch, seed=3))
     table = tmp_path / "table.json"

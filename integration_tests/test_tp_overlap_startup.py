@@ -36,7 +36,7 @@ def test_no_table_is_a_warning_that_says_what_to_do():
 
 def _startup_warnings(caplog):
     return [r.getMessage() for r in caplog.records
-            if r.name == "tp_overlap_plugin.serving.layer_factory" and r.levelno >= logging.WARNING]
+            if r.name == "tp_overlap_plugin.serving.worker.layer_factory" and r.levelno >= logging.WARNING]
 
 
 @pytest.mark.timeout(60)
@@ -44,7 +44,7 @@ def test_engine_warns_once_when_the_flag_has_no_table(caplog, monkeypatch):
     from tp_overlap_plugin.serving import LLM, EngineConfig
 
     monkeypatch.delenv("TP_OVERLAP", raising=False)
-    caplog.set_level(logging.INFO, logger="tp_overlap_plugin.serving.layer_factory")
+    caplog.set_level(logging.INFO, logger="tp_overlap_plugin.serving.worker.layer_factory")
     with LLM(EngineConfig(tensor_parallel_size=2, tp_overlap=True, **SMALL)) as llm:
         assert llm.generate("Hi", {"max_tokens": 2, "temperature": 0})[0].outputs[0].token_ids
     warnings = _startup_warnings(caplog)

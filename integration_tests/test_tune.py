@@ -103,7 +103,7 @@ def test_tune_prints_its_estimate_first_and_writes_the_tables(tuned):
 
 
 def test_a_server_with_the_flag_uses_the_cached_tables(tuned):
-    from tp_overlap_plugin.serving.testing import ServerProcess
+    from serving_helpers import ServerProcess
 
     cache, _ = tuned
     args = ["--tp", "2", "--dtype", "float16", "--max-model-len", "64", "--max-num-seqs", "2",
@@ -210,12 +210,12 @@ def test_the_engine_names_the_model_shapes_the_table_lacks(cache, caplog):
     # a table for cpu at TP=2 that measured another model: the demo's layers are named, the start succeeds
     _put(cache / "dispatch" / "cpu-tp2.json",
          json.dumps(_table(gemv=[{"M": 1, "K": 4096, "N": 3072, "winner": "stock"}], all_reduce=[])))
-    caplog.set_level(logging.INFO, logger="tp_overlap_plugin.serving.layer_factory")
+    caplog.set_level(logging.INFO, logger="tp_overlap_plugin.serving.worker.layer_factory")
     with LLM(EngineConfig(tensor_parallel_size=2, tp_overlap=True, max_model_len=64, max_num_seqs=2,
                           max_num_batched_tokens=16, num_kv_blocks=16, show_progress=False, dist_timeout_s=60)) as llm:
         assert llm.generate("Hi", {"max_tokens": 1, "temperature": 0})[0].outputs[0].token_ids
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
-                and r.name == "tp_overlap_plugin.serving.layer_factory"]
+                and r.name == "tp_overlap_plugin.serving.worker.layer_factory"]
     assert len(warnings) == 1, warnings
     assert "no rows for this model's qkv K=128 N=128, o_proj K=64 N=128" in warnings[0]
     assert "`tp-overlap tune --tp 2 --model demo`" in warnings[0]
@@ -251,7 +251,7 @@ def test_two_runs_at_once_leave_one_valid_file_with_both_runs_rows(tmp_path):
                               stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir()) for model in ("demo", str(tiny))]
     outs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outs]
-    from tp_overlap_plugin.serving.demo import demo_hf_config
+    from tp_overlap_plugin.serving.model.demo import demo_hf_config
     from tp_overlap_plugin.tuning.shapes import ModelDims
     dims = [ModelDims.from_hf(demo_hf_config()), ModelDims.from_hf(json.loads((tiny / "config.json").read_text()))]
     layers = {(k, n) for d in dims for _, k, n in d.layers(1)}

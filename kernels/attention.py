@@ -11,7 +11,7 @@ accumulation. Decode is memory-bound: it reads each sequence's keys and values o
 (the query heads of a GQA group share the read), and at small batches splits long contexts into
 slices that run in parallel and are combined by a second kernel (flash-decoding).
 
-The serving engine's torch reference (`tp_overlap_plugin.serving.attention`) defines the expected
+The serving engine's torch reference (`tp_overlap_plugin.serving.model.attention`) defines the expected
 result; tests run these under TRITON_INTERPRET=1.
 """
 
@@ -261,7 +261,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     heads_per_tile: query heads of one kv head that share a program (1, or a power-of-two divisor
     of the GQA group); the rest default to `prefill_config`. fresh_from > 0: the rows of sequences
     whose context is their chunk (a fresh prompt) of at least fresh_from tokens are not written
-    (serving/attention.py attends to those through torch's SDPA); 0 attends to every sequence."""
+    (serving/model/attention.py attends to those through torch's SDPA); 0 attends to every sequence."""
     _check(q, k_cache, v_cache, block_tables)
     out = torch.empty_like(q) if out is None else out
     s = cu_seqlens_q.numel() - 1

@@ -5,7 +5,7 @@ Why: a decode step is a few hundred microsecond-scale kernels per layer, and on 
 kernel costs a few microseconds even inside a CUDA graph. Written with torch ops these steps were
 about 25 kernels per layer; here they are 3 (bench/notes/decode.md has the step time before/after).
 
-Rounding follows the torch reference in serving/model.py (which follows HF transformers): the
+Rounding follows the torch reference in serving/model/model.py (which follows HF transformers): the
 residual sum and the normalised activations are rounded to the model dtype before the weight
 multiplies, and SiLU's output is rounded before the product with up. Rotary is computed in fp32 and
 rounded once (the reference rounds after each bf16 multiply), so the two differ by about one ulp.
@@ -85,7 +85,7 @@ def silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n, BLOCK: tl.constexpr
     tl.store(out_ptr + row * stride_out + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
 
-# ---- launchers (the model calls these on GPUs; serving/model.py holds the torch reference) ----
+# ---- launchers (the model calls these on GPUs; serving/model/model.py holds the torch reference) ----
 
 def rmsnorm(x, weight, eps: float, residual=None):
     """x [T, n] -> weight * rmsnorm(x); with `residual`, normalises x + residual and returns

@@ -3,6 +3,10 @@
     from tp_overlap_plugin.serving import LLM, SamplingParams
     llm = LLM(model="demo")                      # built-in tiny model, nothing downloaded
     print(llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].text)
+
+Its folders are floors, each importing only the ones below (serving/README.md, Layering):
+entrypoints/ and benchmarks/ > engine/ > worker/ > model/ > config.py; integration_tests/
+test_serving_floors.py holds them to it.
 """
 
 from __future__ import annotations

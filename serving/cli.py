@@ -135,14 +135,14 @@ def _demo_rank(ctx, numel, iters):
 
 def _serve(args) -> int:
     """OpenAI-compatible HTTP server over the engine (api_server.py)."""
-    from .api_server import serve_main
+    from .entrypoints.openai.api_server import serve_main
 
     return serve_main(args)
 
 
 def _bench_serve(args) -> int:
     """Load generator against a running server (bench_serve.py)."""
-    from .bench_serve import bench_serve_main
+    from .benchmarks.serve import bench_serve_main
 
     return bench_serve_main(args)
 
@@ -218,9 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     # The server's and the benchmark's options live next to their code. Those modules import fastapi,
     # prometheus_client and httpx only when serving, so the parser works without the `serve` extra.
-    from .api_server import add_server_args
-    from .bench_offline import add_bench_offline_subcommands
-    from .bench_serve import add_bench_serve_args
+    from .entrypoints.openai.api_server import add_server_args
+    from .benchmarks.offline import add_bench_offline_subcommands
+    from .benchmarks.serve import add_bench_serve_args
 
     add_generate_subcommand(sub)
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tp_overlap_plugin.options import TPOverlapOptions, options_from_env
 
-SHIPPED_CONFIGS = Path(__file__).parent / "model_configs"
+SHIPPED_CONFIGS = Path(__file__).parent / "model" / "model_configs"
 DEMO_MODEL = "demo"
 
 SUPPORTED_ARCHS = {
@@ -201,7 +201,7 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     cuda_graph_batch_sizes: Optional[list[int]] = None
     # Prefill and mixed steps replay every part but attention from graphs per token-count bucket
-    # (serving/piecewise.py); off: those steps run eagerly. enforce_eager turns these off too.
+    # (serving/worker/piecewise.py); off: those steps run eagerly. enforce_eager turns these off too.
     piecewise_cuda_graphs: bool = True
     piecewise_graph_token_counts: Optional[list[int]] = Field(
         None, description="buckets of the piecewise graphs; default: piecewise.default_token_counts")
@@ -227,14 +227,14 @@ class EngineConfig(BaseModel):
         if self.cuda_graph_batch_sizes is not None and any(b < 1 for b in self.cuda_graph_batch_sizes):
             raise ValueError("cuda_graph_batch_sizes must be positive")
         if self.piecewise_graph_token_counts is not None:
-            from .piecewise import check_token_counts
+            from .worker.piecewise import check_token_counts
             check_token_counts(self.piecewise_graph_token_counts, self.max_num_batched_tokens)
         return self
 
     def load_model_config(self) -> ModelConfig:
         d = resolve_model_dir(self.model, weights=False)
         if d is None:
-            from .demo import demo_hf_config
+            from .model.demo import demo_hf_config
             return ModelConfig.from_hf(demo_hf_config())
         with open(d / "config.json") as f:
             return ModelConfig.from_hf(json.load(f))
@@ -275,7 +275,7 @@ class RequestError(ValueError):
 
 class StructuredOutput(BaseModel):
     """A grammar the output must follow: any JSON object, or JSON that validates against a schema
-    (serving/structured.py compiles it). Exactly one of the two."""
+    (serving/engine/structured.py compiles it). Exactly one of the two."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -275,7 +275,7 @@ class ParallelLMHead(nn.Module):
     def token_rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """The residual layout's hidden rows -> every token's row on this rank. The stock layout is
         replicated already. Apart from `logits` because it depends on the step's layout, not on the
-        rows asked for: a CUDA graph of the step's body may hold it (serving/piecewise.py)."""
+        rows asked for: a CUDA graph of the step's body may hold it (serving/worker/piecewise.py)."""
         return hidden
 
     def logits(self, hidden: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:

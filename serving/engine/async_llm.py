@@ -15,7 +15,7 @@ import weakref
 from typing import AsyncIterator, Optional, Union
 
 from ..config import EngineConfig, SamplingParams, env_rank_world
-from ..structured import StructuredOutputs
+from .structured import StructuredOutputs
 from .core_client import EngineCoreClient
 from .input_processor import InputProcessor, Prompt, engine_tokenizer
 from .llm_engine import LLMEngine

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Optional, Union
 
 from ..config import EngineConfig, RequestError, SamplingParams, resolve_model_dir
-from ..structured import StructuredOutputs
-from ..tokenizer import ByteTokenizer, load_tokenizer
+from .structured import StructuredOutputs
+from ..model.tokenizer import ByteTokenizer, load_tokenizer
 from .messages import ProcessedRequest
 
 Prompt = Union[str, list[int]]

@@ -21,17 +21,17 @@ from typing import Optional, Union
 
 import torch
 
-from ..block_manager import BlockManager
+from .block_manager import BlockManager
 from ..config import EngineConfig, SamplingParams, default_device
-from ..layer_factory import require_triton_interpreter
-from ..runner import SamplingBatch, StepResult
-from ..sampler import TokenState
-from ..scheduler import NeedsPreemption, Scheduler, Sequence, Status
-from ..step_message import StepInput
-from ..step_trace import StepTrace
-from ..structured import StructuredOutputs
-from ..tokenizer import IncrementalDetokenizer
-from ..workers import Workers
+from ..worker.layer_factory import require_triton_interpreter
+from ..worker.runner import SamplingBatch, StepResult
+from ..model.sampler import TokenState
+from .scheduler import NeedsPreemption, Scheduler, Sequence, Status
+from ..worker.step_message import StepInput
+from .step_trace import StepTrace
+from .structured import StructuredOutputs
+from ..model.tokenizer import IncrementalDetokenizer
+from ..worker.workers import Workers
 from .input_processor import InputProcessor, Prompt, engine_tokenizer
 from .messages import ProcessedRequest
 from .outputs import FinalOutput, OutputDelta, RequestOutput, RequestStream
@@ -230,7 +230,7 @@ class LLMEngine:
         fills the masks; only the sampling launch is delayed, and only while such sequences run."""
         t_scheduled = time.perf_counter()
         # Per sequence, never per token: positions and cache slots are derived from the sequences'
-        # lengths and block tables in whole-array ops by the runner (serving/step_layout.py).
+        # lengths and block tables in whole-array ops by the runner (serving/worker/step_layout.py).
         ids, rows = [], []
         sample_at: list[tuple[Sequence, int]] = []
         prompt_rows: list[tuple[Sequence, int, int]] = []   # seq, first row, count

@@ -163,8 +163,8 @@ def _runner(ctx, plan, table_path: str | None):
     """The engine's model runner on this rank (the stock layers, or the flag's on `table_path`), which
     every rank drives with the same steps: no step messages between them."""
     from tp_overlap_plugin.serving.config import EngineConfig
-    from tp_overlap_plugin.serving.piecewise import DEFAULT_MAX_GRAPH_TOKENS
-    from tp_overlap_plugin.serving.runner import ModelRunner
+    from tp_overlap_plugin.serving.worker.piecewise import DEFAULT_MAX_GRAPH_TOKENS
+    from tp_overlap_plugin.serving.worker.runner import ModelRunner
     max_len = _max_len(plan)
     items = _fitted(plan.items["engine"], max_len)
     budget = items[0]["budget"]
@@ -221,7 +221,7 @@ def _step(it: dict, vocab: int):
     batch; every sequence its own KV blocks."""
     import numpy as np
 
-    from tp_overlap_plugin.serving.runner import StepInput
+    from tp_overlap_plugin.serving.worker.runner import StepInput
     rng = np.random.default_rng(it["tokens"])
     if it["kind"] == "prefill":
         p = it["prompt_len"]

@@ -13,9 +13,9 @@ from pathlib import Path
 
 
 def _model_configs() -> Path:
-    """The engine's shipped model configs (serving/model_configs), found without importing the engine."""
+    """The engine's shipped model configs (serving/model/model_configs), found without importing the engine."""
     spec = importlib.util.find_spec("tp_overlap_plugin.serving")
-    return Path(next(iter(spec.submodule_search_locations))) / "model_configs"
+    return Path(next(iter(spec.submodule_search_locations))) / "model" / "model_configs"
 
 
 MODEL_CONFIGS = _model_configs()

@@ -12,7 +12,7 @@ import torch
 from tp_overlap_plugin import runtime
 from tp_overlap_plugin.layers import TPGroup, TPLayers
 
-from .config import EngineConfig, ModelConfig
+from ..config import EngineConfig, ModelConfig
 from .distributed import shares_gpus
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """A step, and how rank 0 ships it to the other ranks.
 
 `StepInput` describes a step per sequence; every token's position and cache slot follow from it
-(serving/step_layout.py). `StepMessage` packs it into one flat int64 tensor and broadcasts it over the
+(serving/worker/step_layout.py). `StepMessage` packs it into one flat int64 tensor and broadcasts it over the
 gloo control group, so that no Python object is pickled per step; every rank, rank 0 included, then
 runs the same forward (runner.py).
 """
@@ -19,7 +19,7 @@ import torch.distributed as dist
 @dataclass
 class StepInput:
     """A step, per sequence: every token's position and cache slot follow from q_lens, context_lens
-    and block_tables (serving/step_layout.py), so they are neither built nor sent token by token."""
+    and block_tables (serving/worker/step_layout.py), so they are neither built nor sent token by token."""
     input_ids: list[int]
     q_lens: list[int]
     context_lens: list[int]

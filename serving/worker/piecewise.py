@@ -35,7 +35,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .attention import AttnMeta
+from ..model.attention import AttnMeta
 
 
 # Steps of more tokens run eagerly by default: there the GPU takes longer than the host's launches

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .attention import AttnMeta
+from ..model.attention import AttnMeta
 from .step_layout import layout
 from .step_message import StepInput
 

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .config import SamplingParams
+from ..config import SamplingParams
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
-from .config import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
+from ...config import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 
 # Stop strings are matched against the tail of the text after every token; a bound keeps that cheap.
 MAX_STOP_STRINGS = 16

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .config import EngineConfig, default_device
+from ..config import EngineConfig, default_device
 
 log = logging.getLogger(__name__)
 

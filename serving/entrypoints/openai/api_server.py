@@ -22,7 +22,7 @@ import socket
 import time
 from typing import Optional
 
-from .args import DEBUG_HINT, CliError, engine_config_from_args
+from ...args import DEBUG_HINT, CliError, engine_config_from_args
 
 try:
     from fastapi import FastAPI, Request
@@ -30,7 +30,7 @@ try:
     from fastapi.responses import JSONResponse, Response
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from .metrics import ServerMetrics
+    from ...metrics import ServerMetrics
     from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                            DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                            TokenizeResponse, VersionResponse)
@@ -231,8 +231,8 @@ def serve_main(a: argparse.Namespace) -> int:
         raise CliError(f"the server needs the serve extra: {_MISSING_EXTRA}", hint="pip install 'tp-overlap[serve]'")
     import uvicorn
 
-    from .config import env_rank_world
-    from .engine.async_llm import AsyncLLM
+    from ...config import env_rank_world
+    from ...engine.async_llm import AsyncLLM
 
     logging.basicConfig(level=getattr(logging, a.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = engine_config_from_args(a)

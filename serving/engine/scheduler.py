@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from .block_manager import BlockManager
-from .config import SamplingParams
+from ..config import SamplingParams
 
 
 class Status(enum.Enum):

@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .config import EngineConfig, env_rank_world
+from ..config import EngineConfig, env_rank_world
 from .distributed import destroy_group_bounded, init_distributed
 from .runner import ModelRunner
 

@@ -10,7 +10,7 @@ import logging
 
 from fastapi.responses import JSONResponse
 
-from .metrics import ServerMetrics
+from ...metrics import ServerMetrics
 from .protocol import sse
 from .server_errors import error_response, internal_error_body
 

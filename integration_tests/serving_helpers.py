@@ -1,8 +1,9 @@
 """Helpers for the tests: tiny random HF checkpoints, transformers reference outputs, and a server
 in a subprocess (`ServerProcess`).
 
-Lives in the package (not in the tests) because pytest runs with --import-mode=importlib, where test
-modules cannot import each other.
+Tests import it as `serving_helpers`: pyproject.toml puts integration_tests/ on sys.path (pytest runs with
+--import-mode=importlib, where test modules cannot import each other). bench/serve_load.py and
+bench/serve_timeline.py put it there themselves for `ServerProcess`.
 """
 
 from __future__ import annotations

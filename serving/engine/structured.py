@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .config import StructuredOutput
+from ..config import StructuredOutput
 
 # xgrammar's errors start with "[time] /path/to/file.cc:line: "; the rest is for the client.
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")

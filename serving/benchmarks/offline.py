@@ -9,7 +9,7 @@ engine's step loop so that TTFT and TPOT are per request:
 
 Prompts are random token ids (seeded), `ignore_eos`, greedy: every request produces exactly
 `output_len` tokens, so runs with and without `--tp-overlap` do the same work. `--dataset lognormal`
-draws long-tailed lengths instead (serving/workloads.py), the same list for the same --seed.
+draws long-tailed lengths instead (serving/benchmarks/workloads.py), the same list for the same --seed.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Optional, Union
 
 import torch
 
-from .args import CliError, add_debug_arg, add_engine_args, engine_config_from_args
-from .config import EngineConfig, SamplingParams
-from .engine.llm import LLM
+from ..args import CliError, add_debug_arg, add_engine_args, engine_config_from_args
+from ..config import EngineConfig, SamplingParams
+from ..engine.llm import LLM
 from .workloads import lognormal_lengths
 
 

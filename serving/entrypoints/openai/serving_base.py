@@ -18,8 +18,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
-from .config import RequestError, SamplingParams
-from .metrics import ServerMetrics
+from ...config import RequestError, SamplingParams
+from ...metrics import ServerMetrics
 from .protocol import UsageInfo, sse
 from .server_errors import API_PARAM, ApiError, describe_validation_errors, error_body, internal_error_body
 from .server_logprobs import LogprobFormatter

@@ -21,16 +21,16 @@ import torch.distributed as dist
 
 from tp_overlap_plugin.layers import TPGroup
 
-from . import weights as W
-from .attention import AttnMeta
-from .config import EngineConfig, ModelConfig, SamplingParams, resolve_model_dir
+from ..model import weights as W
+from ..model.attention import AttnMeta
+from ..config import EngineConfig, ModelConfig, SamplingParams, resolve_model_dir
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes
 from .error_watch import ErrorWatch
 from .layer_factory import make_layers
-from .model import CausalLM
+from ..model.model import CausalLM
 from .piecewise import PiecewiseGraphs, default_token_counts
 from .sampled_ids import SampledIds
-from .sampler import Sampled, TokenState, sample_on_device
+from ..model.sampler import Sampled, TokenState, sample_on_device
 from .step_layout import Staging, layout
 from .step_message import StepInput, StepMessage
 

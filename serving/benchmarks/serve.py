@@ -16,7 +16,7 @@ of about --random-input-len characters (the server's count is what is reported).
 are drawn uniformly from [len * (1 - ratio), len * (1 + ratio)].
 
 Dataset `lognormal`: the same prompts, with input and output lengths drawn from lognormal distributions
-whose medians are --random-input-len / --random-output-len (serving/workloads.py): many short requests
+whose medians are --random-input-len / --random-output-len (serving/benchmarks/workloads.py): many short requests
 and a long tail, as in ShareGPT-style serving sets, without downloading one.
 """
 
@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 
-from .args import CliError
+from ..args import CliError
 from .workloads import lognormal_lengths
 
 

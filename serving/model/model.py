@@ -16,7 +16,7 @@ from tp_overlap_plugin.kernels import layer_ops
 from tp_overlap_plugin.layers import PendingAllReduce, TPLayers
 
 from .attention import AttnMeta, paged_attention, write_kv
-from .config import ModelConfig
+from ..config import ModelConfig
 
 
 class RMSNorm(nn.Module):
@@ -108,7 +108,7 @@ class Attention(nn.Module):
     def project(self, positions, x, slot_mapping: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]):
         """x [T, hidden] -> rotated q [T, heads, head_dim]; k and v of the T tokens go into the cache.
         Everything of the attention block before attention itself: it depends on no per-step host
-        value, so a CUDA graph may hold it (serving/piecewise.py)."""
+        value, so a CUDA graph may hold it (serving/worker/piecewise.py)."""
         qkv = self.qkv_proj(x)
         t = qkv.shape[0]
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -188,7 +188,7 @@ class CausalLM(nn.Module):
                                   tied_to=self.embed_tokens if cfg.tie_word_embeddings else None)
 
     # The forward is split at attention into num_segments pieces, so that a runner can hold every
-    # piece but attention in a CUDA graph per token count (serving/piecewise.py): attention alone
+    # piece but attention in a CUDA graph per token count (serving/worker/piecewise.py): attention alone
     # depends on per-step host values (how many decodes, the longest chunk, the sequence split).
     # Segment 0 is the embedding and layer 0 up to attention; segment i (0 < i < L) layer i - 1 after
     # attention (o_proj, norm, MLP) and layer i up to attention; segment L the last layer after

@@ -182,7 +182,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttnMeta, scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [T, H, D] -> [T, H, D], into `out` when given (a CUDA graph's static input that the next
-    graph piece reads: serving/piecewise.py)."""
+    graph piece reads: serving/worker/piecewise.py)."""
     if not meta.use_triton:
         return paged_attention_ref(q, k_cache, v_cache, meta, scale, out)
     from tp_overlap_plugin.kernels.attention import paged_decode_attention, paged_prefill_attention
