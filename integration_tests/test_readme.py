@@ -153,12 +153,12 @@ def logical_lines(block: Block) -> list[tuple[int, str]]:
 
 
 def commands(text: str) -> list[list[str]]:
-    """The commands of one line, split at `&&` and `;` (a pipe or `&` makes it one for bash)."""
+    """The commands of one line, split at `&&`, `;` and `&` (a pipe keeps them one command: bash's)."""
     lex = shlex.shlex(text, posix=True, punctuation_chars=True)
     lex.whitespace_split, lex.commenters = True, "#"
     cmds = [[]]
     for tok in lex:
-        if tok in ("&&", ";"):
+        if tok in ("&&", ";", "&"):
             cmds.append([])
         else:
             cmds[-1].append(tok)
@@ -243,11 +243,15 @@ def workdir():
 
 
 @pytest.fixture(scope="module")
-def servers(workdir):
-    """Every unmarked `tp-overlap serve` line, started at once: {(doc, line): Served}."""
+def servers(workdir, request):
+    """Every unmarked `tp-overlap serve` line, started at once: {(doc, line): Served}; none when no
+    test selected in this run needs one (`-k` on the other blocks)."""
     started = {}
+    wanted = any(item.name == "test_the_servers_stop_on_sigint"
+                 or (hasattr(item, "callspec") and _needs_a_server(item.callspec.params.get("block")))
+                 for item in request.session.items)
     try:
-        for block in BLOCKS:
+        for block in BLOCKS if wanted else []:
             for line, argv in _serve_lines(block):
                 started[(block.doc, line)] = Served(f"{block.doc}:{line}", argv, workdir)
         yield started
@@ -348,35 +352,52 @@ def _shell_env() -> dict:
     return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
-def _run_handled(block: Block, line: int, argv: list[str], venvs: set, workdir: Path) -> None:
-    where = f"{block.doc}:{line}"
-    if argv[0].startswith("python") and argv[1:3] == ["-m", "venv"]:
-        target = workdir / argv[-1]
+def _is_venv(argv: list[str]) -> bool:
+    return argv[0].startswith("python") and argv[1:3] == ["-m", "venv"]
+
+
+def _handled(argv: list[str]) -> bool:
+    """The commands this test runs itself (the module docstring says how) rather than bash."""
+    return (_is_venv(argv) or argv[0] in (".", "source") or argv[:2] == ["pip", "install"] or _is_serve(argv)
+            or argv[0] == "pytest")
+
+
+def _run_handled(where: str, argv: list[str], venvs: set, workdir: Path) -> None:
+    if _is_venv(argv):
         py = shutil.which(argv[0])
         assert py, f"{where}: no `{argv[0]}` on PATH"
-        r = subprocess.run([py, "-m", "venv", "--without-pip", *argv[3:-1], str(target)], capture_output=True, text=True)
+        r = _run([py, "-m", "venv", "--without-pip", *argv[3:-1], str(workdir / argv[-1])], where, 60)
         assert r.returncode == 0, f"{where}: `{shlex.join(argv)}` failed:\n{r.stdout}{r.stderr}"
         venvs.add(argv[-1].rstrip("/"))
     elif argv[0] in (".", "source"):
         venv = argv[1].removesuffix("/bin/activate")
         assert venv in venvs, f"{where}: `{shlex.join(argv)}` activates {venv}, which this block did not make"
         assert (workdir / argv[1]).is_file(), f"{where}: `python3 -m venv {venv}` made no {argv[1]}"
-    elif argv[:2] == ["pip", "install"]:
-        pass   # checked by test_pip_install_lines, marked blocks included
-    elif _is_serve(argv):
-        pass   # started by the `servers` fixture; the block waits for it below
     elif argv[0] == "pytest":
         if len(argv) == 1:
             ci = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()]
             assert "pytest" in ci, f"{where}: tells a user to run `pytest`, which .ci/run does not run"
         for a in argv[1:]:
             assert a.startswith("-") or (ROOT / a.split("::")[0]).exists(), f"{where}: `pytest {a}`: no such path"
-    else:
-        raise AssertionError(f"{where}: `{argv[0]}` after a venv, pip, serve or pytest command on the same "
-                             "line: split it into its own line")
+    # pip install: test_pip_install_lines checks it (marked blocks too); serve: the `servers` fixture
 
 
-HANDLED = ("python3 -m venv", "python -m venv", ". ", "source ", "pip install", "tp-overlap serve", "pytest")
+def _run(cmd: list[str], where: str, timeout: float, **kw) -> subprocess.CompletedProcess:
+    """`cmd` in a session of its own, the whole session killed past `timeout` (a command a block
+    starts must not outlive the test)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kw)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"{where}: `{shlex.join(cmd)}` ran past {timeout:.0f} s; if it cannot run here, mark the "
+                    "block `<!-- readme-test: skip (why) -->`")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+NOT_RUNNABLE = "(mark the block `<!-- readme-test: skip (why) -->` if it cannot run on a CPU without the network)"
 
 
 def run_shell(block: Block, servers: dict, workdir: Path) -> None:
@@ -384,27 +405,24 @@ def run_shell(block: Block, servers: dict, workdir: Path) -> None:
     assignments: list[str] = []   # `X=...` lines, for the lines after them
     for line, text in logical_lines(block):
         where = f"{block.doc}:{line}"
-        if text.startswith(HANDLED) and not text.startswith("tp-overlap serve --help"):
-            for argv in commands(text):
-                _run_handled(block, line, argv, venvs, workdir)
-            if any(_is_serve(argv) for argv in commands(text)):
+        cmds = commands(text)
+        if any(_handled(argv) for argv in cmds):
+            assert all(_handled(argv) for argv in cmds), \
+                f"{where}: `{text}` mixes venv/pip/serve/pytest with other commands on one line: split it"
+            for argv in cmds:
+                _run_handled(where, argv, venvs, workdir)
+            if any(_is_serve(argv) for argv in cmds):
                 servers[(block.doc, line)].wait_up()
             continue
         if re.fullmatch(r"(export\s+)?[A-Za-z_]\w*=\S*", text):
             assignments.append(text)
             continue
         if DEMO_URL.search(text):
-            srv = _server_for(block.doc, line, servers)
-            text = DEMO_URL.sub(f"localhost:{srv.port}", text)
+            text = DEMO_URL.sub(f"localhost:{_server_for(block.doc, line, servers).port}", text)
         text = re.sub(r"(^|[;&|]\s*)curl\b", r"\1curl -sS --fail-with-body", text)
         script = "set -euo pipefail\n" + "".join(a + "\n" for a in assignments) + text + "\n"
-        try:
-            r = subprocess.run(["bash", "-c", script], cwd=ROOT, env=_shell_env(), capture_output=True, text=True,
-                               timeout=180)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{where}: `{text}` ran past 180 s; mark the block `<!-- readme-test: skip (why) -->`")
-        assert r.returncode == 0, (f"{where}: `{text}` exited with {r.returncode} (mark the block "
-                                   f"`<!-- readme-test: skip (why) -->` if it cannot run on a CPU):\n"
+        r = _run(["bash", "-c", script], where, 180, cwd=ROOT, env=_shell_env())
+        assert r.returncode == 0, (f"{where}: `{text}` exited with {r.returncode} {NOT_RUNNABLE}:\n"
                                    f"{r.stdout[-3000:]}{r.stderr[-3000:]}")
 
 
@@ -418,13 +436,9 @@ def run_python(block: Block, servers: dict, workdir: Path) -> None:
         text = DEMO_URL.sub(f"localhost:{_server_for(block.doc, block.line, servers).port}", text)
     script = workdir / f"block-{block.doc.replace('/', '_')}-{block.line}.py"
     script.write_text(text)
-    try:
-        r = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{block.where}: the python block ran past 300 s")
-    assert r.returncode == 0, (f"{block.where}: the python block exited with {r.returncode} (mark it "
-                               f"`<!-- readme-test: skip (why) -->` or `imports only (why)` if it cannot run "
-                               f"on a CPU):\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
+    r = _run([sys.executable, str(script)], block.where, 240, cwd=ROOT)
+    assert r.returncode == 0, (f"{block.where}: the python block exited with {r.returncode} {NOT_RUNNABLE}, or "
+                               f"`imports only (why)`:\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
 
 
 def check_imports(block: Block) -> None:
@@ -483,8 +497,8 @@ def test_the_docs_have_blocks_to_run():
     assert {b.doc for b in runs} == set(DOCS) and any(_serve_lines(b) for b in runs), [b.where for b in BLOCKS]
 
 
-def _needs_a_server(block: Block) -> bool:
-    return block.mode == "run" and (bool(_serve_lines(block)) or bool(DEMO_URL.search(block.text)))
+def _needs_a_server(block: Block | None) -> bool:
+    return block is not None and block.mode == "run" and (bool(_serve_lines(block)) or bool(DEMO_URL.search(block.text)))
 
 
 # The blocks that need no server first, so that the servers (started with the first) come up meanwhile.
