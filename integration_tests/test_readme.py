@@ -68,7 +68,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "serving/README.md")
 SHELL = {"bash", "sh", "shell"}
 PYTHON = {"python", "py", "python3"}
-MODES = ("skip", "imports only")
 MARKER = re.compile(r"<!--\s*readme-test:\s*(.*?)\s*-->")
 MODE = re.compile(r"(skip|imports only)\s*\((.+)\)$")
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
@@ -179,7 +178,13 @@ def _is_serve(argv: list[str]) -> bool:
 def _serve_lines(block: Block) -> list[tuple[int, list[str]]]:
     if block.lang not in SHELL or block.mode != "run":
         return []
-    return [(line, argv) for line, text in logical_lines(block) for argv in commands(text) if _is_serve(argv)]
+    found = []
+    for line, text in logical_lines(block):
+        try:
+            found += [(line, argv) for argv in commands(text) if _is_serve(argv)]
+        except ValueError:   # unbalanced quotes: run_shell reports it with the line
+            pass
+    return found
 
 
 # --- the servers ------------------------------------------------------------------------------------
@@ -405,7 +410,10 @@ def run_shell(block: Block, servers: dict, workdir: Path) -> None:
     assignments: list[str] = []   # `X=...` lines, for the lines after them
     for line, text in logical_lines(block):
         where = f"{block.doc}:{line}"
-        cmds = commands(text)
+        try:
+            cmds = commands(text)
+        except ValueError as e:
+            pytest.fail(f"{where}: `{text}`: {e}")
         if any(_handled(argv) for argv in cmds):
             assert all(_handled(argv) for argv in cmds), \
                 f"{where}: `{text}` mixes venv/pip/serve/pytest with other commands on one line: split it"
