@@ -17,8 +17,7 @@ import torch
 from tp_overlap_plugin.tuning.results import (device_slug, environment, md_table, publish,  # noqa: F401
                                               write_results)
 from tp_overlap_plugin.tuning.results import pyplot as _pyplot
-from tp_overlap_plugin.tuning.timing import (capture_graph, cycle, graph_time_per_call_ms,  # noqa: F401
-                                             hbm_copy_bandwidth, interleaved_ms, time_per_call_ms)
+from tp_overlap_plugin.tuning.timing import hbm_copy_bandwidth, time_per_call_ms  # noqa: F401
 
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

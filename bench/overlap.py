@@ -1,6 +1,7 @@
 """AG-GEMM / GEMM-RS / all-reduce benchmark on GPUs, one command, every kernel warm on every rank:
 
     python bench/overlap.py --tp 2 [--out bench/results] [--quick]
+    python bench/overlap.py --tp 2 --device cpu     # smoke run: interpreter, two tiny shapes, eager only
 
 Per Llama TP shape: cuBLAS GEMM alone, NCCL comm alone, sequential (NCCL + cuBLAS), torch
 symmetric-memory fused op, our Triton GEMM alone, ours overlapped; ratios vs sequential and vs the
@@ -38,6 +39,9 @@ def llama_shapes(world: int):
 
 
 AR_SIZES = [8 << 10, 32 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20, 32 << 20, 64 << 20]
+# the CPU smoke run: one column-parallel and one row-parallel layer of a few interpreter tiles (no M
+# sweep: it measures as the shapes do), one call per sample, one all-reduce size, no torch fused ops
+CPU_SHAPES = [("tiny", "gate_up", "ag", 64, 96), ("tiny", "down", "rs", 48, 64)]
 
 
 def _measure_shape(ctx, op, m, k, n, gname, results, key, calls, torch_fused=False):
@@ -48,12 +52,14 @@ def _bench_rank(ctx, quick, partial, skip=()):
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
     gname = torch_fused_group(ctx)
     W = ctx.world_size
+    cpu = ctx.device.type == "cpu"
     out = {"shapes": {}, "sweep": {}, "all_reduce": [], "errors": []}
-    ms = [8192] if quick else [2048, 8192]
+    ms = [2 * W] if cpu else [8192] if quick else [2048, 8192]
     sweep_ms = [W, 64, 512, 2048] if quick else [W, 16, 64, 256, 1024, 4096, 16384]
-    shapes = [(f"{model}/{layer}/{m}", op, m, k, n) for model, layer, op, k, n in llama_shapes(W) for m in ms
+    layers = CPU_SHAPES if cpu else llama_shapes(W)
+    shapes = [(f"{model}/{layer}/{m}", op, m, k, n) for model, layer, op, k, n in layers for m in ms
               if not quick or layer in ("gate_up", "down") or model == "8B"]
-    sweep = [(f"{layer}/{m}", op, m, k, n) for model, layer, op, k, n in llama_shapes(W) if model == "8B"
+    sweep = [(f"{layer}/{m}", op, m, k, n) for model, layer, op, k, n in layers if model == "8B"
              for m in sweep_ms if not quick or layer in ("gate_up", "down")]
     def checkpoint():
         # rank 0's numbers so far, in case the run is cut off
@@ -63,14 +69,14 @@ def _bench_rank(ctx, quick, partial, skip=()):
 
     def phase_shapes(torch_fused):
         for key, op, m, k, n in shapes:
-            _measure_shape(ctx, op, m, k, n, gname, out["shapes"], key, 5, torch_fused)
+            _measure_shape(ctx, op, m, k, n, gname, out["shapes"], key, 1 if cpu else 5, torch_fused)
             checkpoint()
         for key, op, m, k, n in sweep:
             _measure_shape(ctx, op, m, k, n, gname, out["sweep"], key, 10 if m <= 1024 else 5, torch_fused)
             checkpoint()
 
     def phase_all_reduce():
-        out["all_reduce"] = _all_reduce_sweep(ctx, gname, AR_SIZES[:6] if quick else AR_SIZES)
+        out["all_reduce"] = _all_reduce_sweep(ctx, gname, AR_SIZES[:1] if cpu else AR_SIZES[:6] if quick else AR_SIZES)
         checkpoint()
 
     # A CUDA error is sticky: after the first failed phase, return what was measured.
@@ -200,10 +206,13 @@ def main(argv=None):
     p = bench_parser(__doc__)
     p.add_argument("--timeout", type=float, default=590)
     p.add_argument("--skip", default="", help="comma-separated phases to leave out: all_reduce, torch_fused")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = p.parse_args(argv)
     partial = os.path.join(args.out, "overlap-partial-rank0.json")
     try:
-        per_rank = run_ranks(_bench_rank, args.tp, (args.quick, partial, tuple(args.skip.split(","))), device="cuda", heap_size=1400 << 20,
+        skip = tuple(args.skip.split(",")) + (("torch_fused",) if args.device == "cpu" else ())
+        per_rank = run_ranks(_bench_rank, args.tp, (args.quick, partial, skip),
+                             device=args.device, heap_size=(1400 if args.device == "cuda" else 64) << 20,
                              timeout=args.timeout)
     except Exception as e:  # cut off: report rank 0's numbers so far, and say so
         with open(partial) as f:
@@ -211,7 +220,8 @@ def main(argv=None):
         per_rank[0]["errors"].append(f"run cut off, rank 0 only: {str(e)[-300:]}")
     res = _combine(per_rank)
     md = _markdown(res)
-    paths = write_results(args.out, f"overlap-tp{args.tp}", {"environment": environment(args.tp), **res}, md)
+    paths = write_results(args.out, f"overlap-tp{args.tp}",
+                          {"environment": environment(args.tp, on_gpu=args.device == "cuda"), **res}, md)
     png = _plot(res, paths[0].replace(".json", ".png"))
     print(md)
     print("wrote", *paths, png or "")

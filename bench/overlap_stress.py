@@ -2,6 +2,7 @@
 eager and as CUDA-graph replays, every result checked against an fp32 torch reference:
 
     python bench/overlap_stress.py --tp 4 [--calls 2000] [--out bench/results] [--quick] [--share-gpus]
+    python bench/overlap_stress.py --tp 2 --device cpu --calls 6   # smoke run: interpreter, tiny shapes, eager only
 
 Shapes are Llama-3-8B's qkv (AG-GEMM) and o_proj (GEMM-RS) at TP=W. Eager: each call takes a new
 M (1 to the op's capacity; AG: rows per shard, RS: rows in all, padded to W) and fresh inputs. Graph:
@@ -33,6 +34,7 @@ from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter  # noqa: E402
 
 HIDDEN, QKV = 4096, 6144      # Llama-3-8B: qkv's N and o_proj's K are divided by W
 MAX_ROWS = 1024               # per shard
+CPU_DIMS = (64, 96, 8)        # the smoke run's (HIDDEN, QKV, MAX_ROWS): a few interpreter tiles
 TOLERANCE = 2e-2              # bf16 outputs against an fp32 reference: ~4e-3 when right
 GRAPH_MS = 8
 
@@ -47,23 +49,24 @@ class _Op:
     """One fused op with fresh inputs for M, our call and the reference. Every rank holds every
     rank's weight and input generator (seeded by rank), drawn in the same order everywhere."""
 
-    def __init__(self, ctx, kind):
+    def __init__(self, ctx, kind, dims):
         self.ctx, self.kind = ctx, kind
+        hidden, qkv, self.max_rows = dims
         W, dev = ctx.world_size, ctx.device
         self.gens = [torch.Generator(device=dev).manual_seed(77 + r) for r in range(W)]
         if kind == "ag":
-            self.k, self.n = HIDDEN, QKV // W
-            self.op = AllGatherGemm(ctx.heap, MAX_ROWS, self.k)
+            self.k, self.n = hidden, qkv // W
+            self.op = AllGatherGemm(ctx.heap, self.max_rows, self.k)
         else:
-            self.k, self.n = HIDDEN // W, HIDDEN
-            self.op = GemmReduceScatter(ctx.heap, MAX_ROWS, self.n)
+            self.k, self.n = hidden // W, hidden
+            self.op = GemmReduceScatter(ctx.heap, self.max_rows, self.n)
         # B as the TP layers pass it: an nn.Linear weight, transposed (a view)
         self.bs = [(torch.randn(self.n, self.k, device=dev, generator=g) / self.k ** 0.5).to(torch.bfloat16).t()
                    for g in self.gens]
         self.b32s = [b.float() for b in self.bs]
 
     def capacity(self) -> int:
-        return MAX_ROWS if self.kind == "ag" else MAX_ROWS * self.ctx.world_size
+        return self.max_rows if self.kind == "ag" else self.max_rows * self.ctx.world_size
 
     def inputs(self, m: int) -> list[torch.Tensor]:
         """Every rank's A for this call; this rank's is [ctx.rank]."""
@@ -84,9 +87,10 @@ class _Op:
         return full[rank * rows:(rank + 1) * rows]
 
 
-def _stress_rank(ctx, calls, seed):
+def _stress_rank(ctx, calls, seed, dims):
     torch.backends.cuda.matmul.allow_tf32 = False
-    ops = {"ag": _Op(ctx, "ag"), "rs": _Op(ctx, "rs")}
+    gpu = ctx.device.type == "cuda"
+    ops = {"ag": _Op(ctx, "ag", dims), "rs": _Op(ctx, "rs", dims)}
     order = torch.Generator().manual_seed(seed)  # the same draws on every rank
     out = {}
 
@@ -97,7 +101,8 @@ def _stress_rank(ctx, calls, seed):
     # warm: every kernel on every rank compiles before any cross-rank wait is timed or checked
     for op in ops.values():
         op(op.inputs(ctx.world_size)[ctx.rank])
-    torch.cuda.synchronize()
+    if gpu:
+        torch.cuda.synchronize()
     dist.barrier(group=ctx.group)
 
     t0 = time.perf_counter()
@@ -109,11 +114,14 @@ def _stress_rank(ctx, calls, seed):
         errs.append(_rel_err(op(a_all[ctx.rank]), op.reference(a_all)))
         kinds.append(kind)
     errs = torch.stack(errs).cpu()
-    torch.cuda.synchronize()
+    if gpu:
+        torch.cuda.synchronize()
     ctx.heap.check()
     out["eager"] = {"calls": calls, "seconds": time.perf_counter() - t0,
                     "mismatches": int((errs > TOLERANCE).sum()), "max_rel_err": float(errs.max()),
                     **{f"{kind}_calls": kinds.count(kind) for kind in ops}}
+    if not gpu:  # the CPU smoke run: no CUDA graphs
+        return out
 
     # graphs: per op, GRAPH_MS Ms (1 and the capacity among them), static input and output
     graphs = []
@@ -155,20 +163,23 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--seed", type=int, default=2026)
     p.add_argument("--timeout", type=float, default=540)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     add_share_gpus_option(p)
     args = p.parse_args(argv)
     calls = 200 if args.quick else args.calls
-    heap = (AllGatherGemm.heap_bytes(args.tp, MAX_ROWS, HIDDEN, torch.bfloat16)
-            + GemmReduceScatter.heap_bytes(args.tp, MAX_ROWS, HIDDEN, torch.bfloat16) + (64 << 20))
-    per_rank = run_ranks(_stress_rank, args.tp, (calls, args.seed), device="cuda", heap_size=heap,
-                         timeout=args.timeout, share_gpus=args.share_gpus)
+    gpu = args.device == "cuda"
+    hidden, qkv, max_rows = dims = (HIDDEN, QKV, MAX_ROWS) if gpu else CPU_DIMS
+    heap = (AllGatherGemm.heap_bytes(args.tp, max_rows, hidden, torch.bfloat16)
+            + GemmReduceScatter.heap_bytes(args.tp, max_rows, hidden, torch.bfloat16) + ((64 if gpu else 4) << 20))
+    per_rank = run_ranks(_stress_rank, args.tp, (calls, args.seed, dims), device=args.device,
+                         heap_size=-(-heap // 4096) * 4096, timeout=args.timeout, share_gpus=args.share_gpus)
     res = {mode: {**per_rank[0][mode],
                   "mismatches": sum(r[mode]["mismatches"] for r in per_rank),
-                  "max_rel_err": max(r[mode]["max_rel_err"] for r in per_rank)} for mode in ("eager", "graph")}
-    shared = ranks_share_gpus(args.tp, args.share_gpus)
-    payload = {"environment": environment(args.tp, ranks_share_gpus=shared), "tolerance": TOLERANCE,
-               "max_rows": MAX_ROWS, "shapes": {"ag": [HIDDEN, QKV // args.tp], "rs": [HIDDEN // args.tp, HIDDEN]}, **res,
-               "per_rank": per_rank}
+                  "max_rel_err": max(r[mode]["max_rel_err"] for r in per_rank)} for mode in per_rank[0]}
+    shared = ranks_share_gpus(args.tp, args.share_gpus, gpu)
+    payload = {"environment": environment(args.tp, on_gpu=gpu, ranks_share_gpus=shared), "tolerance": TOLERANCE,
+               "max_rows": max_rows, "shapes": {"ag": [hidden, qkv // args.tp], "rs": [hidden // args.tp, hidden]},
+               **res, "per_rank": per_rank}
     md = (shared_gpus_banner(args.tp) if shared else "") + md_table(
         ["mode", "calls per rank", "mismatches (all ranks)", "max rel. error", "seconds"],
         [[mode, r["calls"], r["mismatches"], r["max_rel_err"], r["seconds"]] for mode, r in res.items()])

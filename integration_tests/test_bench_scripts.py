@@ -1,7 +1,10 @@
 """The benchmark scripts run end to end on the CPU at tiny size (stock and the flag interleaved, per-pair
-ratios, the HTTP rate sweep), the README's headline table is what the newest results make, and the
-shipped dispatch table is exactly what bench/make_dispatch_table.py makes of the shipped H200 results:
-the table's evidence is reproducible."""
+ratios, the HTTP rate sweep, the fused ops' benchmark and stress run), each is named in bench/README.md
+and run by a test, the README's headline table is what the newest results make, and the shipped
+dispatch and GEMM tables are exactly what their writers make of the shipped results: the tables'
+evidence is reproducible."""
+
+import re
 
 import json
 import os
@@ -21,10 +24,10 @@ SHIPPED_FOUNDATION = RESULTS / "foundation-tp2-h200x2-2026-11-23.json"
 def test_shipped_dispatch_table_is_reproducible(tmp_path):
     table = tmp_path / "table.json"
     shipped = ROOT / "tp_overlap_plugin" / "dispatch_tables" / "h200-tp2.json"
-    # GEMM + all-reduce rows, once measured, come from the newest bench/gemm_ar.py run on the device
+    # GEMM + all-reduce rows, once measured, come from the newest gemm-ar run on the device
     gemm_ar = sorted(RESULTS.glob("gemm-ar-tp2-h200x2-*.json")) if "gemm_all_reduce" in json.loads(
         shipped.read_text()) else []
-    # and the GEMV rows from the newest bench/gemv.py run (by its date: file names of one-GPU and
+    # and the GEMV rows from the newest gemv run (by its date: file names of one-GPU and
     # two-GPU runs do not sort by date)
     gemv = sorted(RESULTS.glob("gemv-tp2-h200*.json"), key=lambda p: json.loads(p.read_text())["environment"]["date"]) \
         if "gemv" in json.loads(shipped.read_text()) else []
@@ -38,23 +41,24 @@ def test_shipped_dispatch_table_is_reproducible(tmp_path):
     assert (tmp_path / "table.md").read_text() == (RESULTS / "dispatch-h200-tp2-2026-11-22.md").read_text()
 
 
-# Scripts allowed not to import, each with its reason: none (decode_configs.py, which could not, is retired).
-NOT_YET_IMPORTABLE: set[str] = set()
+MAX_SCRIPTS = 12  # issue 45: maintained tools only; finished instruments are retired (bench/notes/README.md)
+# a test's smoke run names its script so: _run("x.py", ...) or ROOT / "bench" / "x.py"
+SMOKE_RUN = re.compile(r'_run\("(\w+\.py)"|"bench" / "(\w+\.py)"')
 
 
-def test_every_bench_script_is_maintained():
-    """bench/ holds only maintained scripts: each imports (its module level runs, not its main), and
-    bench/README.md names each, and names no script that is gone."""
+def test_every_bench_script_is_named_and_smoke_run():
+    """bench/ holds at most MAX_SCRIPTS scripts; bench/README.md names each, and no script that is gone;
+    a test runs each end to end (benchlib.py, the library they share, runs inside every such run)."""
     bench = ROOT / "bench"
     scripts = sorted(p.name for p in bench.iterdir() if p.suffix in (".py", ".sh"))
+    assert len(scripts) <= MAX_SCRIPTS, f"{len(scripts)} scripts in bench/, the limit is {MAX_SCRIPTS}: {scripts}"
     readme = (bench / "README.md").read_text()
     assert [s for s in scripts if f"`{s}" not in readme and f" {s}" not in readme] == []
     listed = {line.split("`")[1].split()[0] for line in readme.splitlines() if line.startswith("| `")}
     assert {s for s in listed if s.endswith((".py", ".sh"))} <= set(scripts)
-    code = "import runpy, sys\nfor path in sys.argv[1:]:\n    runpy.run_path(path, run_name='bench_import_check')"
-    paths = [str(bench / s) for s in scripts if s.endswith(".py") and s not in NOT_YET_IMPORTABLE]
-    r = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True, timeout=120, cwd=bench)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run = {a or b for test in (ROOT / "integration_tests").glob("test_*.py")
+           for a, b in SMOKE_RUN.findall(test.read_text())}
+    assert [s for s in scripts if s not in run and s != "benchlib.py"] == []
 
 
 def _run(script, *args, timeout=380):
@@ -62,24 +66,6 @@ def _run(script, *args, timeout=380):
                        timeout=timeout, env={**os.environ})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
-
-
-def _table_with(tmp_path, flag: str, res: dict) -> tuple[dict, str, Path]:
-    """The dispatch table (make_dispatch_table.table_of, what its command line runs, checked
-    by test_shipped_dispatch_table_is_reproducible) of the shipped runs plus `res` (a smoke run's JSON,
-    retagged as if measured on the shipped table's device) in `flag`'s place: (the table, its
-    markdown, its path)."""
-    from tp_overlap_plugin.tuning.rules import markdown
-    sys.path.insert(0, str(ROOT / "bench"))
-    from make_dispatch_table import table_of
-
-    env = json.loads(SHIPPED_OVERLAP.read_text())["environment"]
-    res["environment"].update(device=env["device"], tp=env["tp"])
-    runs = {"gemm_ar": res if flag == "--gemm-ar" else None, "gemv": res if flag == "--gemv" else None}
-    built = table_of(json.loads(SHIPPED_OVERLAP.read_text()), json.loads(SHIPPED_FOUNDATION.read_text()), **runs)
-    table = tmp_path / "table.json"
-    table.write_text(json.dumps(built))
-    return built, markdown(built), table
 
 
 def _has_matplotlib():
@@ -184,9 +170,9 @@ def test_serve_timeline_records_every_step_of_each_level(tmp_path):
 
 
 def test_readme_headline_table_is_generated_from_the_newest_results():
-    sys.path.insert(0, str(ROOT / "bench"))
-    import readme_table
-    assert readme_table.main(["--check"]) == 0, "run python bench/readme_table.py"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "readme_table.py"), "--check"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, f"run python bench/readme_table.py: {r.stdout[-2000:]}{r.stderr[-2000:]}"
 
 
 def test_pair_ratios_call_a_win_or_loss_only_when_every_pair_agrees():
@@ -224,25 +210,17 @@ def test_bench_throughput_lognormal_repeats_rounds_until_min_seconds(tmp_path):
     assert all(i + o <= 64 for i, o in zip(res["input_lens"], res["output_lens"]))
 
 
-def _gemm_bench():
-    import importlib.util
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("gemm_configs_bench", ROOT / "bench" / "gemm_configs.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
+GEMM_CONFIGS = "tp_overlap_plugin.tuning.gemm_configs"  # its command line: measure, table
 GEMM_TABLES = sorted((ROOT / "tp_overlap_plugin" / "gemm_tables").glob("*.json"))
 
 
 @pytest.mark.parametrize("shipped", GEMM_TABLES, ids=[p.stem for p in GEMM_TABLES])
 def test_shipped_gemm_table_is_reproducible(shipped, tmp_path):
     """The shipped GEMM config table, and the markdown beside its results, are exactly what
-    bench/gemm_configs.py makes of the results JSON the table names."""
+    tuning/gemm_configs.py's `table` makes of the results JSON the table names."""
     source = RESULTS / json.loads(shipped.read_text())["source"]
     table, md = tmp_path / "table.json", tmp_path / "table.md"
-    subprocess.run([sys.executable, str(ROOT / "bench" / "gemm_configs.py"), "table", str(source),
+    subprocess.run([sys.executable, "-m", GEMM_CONFIGS, "table", str(source),
                     "--table-out", str(table), "--md-out", str(md)], check=True, capture_output=True, text=True,
                    timeout=120)
     assert table.read_text() == shipped.read_text()
@@ -251,13 +229,12 @@ def test_shipped_gemm_table_is_reproducible(shipped, tmp_path):
 
 def test_gemm_configs_pipeline_dry_run(tmp_path):
     """measure (CPU, interpreter, tiny shapes) writes results and a table; `table` rebuilds both."""
-    bench = ROOT / "bench" / "gemm_configs.py"
-    r = subprocess.run([sys.executable, str(bench), "measure", "--dry-run", "--m", "16,1", "--out", str(tmp_path)],
+    r = subprocess.run([sys.executable, "-m", GEMM_CONFIGS, "measure", "--dry-run", "--m", "16,1", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     (js,) = tmp_path.glob("gemm-configs-dry-run-*.json")
     rebuilt, md = tmp_path / "rebuilt.json", tmp_path / "rebuilt.md"
-    subprocess.run([sys.executable, str(bench), "table", str(js), "--table-out", str(rebuilt), "--md-out", str(md)],
+    subprocess.run([sys.executable, "-m", GEMM_CONFIGS, "table", str(js), "--table-out", str(rebuilt), "--md-out", str(md)],
                    check=True, capture_output=True, text=True, timeout=120)
     assert rebuilt.read_text() == (tmp_path / "gemm-table-dry-run.json").read_text()
     assert md.read_text() == js.with_suffix(".md").read_text()
@@ -270,7 +247,7 @@ def test_gemm_table_rules():
     """Per (M, N, K) the fastest; one config across M <= 64 (least worst ratio); cuBLAS below the
     smallest M from which ours stays within the margin; each M's most frequent winner as default."""
     from tp_overlap_plugin.gemm_config import GemmTable, TileConfig
-    bench = _gemm_bench()
+    from tp_overlap_plugin.tuning import gemm_configs as bench
     x, y, z = TileConfig(64, 128, 128), TileConfig(64, 64, 128, split_k=0), TileConfig(128, 256, 64, flatten=True)
     X, Y, Z = x.label(), y.label(), z.label()
 
@@ -298,101 +275,6 @@ def test_gemm_table_rules():
     assert "cublas_below" in json.dumps(table) and "| 2048 |" in md
 
 
-@pytest.mark.timeout(400)
-def test_gemm_ar_bench_smoke_run_feeds_the_dispatch_table(tmp_path):
-    """bench/gemm_ar.py end to end on the CPU (interpreter, eager), then its JSON, as if measured on
-    the shipped table's H200 with graph times, through make_dispatch_table.py --gemm-ar: each (M, K, N)
-    goes to the faster side by the margin, with and without the norm, and the dispatcher answers so."""
-    from tp_overlap_plugin.dispatch import Dispatcher
-
-    _run("gemm_ar.py", "--tp", "2", "--device", "cpu", "--quick", "--out", str(tmp_path))
-    (js,) = tmp_path.glob("gemm-ar-tp2-cpu-*.json")
-    res = json.loads(js.read_text())
-    assert res["schema"] == "gemm-ar/1" and [r["M"] for r in res["rows"]] == [1, 3]
-    ops = ("linear", "linear_nccl", "linear_ours", "gemm_ar", "linear_nccl_norm", "linear_fused_norm", "gemm_ar_norm")
-    for r in res["rows"]:
-        assert r["rel_err_vs_nccl"] < 1e-2 and all(r[f"{op}_eager_us"] > 0 for op in ops), r
-    assert "gemm_ar / floor" in js.with_suffix(".md").read_text()
-    for r, (ours, stock, ours_norm) in zip(res["rows"], ((5.0, 6.0, 7.0), (5.0, 5.05, 9.0))):
-        r.update(gemm_ar_graph_us=ours, linear_nccl_graph_us=stock + 3, linear_ours_graph_us=stock,
-                 gemm_ar_norm_graph_us=ours_norm, linear_nccl_norm_graph_us=12.0, linear_fused_norm_graph_us=8.0)
-    built, md, table = _table_with(tmp_path, "--gemm-ar", res)
-    rows = built["gemm_all_reduce"]
-    # eager: always stock (launch-bound timings, make_dispatch_table.gemm_all_reduce_rows)
-    assert [(r["M"], r["graph_winner"], r["norm_graph_winner"], r["eager_winner"], r["norm_eager_winner"])
-            for r in rows] == [(1, "gemm_ar", "gemm_ar", "stock", "stock"), (3, "stock", "stock", "stock", "stock")]
-    assert "GEMM + all-reduce" in md
-    d = Dispatcher.load("table", path=table)
-    k, n = rows[0]["K"], rows[0]["N"]
-    assert d.gemm_all_reduce(1, k, n, in_graph=True) and d.gemm_all_reduce(1, k, n, True, into_norm=True)
-    assert not d.gemm_all_reduce(2, k, n, in_graph=True) and not d.gemm_all_reduce(1, k + 1, n, in_graph=True)
-
-
-@pytest.mark.timeout(300)
-def test_gemv_bench_smoke_run_feeds_the_dispatch_table(tmp_path):
-    """bench/gemv.py on the CPU (interpreter, eager), then its JSON, as if measured on the shipped
-    table's H200, through make_dispatch_table.py --gemv: each (M, K, N) goes to the faster side by
-    the margin, and the dispatcher answers so."""
-    from tp_overlap_plugin.dispatch import Dispatcher
-
-    _run("gemv.py", "--tp", "2", "--device", "cpu", "--quick", "--out", str(tmp_path))
-    (js,) = tmp_path.glob("gemv-tp2-cpu-*.json")
-    res = json.loads(js.read_text())
-    assert res["schema"] == "gemv/1" and [(r["shape"], r["M"]) for r in res["rows"]] == [
-        ("tiny qkv", 1), ("tiny qkv", 3), ("tiny down", 1), ("tiny down", 3)]
-    assert all(r["rel_err"] < 1e-2 for r in res["rows"]), res["rows"]
-    for r, ours in zip(res["rows"], (8.0, 9.0, 8.0, 12.0)):  # cuBLAS 10 us: a win, a win, a win, a loss
-        r.update(cublas_us=10.0, gemv_us=ours)
-    built, md, table = _table_with(tmp_path, "--gemv", res)
-    rows = built["gemv"]
-    assert [(r["shape"], r["M"], r["winner"]) for r in rows] == [
-        ("tiny qkv", 1, "gemv"), ("tiny qkv", 3, "gemv"), ("tiny down", 1, "gemv"), ("tiny down", 3, "stock")]
-    assert "our GEMV against F.linear" in md
-    d = Dispatcher.load("table", path=table)
-    assert d.gemv(1, 72, 40) and d.gemv(2, 72, 40) and d.gemv(1, 300, 24) and not d.gemv(3, 300, 24)
-    assert not d.gemv(1, 72, 41)
-
-
-def _self_peer_ops(ctx):
-    """bench/fused_costs.py's self_peer variants at world 2 on the CPU: they finish without any peer
-    (no wait left for one), the AG's gathered rows are all this rank's own, and the RS adds to my
-    rows' partial the one it computed of the peer's rows (it stored that into its own heap)."""
-    import torch
-
-    sys.path.insert(0, str(ROOT / "bench"))
-    from fused_costs import _own_heap_only
-
-    from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm
-    from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter
-
-    h, W, rows, k, n = ctx.heap, ctx.world_size, 16, 32, 24
-    g = torch.Generator().manual_seed(ctx.rank)
-    a = torch.randn(W * rows, k, generator=g).to(torch.bfloat16)
-    b = torch.randn(n, k, generator=g).to(torch.bfloat16).t()
-    own_bases = h.heap_bases[h.rank].repeat(W)
-    ag, rs = AllGatherGemm(h, rows, k), GemmReduceScatter(h, rows, n)
-    shard = a[ctx.rank * rows:(ctx.rank + 1) * rows]
-    with _own_heap_only(h, own_bases):
-        for _ in range(2):  # the second call checks the epochs advance without a peer
-            c = ag(shard, b)
-            s = rs(a, b)
-    h.check()
-    mine = shard.float() @ b.float()
-    part = (a.float() @ b.float()).to(torch.bfloat16).float()
-    peer = 1 - ctx.rank
-    want = part[ctx.rank * rows:(ctx.rank + 1) * rows] + part[peer * rows:(peer + 1) * rows]
-    return ([float((c[i * rows:(i + 1) * rows].float() - mine).abs().max()) for i in range(W)],
-            float((s.float() - want).abs().max()), float(mine.abs().max()))
-
-
-@pytest.mark.timeout(120)
-def test_fused_costs_self_peer_runs_alone():
-    from tp_overlap_plugin.multirank import run_ranks
-
-    for ag_errs, rs_err, scale in run_ranks(_self_peer_ops, 2, heap_size=8 << 20, timeout=100):
-        assert all(e <= 0.02 * scale for e in ag_errs) and rs_err <= 0.02 * scale, (ag_errs, rs_err, scale)
-
-
 def test_readme_headline_keeps_rows_a_newer_partial_run_did_not_measure(tmp_path):
     """Per (TP, scenario) the newest run: a newer prefill-only run replaces the prefill row and leaves the
     older run's decode row, each with its own source line."""
@@ -417,3 +299,34 @@ def test_readme_headline_keeps_rows_a_newer_partial_run_did_not_measure(tmp_path
     assert rows[0].startswith("| prefill-b32") and "1.020" in rows[0] and "0.950" not in table
     assert rows[1].startswith("| decode-b1") and "1.250" in rows[1]
     assert "e2e-interleaved-old.json" in table and "e2e-interleaved-new.json" in table
+
+
+@pytest.mark.timeout(300)
+def test_overlap_bench_smoke_run_measures_each_variant_and_the_all_reduce(tmp_path):
+    """bench/overlap.py on the CPU (interpreter, eager, two tiny shapes): every variant of each fused op
+    timed, ours checked against the sequential result, the all-reduce row, the markdown."""
+    _run("overlap.py", "--tp", "2", "--device", "cpu", "--out", str(tmp_path), timeout=280)
+    (js,) = tmp_path.glob("overlap-tp2-cpu-*.json")
+    res = json.loads(js.read_text())
+    assert res["errors"] == [] and res["environment"]["device"] == "cpu"
+    assert [(r["op"], r["M"]) for r in res["shapes"].values()] == [("ag", 4), ("rs", 4)]
+    for r in res["shapes"].values():
+        assert r["ours_rel_err"] < 1e-2, r
+        assert all(r[v] > 0 for v in ("cublas", "nccl", "sequential", "triton_gemm", "ours", "floor")), r
+    (ar,) = res["all_reduce"]
+    assert ar["bytes"] == 8 << 10 and ar["one_shot_rel_err"] < 1e-2 and ar["two_shot_eager_us"] > 0, ar
+    assert "## Llama TP shapes (ms)" in js.with_suffix(".md").read_text()
+
+
+@pytest.mark.timeout(300)
+def test_overlap_stress_smoke_run_checks_every_call(tmp_path):
+    """bench/overlap_stress.py on the CPU (interpreter, eager only, tiny shapes): every call checked
+    against the fp32 reference, both ops drawn, no mismatch (the script exits 1 on one)."""
+    _run("overlap_stress.py", "--tp", "2", "--device", "cpu", "--calls", "6", "--out", str(tmp_path), timeout=280)
+    (js,) = tmp_path.glob("overlap-stress-tp2-cpu-*.json")
+    res = json.loads(js.read_text())
+    assert set(res) >= {"eager"} and "graph" not in res
+    assert res["eager"]["mismatches"] == 0 and res["eager"]["max_rel_err"] < res["tolerance"]
+    for rank in res["per_rank"]:
+        assert rank["eager"]["calls"] == 6 and rank["eager"]["ag_calls"] + rank["eager"]["rs_calls"] == 6
+    assert res["shapes"] == {"ag": [64, 48], "rs": [32, 64]} and res["max_rows"] == 8

@@ -4,18 +4,14 @@ shapes, M = 1, K not a multiple of BLOCK_K, both B layouts (an nn.Linear weight 
 row-major), and operands a descriptor cannot cover (the pointer fallback).
 
 Under the interpreter (a fresh process: Triton picks it when a kernel is defined) with small tiles;
-on a GPU with every config the H200 sweep can put in the table (bench/gemm_configs.py).
+on a GPU with every config the H200 sweep can put in the table (`tp-overlap tune`'s gemm_configs phase).
 The table lookup (buckets, crossover) is checked on a made-up table."""
 
-import importlib.util
 import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # (M, K, N): M = 1, odd everything, K not a multiple of any BLOCK_K, K shorter than one block
 SHAPES = [(1, 72, 40), (33, 40, 24), (70, 200, 48), (5, 24, 88), (130, 136, 72)]
@@ -36,10 +32,8 @@ def _interpreter_configs():
 
 
 def _bench_candidates():
-    spec = importlib.util.spec_from_file_location("gemm_configs_bench", ROOT / "bench" / "gemm_configs.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    large, small = mod.candidates()
+    from tp_overlap_plugin.tuning.gemm_configs import candidates
+    large, small = candidates()
     return large + small
 
 

@@ -237,6 +237,25 @@ def test_an_unwritable_cache_is_a_clear_error_before_measuring(tmp_path):
     assert json.loads(keep.read_text()) == _table()           # and nothing lost
 
 
+def test_only_measures_the_named_phases(tmp_path, capsys):
+    """`tune --only PHASE` (what the retired bench/gemv.py, gemm_ar.py, ... ran): that phase's rows and
+    no other's, into a table; a phase that does not exist is an error naming the phases, before any
+    rank starts."""
+    from tp_overlap_plugin.serving.cli import main
+    assert main(["tune", "--tp", "1", "--device", "cpu", "--model", "demo", "--only", "gemv,fused"]) == 2
+    err = capsys.readouterr().err
+    assert "--only: no phase fused; the phases are gemm_configs, decode_configs, gemv," in err and "estimated" not in err
+    cache = tmp_path / "cache"
+    proc = _tune(cache, "--tp", "1", "--device", "cpu", "--model", "demo", "--only", "gemv", "--margin", "0",
+                 "--budget-min", "30")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1 phases" in proc.stderr.splitlines()[0], proc.stderr[:500]
+    assert sorted(p.name for p in (cache / "measurements").rglob("*.json")) == ["gemv.json"]
+    table = json.loads((cache / "dispatch" / "cpu-tp1.json").read_text())
+    assert table["gemv"] and all(r["winner"] == "gemv" for r in table["gemv"])
+    assert not table.get("gemm") and not table.get("gemm_silu_mul") and "engine" not in table
+
+
 def test_two_runs_at_once_leave_one_valid_file_with_both_runs_rows(tmp_path):
     """Two `tune` runs at once on one cache (TP=1: the single-GPU phases), of two models: the tables
     are valid JSON and hold both models' rows; no temporary file is left behind."""

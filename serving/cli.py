@@ -164,8 +164,12 @@ def _tune(args) -> int:
         raise CliError(str(e)) from None
     import torch
 
+    from tp_overlap_plugin.tuning.plan import PHASES
     from tp_overlap_plugin.tuning.shapes import ModelDims
     from tp_overlap_plugin.tuning.tune import run
+
+    if unknown := [p for p in args.only if p not in PHASES + ("engine",)]:
+        raise CliError(f"--only: no phase {', '.join(unknown)}; the phases are {', '.join(PHASES + ('engine',))}")
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and torch.cuda.device_count() < args.tp:
@@ -175,7 +179,7 @@ def _tune(args) -> int:
     label = os.path.basename(os.path.normpath(args.model))
     return run(label, dims, args.tp, device, quick=args.quick, budget_min=args.budget_min, force=args.force,
                margin=args.margin, engine_margin=args.engine_margin, model_spec=args.model,
-               step_budget=args.max_num_batched_tokens)
+               step_budget=args.max_num_batched_tokens, only=args.only)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -214,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="the step token budget the engine check's largest prefill step fills (default 8192 on GPUs, "
                         "vLLM's default; serve with the same budget)")
+    t.add_argument("--only", type=lambda s: tuple(x for x in s.split(",") if x), default=(),
+                   metavar="PHASE[,PHASE...]",
+                   help="measure only these phases, comma-separated (a wrong name lists them all); the tables are "
+                        "still made of every row measured before")
     t.set_defaults(func=_tune)
 
     # The server's and the benchmark's options live next to their code. Those modules import fastapi,

@@ -212,7 +212,7 @@ class Dispatcher:
         one GEMM + all-reduce kernel; False: F.linear and then the all-reduce (fused with the residual
         add and RMSNorm where `into_norm`: the layer feeds a norm). The table's rows compare the
         kernel (+ the add + norm kernel where into_norm) with the faster of the alternatives, NCCL's
-        and ours, as measured by bench/gemm_ar.py. Unmeasured: False."""
+        and ours, as `tp-overlap tune` measures them (phase gemm_ar). Unmeasured: False."""
         if self.mode != "table":
             return self.mode == "overlap"
         rows = [r for r in self.gemm_all_reduce_rows if r["K"] == k and r["N"] == n]
@@ -223,7 +223,7 @@ class Dispatcher:
     def gemv(self, m: int, k: int, n: int) -> bool:
         """True: a linear layer of this rank ([m, k] input, n outputs, a decode-sized m) runs as our
         GEMV (kernels/gemv.py); False: F.linear (cuBLAS). The table's rows compare the two in CUDA
-        graphs per weight shape and M, as measured by bench/gemv.py. Unmeasured: False."""
+        graphs per weight shape and M, as `tp-overlap tune` measures them (phase gemv). Unmeasured: False."""
         if self.mode != "table":
             return self.mode == "overlap"
         rows = [r for r in self.gemv_rows if r["K"] == k and r["N"] == n]
@@ -234,7 +234,7 @@ class Dispatcher:
         """True: gate_up_proj ([m, k] input, n = gate | up local columns) and its SiLU-mul run as one
         launch of our GEMM with the activation in the epilogue (ops.gemm.gemm_silu_mul); False: the
         layer's matmul (cuBLAS) and then the SiLU-mul kernel. The table's rows compare the two as
-        measured by bench/gemm_silu_mul.py. Unmeasured: False."""
+        measured by `tp-overlap tune` (phase silu_mul). Unmeasured: False."""
         if self.mode != "table":
             return self.mode == "overlap"
         rows = [r for r in self.silu_mul_rows if r["K"] == k and r["N"] == n]

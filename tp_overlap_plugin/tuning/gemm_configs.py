@@ -3,9 +3,9 @@
 Two steps, so the shipped table can be checked without a GPU:
 
   measure (one GPU, ~4-6 min on an H200, bounded by --budget-s):
-    python bench/gemm_configs.py measure [--out bench/results] [--table-out PATH] [--budget-s 420]
+    python -m tp_overlap_plugin.tuning.gemm_configs measure [--out DIR] [--table-out PATH] [--budget-s 420]
   table (CPU; rebuilds the table and its markdown from a results JSON):
-    python bench/gemm_configs.py table bench/results/gemm-configs-h200-DATE.json [--table-out PATH]
+    python -m tp_overlap_plugin.tuning.gemm_configs table bench/results/gemm-configs-h200-DATE.json [--table-out PATH]
 
 measure times a compact set of candidate configs (TMA and pointer, warp-specialized, subtiled,
 split-K) on every Llama-3 8B/70B linear layer at TP = 1, 2, 4, 8 (32 distinct (K, N)) and

@@ -1,6 +1,5 @@
 """Decode-sized linear layers on one GPU: cuBLAS (F.linear) against our GEMV (ops.gemv), µs per
-call in CUDA graphs, for every local matmul of a rank at TP=W (bench/gemv.py: Llama-3 8B and 70B;
-`tp-overlap tune`: its model's qkv, o_proj, gate_up, down, and the LM head's vocab shard), at the
+call in CUDA graphs, for every local matmul of a rank at TP=W (`tp-overlap tune`: its model's qkv, o_proj, gate_up, down, and the LM head's vocab shard), at the
 decode row counts DECODE_ROWS that the GEMV takes (ops.gemv.GEMV_MAX_ROWS).
 
 Each call in a graph reads another copy of the weight, and the copies together overflow L2 (as a
@@ -8,10 +7,8 @@ model's layers do), so both stream the weight from HBM; the floor is weight byte
 bandwidth measured in the same run (read + write bytes of a device-to-device copy, so a pure read
 can beat it slightly). `measure` is the sweep; its rows feed the dispatch table's GEMV rows
 (rules.gemv_rows): the engine's layers take our GEMV where it won by the table's margin in every
-interleaved repeat, F.linear elsewhere (dispatch.Dispatcher.gemv).
-
-    python bench/gemv.py --tp 2 [--quick] [--out bench/results]
-    python bench/gemv.py --tp 2 --device cpu --quick     # smoke run: interpreter, tiny shapes, eager
+interleaved repeat, F.linear elsewhere (dispatch.Dispatcher.gemv). This phase alone:
+`tp-overlap tune --tp W --model M --only gemv`.
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ SHARED_OUT = ("gemm_configs", "decode_configs", "gemv", "silu_mul")  # one GPU's
 GPU_REPEATS = 3
 # seconds per measured item, for the estimate printed first. GPU: gemm_configs and gemv from the H100
 # runs of 2026-11-24 (TP=1, Llama-3-8B: 28 + 20 rows in 150 s, 18 s of it the preflight); the
-# collective phases are guesses from bench/overlap.py, foundation.py and gemm_ar.py runs on H200x2,
-# decode_configs and silu_mul from bench/decode_configs.py and gemm_silu_mul.py runs (not yet timed
-# as tune runs; bench/notes/tune.md has the cost model). CPU: the interpreter at the CPU plan's sizes.
+# collective phases are guesses from runs of bench/overlap.py and the retired foundation.py and
+# gemm_ar.py on H200x2, decode_configs and silu_mul from the retired decode_configs.py and
+# gemm_silu_mul.py (not yet timed as tune runs; bench/notes/tune.md has the cost model). CPU: the
+# interpreter at the CPU plan's sizes.
 SECONDS_PER_ITEM = {
     "cuda": {"gemm_configs": 1.5, "decode_configs": 3.0, "gemv": 3.3, "silu_mul": 2.0, "all_reduce": 2.0,
              "fused_ops": 2.5, "gemm_ar": 3.0},

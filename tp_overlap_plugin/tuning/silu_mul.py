@@ -2,8 +2,8 @@
 kernel) against ops.gemm.gemm_silu_mul (our GEMM core with the activation in its epilogue: one launch,
 the [M, 2I] product never written), each in a CUDA graph, taking turns in interleaved repeats
 (`tp-overlap tune`'s phase silu_mul: the dispatch table's gemm_silu_mul rows, rules.gemm_silu_mul_rows).
-bench/gemm_silu_mul.py times the parts beside them (our GEMM + the kernel, cuBLAS, our GEMM, the
-kernel alone).
+(bench/gemm_silu_mul.py, retired at 6bb3161, also timed the parts: our GEMM + the kernel, cuBLAS,
+our GEMM, the kernel alone.)
 
 The fused output of every measured row is checked against float64 on sampled rows first; a row that
 fails says so ("ok": false), and the table's rule leaves it out (the dispatcher then never picks the
