@@ -24,7 +24,6 @@ import triton
 
 from tp_overlap_plugin import runtime, stats
 from tp_overlap_plugin.heap import SymmetricHeap
-from tp_overlap_plugin.launch import Launcher
 from tp_overlap_plugin.kernels.vendor_comm import (push_rows_kernel, reduce_rows_kernel, signal_free_kernel,
                                                    wait_rows_kernel)
 from tp_overlap_plugin.ops.device import resident_programs
@@ -68,19 +67,11 @@ class _ChunkedOp:
         self.side = torch.cuda.Stream(heap.device) if heap.device.type == "cuda" else None
         self.stream_order = runtime.StreamOrder()
         self.pushers = pushers or _pushers(heap.world_size, heap.device)
-        # the Triton launches go through Launchers: an eager call is a handful of them beside the vendor
-        # GEMMs, and Triton's own per-call binding cost ~50 us each (0.2 ms of host time per op,
-        # bench/notes/prefill.md)
-        comm = dict(rank=heap.rank, heap_bases=heap.heap_bases, error_ptr=heap.error, WORLD=heap.world_size,
-                    SEGMENTS=chunks)
-        self._push_launch = Launcher(
-            push_rows_kernel, heap.device, ("src_ptr", "rows", "src_stride", "src_peer_stride", "cols", "col0", "seg",
-                                            "seg_rows", "PIECE_ROWS", "PUSH_COLS"),
-            slots_ptr=self.slots, counts_ptr=self.counts, free_ptr=self.free, calls_ptr=self.calls,
-            slot_cols=cols, slot_stride=max_rows * cols, **comm)
-        self._wait_launch = Launcher(wait_rows_kernel, heap.device, ("row0", "rows", "pieces", "seg_lo", "seg_hi"),
-                                     slots_ptr=self.slots, counts_ptr=self.counts, cols=cols,
-                                     slot_stride=max_rows * cols, BLOCK=1024, **comm)
+        # Triton's own launch path (kernel[grid]), not launch.Launcher's direct one: with Launchers the
+        # engine's first chunked step on H200x4 ended in a wait that gave up, while the ops alone
+        # passed (bench/notes/prefill.md, section 4: not explained yet)
+        self._comm = dict(rank=heap.rank, heap_bases=heap.heap_bases, error_ptr=heap.error, WORLD=heap.world_size,
+                          SEGMENTS=chunks)
         heap.publish()
 
     @staticmethod
@@ -89,15 +80,25 @@ class _ChunkedOp:
         es = torch.empty((), dtype=dtype).element_size()
         return round_up(peers * max_rows * cols * es, 256) + round_up(peers * chunks * 8, 256) + round_up(peers * 8, 256)
 
-    def _push(self, *args) -> None:
-        """The push kernel (push_rows_kernel's varying arguments, in the Launcher's order) on the side
-        stream, after everything the caller's stream has queued."""
+    def _push(self, src, rows, src_stride, src_peer_stride, cols, col0, seg, seg_rows, piece_rows, push_cols) -> None:
+        """The push kernel on the side stream, after everything the caller's stream has queued."""
+        def launch():
+            push_rows_kernel[(self.pushers,)](
+                src, self.slots, self.counts, self.free, self.calls, rows, src_stride, src_peer_stride, cols, col0,
+                self.cols, self.max_rows * self.cols, seg, seg_rows, PIECE_ROWS=piece_rows, PUSH_COLS=push_cols,
+                **self._comm)
         if self.side is None:
-            self._push_launch(self.pushers, *args)
+            launch()
             return
         self.side.wait_stream(torch.cuda.current_stream(self.heap.device))
         with torch.cuda.stream(self.side):
-            self._push_launch(self.pushers, *args)
+            launch()
+
+    def _wait(self, row0: int, rows: int, pieces: int, seg_lo: int, seg_hi: int) -> None:
+        """One program waits for chunks seg_lo..seg_hi-1 from every peer (kernels/vendor_comm.py)."""
+        wait_rows_kernel[(1,)](self.slots, self.counts, row0=row0, rows=rows, cols=self.cols,
+                               slot_stride=self.max_rows * self.cols, pieces=pieces, seg_lo=seg_lo, seg_hi=seg_hi,
+                               BLOCK=1024, **self._comm)
 
     def _join(self) -> None:
         """The caller's stream waits for the pushes: they read its tensors, and a graph capture must
@@ -113,9 +114,7 @@ class ChunkedAllGatherGemm(_ChunkedOp):
     def __init__(self, heap: SymmetricHeap, max_rows: int, k: int, dtype: torch.dtype = torch.bfloat16,
                  device_group: dist.ProcessGroup | None = None, chunks: int = CHUNKS, pushers: int | None = None):
         super().__init__(heap, max_rows, k, dtype, device_group, chunks, "chunked_ag", pushers)
-        self._free_launch = Launcher(signal_free_kernel, heap.device, ("rank",), counts_ptr=self.counts,
-                                     free_ptr=self.free, calls_ptr=self.calls, heap_bases=heap.heap_bases,
-                                     WORLD=heap.world_size, SEGMENTS=chunks)
+
 
     def __call__(self, a_shard: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         h = self.heap
@@ -135,11 +134,11 @@ class ChunkedAllGatherGemm(_ChunkedOp):
         torch.mm(a_shard, b, out=c[me * rows:(me + 1) * rows])
         for s, r0 in enumerate(range(0, rows, seg_rows)):
             r1 = min(rows, r0 + seg_rows)
-            self._wait_launch(1, r0, r1 - r0, -(-(r1 - r0) // piece_rows), s, s + 1)
+            self._wait(r0, r1 - r0, -(-(r1 - r0) // piece_rows), s, s + 1)
             for j in range(W - 1):
                 src = (me + 1 + j) % W
                 torch.mm(self.slots[j, r0:r1], b, out=c[src * rows + r0:src * rows + r1])
-        self._free_launch(1, me)
+        signal_free_kernel[(1,)](self.counts, self.free, self.calls, me, h.heap_bases, WORLD=W, SEGMENTS=self.chunks)
         self._join()
         h.check_if_free()
         return c
@@ -154,11 +153,7 @@ class ChunkedGemmReduceScatter(_ChunkedOp):
     def __init__(self, heap: SymmetricHeap, max_rows: int, n: int, dtype: torch.dtype = torch.bfloat16,
                  device_group: dist.ProcessGroup | None = None, chunks: int = CHUNKS, pushers: int | None = None):
         super().__init__(heap, max_rows, n, dtype, device_group, chunks, "chunked_rs", pushers)
-        self._reduce_launch = Launcher(
-            reduce_rows_kernel, heap.device, ("own_ptr", "own_seg_stride", "out_ptr", "rows", "seg_cols", "pieces", "used"),
-            slots_ptr=self.slots, counts_ptr=self.counts, free_ptr=self.free, calls_ptr=self.calls, N=n,
-            slot_stride=max_rows * n, rank=heap.rank, heap_bases=heap.heap_bases, error_ptr=heap.error,
-            WORLD=heap.world_size, SEGMENTS=chunks, BLOCK_M=REDUCE_TILE[0], BLOCK_N=REDUCE_TILE[1])
+
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         h = self.heap
@@ -188,11 +183,13 @@ class ChunkedGemmReduceScatter(_ChunkedOp):
                        min(triton.next_power_of_2(width), max(16, PUSH_STEP_ELEMS // piece_rows)))
         used, pieces = -(-n // seg_cols), -(-rows // piece_rows)
         # one program waits for the partials; the reduction's grid starts once they are in
-        self._wait_launch(1, 0, 0, pieces, 0, used)
+        self._wait(0, 0, pieces, 0, used)
         c = torch.empty((rows, n), dtype=a.dtype, device=h.device)
         tiles = -(-rows // REDUCE_TILE[0]) * -(-n // REDUCE_TILE[1])
-        self._reduce_launch(min(tiles, resident_programs(h.device)), partials, M * seg_cols, c, rows, seg_cols, pieces,
-                            used)
+        reduce_rows_kernel[(min(tiles, resident_programs(h.device)),)](
+            partials, M * seg_cols, self.slots, self.counts, self.free, self.calls, c, rows, n, seg_cols,
+            self.max_rows * n, pieces, me, h.heap_bases, h.error, used, WORLD=W, SEGMENTS=self.chunks,
+            BLOCK_M=REDUCE_TILE[0], BLOCK_N=REDUCE_TILE[1])
         self._join()
         h.check_if_free()
         return c
