@@ -28,11 +28,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tp_overlap_plugin.error_slot import (ERR_BOUND_NS, ERR_CODE, ERR_EXPECTED, ERR_FLAG_OFFSET, ERR_PEER,
-                                          ERR_RANK, ERR_SEEN, ERR_TIMEOUT_NS, ERR_WORDS)
+from tp_overlap_plugin import error_slot
 from tp_overlap_plugin.heap_ipc import IpcBackend
 from tp_overlap_plugin.heap_shm import InterpreterMemoryLock, ShmBackend
 from tp_overlap_plugin.heap_torch import TorchSymmBackend
+from tp_overlap_plugin.kernels.error_slot import ERR_TIMEOUT_NS, ERR_WORDS
 
 ALIGN = 256
 DEFAULT_HEAP_SIZE = 256 << 20
@@ -208,16 +208,9 @@ class SymmetricHeap:
 
     def check(self) -> None:
         """Raise if a kernel of this rank gave up waiting on a peer. Synchronises with the device."""
-        err = self.error.tolist()
-        if err[ERR_CODE] == 0:
-            return
-        # the bound the wait had (a record written by hand, as in tests, has none: the current one)
-        bound = err[ERR_BOUND_NS] / 1e9 if err[ERR_BOUND_NS] > 0 else self.timeout_s
-        raise RankTimeoutError(
-            f"rank {err[ERR_RANK]} gave up after {bound:g} s waiting for rank "
-            f"{err[ERR_PEER]} to set flag {self.describe_offset(err[ERR_FLAG_OFFSET])} to epoch "
-            f"{err[ERR_EXPECTED]} (saw {err[ERR_SEEN]}); the peer crashed, hung, or the ranks "
-            f"issued different collectives. The heap is unusable now; restart the group.")
+        failure = error_slot.failure(self.error.tolist(), self.timeout_s, self.describe_offset)
+        if failure is not None:
+            raise RankTimeoutError(failure)
 
     def poll(self) -> None:
         """Raise like check() when the device has already recorded a failed wait, without waiting
