@@ -40,7 +40,7 @@ def _tune(cache: Path, *args, timeout=240, env_extra=None):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(env_extra or {})
     env["TP_OVERLAP_CACHE"] = str(cache)
-    return subprocess.run([sys.executable, "-m", "tp_overlap_plugin.serving.cli", "tune", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "tp_overlap_plugin.tuning.cli", "tune", *args], env=env,
                           capture_output=True, text=True, timeout=timeout, cwd=tempfile.gettempdir())
 
 
@@ -246,13 +246,13 @@ def test_two_runs_at_once_leave_one_valid_file_with_both_runs_rows(tmp_path):
         "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}))
     cache = tmp_path / "cache"
     env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "TP_OVERLAP_CACHE": str(cache)}
-    procs = [subprocess.Popen([sys.executable, "-m", "tp_overlap_plugin.serving.cli", "tune", "--tp", "1", "--quick",
+    procs = [subprocess.Popen([sys.executable, "-m", "tp_overlap_plugin.tuning.cli", "tune", "--tp", "1", "--quick",
                                "--device", "cpu", "--model", model, "--budget-min", "30"], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir()) for model in ("demo", str(tiny))]
     outs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outs]
     from tp_overlap_plugin.serving.demo import demo_hf_config
-    from tp_overlap_plugin.tuning.shapes import ModelDims
+    from tp_overlap_plugin.shapes import ModelDims
     dims = [ModelDims.from_hf(demo_hf_config()), ModelDims.from_hf(json.loads((tiny / "config.json").read_text()))]
     layers = {(k, n) for d in dims for _, k, n in d.layers(1)}
     table = json.loads((cache / "dispatch" / "cpu-tp1.json").read_text())

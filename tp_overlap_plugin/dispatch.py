@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Iterable
 
 from tp_overlap_plugin import tables
+from tp_overlap_plugin.shapes import LAYER_OPS
 from tp_overlap_plugin.tables import device_key  # noqa: F401  (the tables' device names)
 
 MODES = ("table", "overlap", "stock")
@@ -126,7 +127,7 @@ class Dispatcher:
         fused = {(r["op"], r["K"], r["N"]) for r in self.gemm}
         lacking = []
         for layer, k, n in ops:
-            op = "rs" if layer in ROW_LAYERS else "ag"
+            op = LAYER_OPS.get(layer, "ag")   # (the LM head is column-parallel)
             has = (k, n) in gemv and (world == 1 or (op, k, n) in fused or layer == "lm_head")
             if not has:
                 lacking.append((layer, k, n))
@@ -257,8 +258,6 @@ def _wins(rows: list[dict], key: str, value: int, winner_key: str, ours: str) ->
         near.append(min(above, key=lambda r: r[key]))
     return all(r[winner_key] == ours for r in near)
 
-
-ROW_LAYERS = ("o_proj", "down")  # the row-parallel layers (K divided by W); the others divide N
 
 
 def table_path(device_name: str, world: int) -> Path:

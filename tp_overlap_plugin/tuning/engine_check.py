@@ -33,7 +33,7 @@ import os
 import time
 
 from tp_overlap_plugin import tables
-from tp_overlap_plugin.tuning.shapes import LAYER_OPS
+from tp_overlap_plugin.shapes import LAYER_OPS
 
 PROMPT_LEN = 2048       # prefill prompts (bench/e2e.py's prefill-b8/b32: 2048 tokens each)
 PREFILL_TOKENS = 2048   # the prefill step measured beside the budget's

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tp_overlap_plugin.tuning.shapes import LAYER_OPS, ModelDims
+from tp_overlap_plugin.shapes import LAYER_OPS, ModelDims
 
 # in this order: a phase's table is written before the phases that run on it (the decode matmul's
 # configs before gemv, the GEMM core's before the phases that run the core)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tp_overlap_plugin import tables
 from tp_overlap_plugin.tuning.plan import PHASES, Plan
-from tp_overlap_plugin.tuning.shapes import LAYER_OPS
+from tp_overlap_plugin.shapes import LAYER_OPS
 from tp_overlap_plugin.tuning.store import load_phase, store_dir
 
 

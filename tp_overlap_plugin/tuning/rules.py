@@ -243,7 +243,8 @@ def _fused_markdown(t: dict, layer_ops, layer_name: str) -> str:
           r["winner"]] for r in t["gemm"]])
     d = Dispatcher(gemm=t["gemm"], margin=t["margin"])
     if layer_ops is None:
-        from tp_overlap_plugin.tuning.shapes import LAYER_OPS, shipped_dims
+        from tp_overlap_plugin.shapes import LAYER_OPS
+        from tp_overlap_plugin.tuning.shapes import shipped_dims
         layer_ops = [(LAYER_OPS[layer], k, n) for layer, k, n in shipped_dims("llama-3-8b").layers(t["world"])]
     ops = sorted(layer_ops)
     ms = sorted({r["M"] for r in t["gemm"] if (r["op"], r["K"], r["N"]) in ops})

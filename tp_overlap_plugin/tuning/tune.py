@@ -41,7 +41,7 @@ from tp_overlap_plugin.tuning import engine_check
 from tp_overlap_plugin.tuning.plan import PHASES, Plan, heap_bytes, make_plan, plan_candidates
 from tp_overlap_plugin.tuning.phases import tune_rank
 from tp_overlap_plugin.tuning.report import build_tables
-from tp_overlap_plugin.tuning.shapes import ModelDims
+from tp_overlap_plugin.shapes import ModelDims
 from tp_overlap_plugin.tuning.store import load_rows, save_rows, store_dir
 
 
