@@ -81,18 +81,14 @@ class Dispatcher:
         if mode != "table":
             return cls(mode=mode)
         device_name = device_name or "cpu"
-        found = tables.find("dispatch", device_name, world, explicit=path, required=("all_reduce",),
-                            current=tables.versions("cpu" if device_name == "cpu" else "cuda"), model=model)
-        if found.data is None:
+        fields, found = tables.load("dispatch", device_name, _fields_of, "the flag runs stock", world=world,
+                                    explicit=path, required=("all_reduce",), model=model,
+                                    current=tables.versions("cpu" if device_name == "cpu" else "cuda"))
+        if fields is None:
             looked = tables.cached_path("dispatch", device_name, world)
             return cls(mode=mode, source=f"no table ({looked} nor the shipped one): stock everywhere",
                        missing=looked.name, warnings=found.warnings)
-        data = found.data
-        return cls(mode=mode, gemm=data.get("gemm", []), all_reduce=data.get("all_reduce", []),
-                   gemm_all_reduce_rows=data.get("gemm_all_reduce", []), gemv_rows=data.get("gemv", []),
-                   silu_mul_rows=data.get("gemm_silu_mul", []), engine_rows=data.get("engine", []),
-                   one_shot_max_bytes=data.get("one_shot_max_bytes"),
-                   source=found.describe(), margin=data.get("margin", cls.margin), warnings=found.warnings)
+        return cls(mode=mode, **fields, source=found.describe(), warnings=found.warnings)
 
     @property
     def may_use_kernels(self) -> bool:
@@ -240,6 +236,24 @@ class Dispatcher:
             return self.mode == "overlap"
         rows = [r for r in self.silu_mul_rows if r["K"] == k and r["N"] == n]
         return bool(rows) and _wins(rows, "M", m, "winner", "fused")
+
+
+# the table's JSON field -> the Dispatcher's (rows of each are lists of dicts)
+_ROWS = {"gemm": "gemm", "all_reduce": "all_reduce", "gemm_all_reduce": "gemm_all_reduce_rows", "gemv": "gemv_rows",
+         "gemm_silu_mul": "silu_mul_rows", "engine": "engine_rows"}
+
+
+def _fields_of(data: dict) -> dict:
+    """A dispatch table's JSON -> Dispatcher fields; TypeError where a field is not what it should be."""
+    fields = {}
+    for key, name in _ROWS.items():
+        rows = data.get(key, [])
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise TypeError(f"{key!r} must be a list of rows (objects)")
+        fields[name] = rows
+    fields["one_shot_max_bytes"] = data.get("one_shot_max_bytes")
+    fields["margin"] = float(data.get("margin", Dispatcher.margin))
+    return fields
 
 
 _GEMM_AR_WINNERS = ("graph_winner", "eager_winner", "norm_graph_winner", "norm_eager_winner")
