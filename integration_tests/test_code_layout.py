@@ -195,6 +195,44 @@ def test_no_import_reaches_up_a_floor():
                     + "\n".join(up))
 
 
+# ---- the environment is read in one place (tp_overlap_plugin/options.py) -----------------------------
+
+ENV_READER = "tp_overlap_plugin.options"
+# Modules allowed to read os.environ besides, each with the reason: not a setting read, plumbing.
+ENV_PLUMBING = {"tp_overlap_plugin.multirank": "saves the variables it sets around a rank's start, to restore them"}
+
+
+def _env_reads(tree: ast.AST) -> list[int]:
+    """Lines that read a variable: os.environ.get / [...] / `in os.environ`, os.getenv. Setting one, or
+    copying the whole environment for a child process, reads no setting."""
+    def is_environ(node: ast.AST) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "environ" and ast.unparse(node.value) == "os"
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
+                (is_environ(node.func.value) and node.func.attr in ("get", "setdefault", "items", "keys", "values"))
+                or ast.unparse(node.func) == "os.getenv"):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Subscript) and is_environ(node.value) and isinstance(node.ctx, ast.Load):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Compare) and any(is_environ(c) for c in node.comparators) and any(
+                isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_the_environment_is_read_in_options_only():
+    code = ('import os\nA = os.environ.get("X")\nB = os.environ["Y"]\nC = "Z" in os.environ\nD = os.getenv("W")\n'
+            'os.environ["V"] = "1"\nE = dict(os.environ)\n')
+    assert _env_reads(ast.parse(code)) == [2, 3, 4, 5], "the walker misses a read, or counts a write"
+    mods = _modules()
+    assert _env_reads(ast.parse(mods[ENV_READER].read_text())), "options.py reads the environment"
+    readers = {name: _env_reads(ast.parse(path.read_text())) for name, path in mods.items()
+               if name != ENV_READER and name not in ENV_PLUMBING}
+    readers = {name: lines for name, lines in readers.items() if lines}
+    assert not readers, f"read environment variables through tp_overlap_plugin/options.py (one function each): {readers}"
+
+
 def _source_files() -> list[Path]:
     """Every Python file of the repository but the tests and what is not ours (venvs, builds)."""
     skip = {"integration_tests", "build", "dist"}

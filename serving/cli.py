@@ -19,6 +19,8 @@ import sys
 import time
 from typing import Callable, Optional, Sequence
 
+from tp_overlap_plugin import options
+
 from .args import (DEBUG_HINT, CliError, Parser, add_debug_arg, add_engine_args,
                    describe_validation_error, engine_config_from_args, report_error)
 from .config import SamplingParams
@@ -197,7 +199,7 @@ def _interpret_kernels_without_gpu(argv) -> None:
     interpreter, and Triton reads TRITON_INTERPRET once, when it is imported: so it is set here,
     before the parser imports the engine. The CPU engine runs no other Triton kernel, and an
     explicit TRITON_INTERPRET in the environment wins."""
-    if "triton" in sys.modules or "TRITON_INTERPRET" in os.environ:
+    if "triton" in sys.modules or options.env_triton_interpret() is not None:
         return
     argv = list(sys.argv[1:] if argv is None else argv)
     cpu = "--device=cpu" in argv or any(a == "--device" and b == "cpu" for a, b in zip(argv, argv[1:]))

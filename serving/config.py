@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tp_overlap_plugin import options
 from tp_overlap_plugin.options import TPOverlapOptions, options_from_env
 
 SHIPPED_CONFIGS = Path(__file__).parent / "model_configs"
@@ -387,7 +387,4 @@ def default_device(cfg: EngineConfig) -> str:
 
 def env_rank_world() -> Optional[tuple[int, int, int]]:
     """(rank, world_size, local_rank) when launched by torchrun, else None."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        return r, w, int(os.environ.get("LOCAL_RANK", r))
-    return None
+    return options.env_launcher_rank()

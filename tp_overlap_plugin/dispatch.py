@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Iterable
 
 from tp_overlap_plugin import tables
+from tp_overlap_plugin.options import DISPATCH_MODES
 from tp_overlap_plugin.shapes import LAYER_OPS
 from tp_overlap_plugin.tables import device_key  # noqa: F401  (the tables' device names)
 
-MODES = ("table", "overlap", "stock")
 # How a step of some size runs, by the engine's verdict (tune's engine phase), from the most cautious:
 # every op stock; the table's per-op choices in the replicated layout; the table's layout and ops
 STEP_RUNS = ("stock", "replicated", "flag")
@@ -70,8 +70,8 @@ class Dispatcher:
     _answers: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"dispatch mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode not in DISPATCH_MODES:
+            raise ValueError(f"dispatch mode must be one of {DISPATCH_MODES}, got {self.mode!r}")
 
     @classmethod
     def load(cls, mode: str = "table", device_name: str | None = None, world: int = 2,

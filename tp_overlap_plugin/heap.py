@@ -21,14 +21,12 @@ when they give up (`check()` turns it into a RankTimeoutError) and the flags of 
 from __future__ import annotations
 
 import contextlib
-import os
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from tp_overlap_plugin import error_slot
+from tp_overlap_plugin import error_slot, options
 from tp_overlap_plugin.heap_ipc import IpcBackend
 from tp_overlap_plugin.heap_shm import InterpreterMemoryLock, ShmBackend
 from tp_overlap_plugin.heap_torch import TorchSymmBackend
@@ -49,7 +47,7 @@ class RankTimeoutError(RuntimeError):
 
 
 def default_backend(device: torch.device) -> str:
-    env = os.environ.get("TP_OVERLAP_HEAP_BACKEND")
+    env = options.env_heap_backend()
     if env:
         return env
     if device.type == "cpu":
@@ -62,7 +60,8 @@ def default_backend(device: torch.device) -> str:
 
 
 def default_heap_size() -> int:
-    return int(os.environ.get("TP_OVERLAP_HEAP_SIZE", DEFAULT_HEAP_SIZE))
+    size = options.env_heap_size()
+    return DEFAULT_HEAP_SIZE if size is None else size
 
 
 # How long a wait on a peer spins before it gives up, in seconds of wall-clock time, whatever the world
@@ -73,10 +72,8 @@ HEAP_TIMEOUT_SETTING = "heap_timeout_s (TP_OVERLAP_HEAP_TIMEOUT_S, or tp_overlap
 
 
 def default_timeout_s() -> float:
-    if os.environ.get("TP_OVERLAP_SPIN_LIMIT"):
-        warnings.warn("TP_OVERLAP_SPIN_LIMIT is no longer read: waits are bounded in seconds by "
-                      f"{HEAP_TIMEOUT_SETTING}", stacklevel=3)
-    return float(os.environ.get("TP_OVERLAP_HEAP_TIMEOUT_S", DEFAULT_HEAP_TIMEOUT_S))
+    seconds = options.env_heap_timeout_s(HEAP_TIMEOUT_SETTING)
+    return DEFAULT_HEAP_TIMEOUT_S if seconds is None else seconds
 
 
 @dataclass(frozen=True)

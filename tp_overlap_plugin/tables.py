@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Generic, TypeVar
 
+from tp_overlap_plugin import options
+
 log = logging.getLogger(__name__)
 PACKAGE_DIR = Path(__file__).parent
 SHIPPED = {"dispatch": PACKAGE_DIR / "dispatch_tables", "gemm": PACKAGE_DIR / "gemm_tables",
@@ -57,11 +59,7 @@ def device_key(device_name: str) -> str:
 
 def cache_dir() -> Path:
     """The per-user cache: $TP_OVERLAP_CACHE, else $XDG_CACHE_HOME/tp-overlap, else ~/.cache/tp-overlap."""
-    if os.environ.get("TP_OVERLAP_CACHE"):
-        return Path(os.environ["TP_OVERLAP_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "tp-overlap"
-    return Path.home() / ".cache" / "tp-overlap"
+    return options.env_cache_dir()
 
 
 def table_name(kind: str, device_name: str, world: int | None = None) -> str:
