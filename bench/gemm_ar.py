@@ -2,7 +2,7 @@
 kernel against F.linear + NCCL / + our all-reduce, with and without the residual add + RMSNorm after
 it, µs per layer on rank 0, in CUDA graphs and eager. The measuring is
 tp_overlap_plugin/tuning/gemm_ar.py's `measure` (what `tp-overlap tune` runs; its docstring lists the
-ops and the floor). Results feed bench/make_dispatch_table.py --gemm-ar.
+ops and the floor). Results feed a dispatch table through tuning/rules.py (from_bench_runs).
 
     python bench/gemm_ar.py --tp 2 [--quick] [--out bench/results]
     python bench/gemm_ar.py --tp 2 --device cpu --quick    # smoke run: interpreter, tiny shapes, eager only

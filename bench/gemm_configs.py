@@ -1,9 +1,9 @@
-"""The GEMM core against cuBLAS on one GPU, and the config table `pick_config` reads: the command line
-of tp_overlap_plugin/tuning/gemm_configs.py (the code `tp-overlap tune` measures with; its docstring
-says what is measured and the table's rules), writing into bench/results by default.
+"""The GEMM core against cuBLAS on one GPU: the command line of tp_overlap_plugin/tuning/gemm_configs.py
+(the code `tp-overlap tune` measures with; its docstring says what is measured and the table's rules),
+writing results into bench/results by default. The table is tune's to write
+(`tp-overlap tune --only gemm_configs`).
 
-    python bench/gemm_configs.py measure [--out bench/results] [--table-out PATH] [--budget-s 420]
-    python bench/gemm_configs.py table bench/results/gemm-configs-h200-DATE.json [--table-out PATH]
+    python bench/gemm_configs.py measure [--out bench/results] [--budget-s 420]
     python bench/gemm_configs.py measure --dry-run --m 16,1      # CPU, interpreter, tiny shapes
 """
 

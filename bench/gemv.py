@@ -3,7 +3,7 @@ with the config its table picks), µs per call in CUDA graphs, for every local m
 TP=W (Llama-3 8B and 70B, Qwen2.5-7B, shapes from serving/model_configs; a model whose heads do not
 divide by W is left out), at the decode row counts (--rows to choose). The sweep is
 tp_overlap_plugin/tuning/gemv.py's `measure` (what `tp-overlap tune` runs); its docstring says how
-it is measured. Results feed bench/make_dispatch_table.py --gemv.
+it is measured. Results feed a dispatch table through tuning/rules.py (from_bench_runs).
 
     python bench/gemv.py --tp 2 [--quick] [--rows 1,8,64] [--out bench/results]
     python bench/gemv.py --tp 2 --device cpu --quick     # smoke run: interpreter, tiny shapes, eager

@@ -1,7 +1,7 @@
 """The benchmark scripts run end to end on the CPU at tiny size (stock and the flag interleaved, per-pair
 ratios, the HTTP rate sweep), the README's headline table is what the newest results make, and the
-shipped dispatch table is exactly what bench/make_dispatch_table.py makes of the shipped H200 results:
-the table's evidence is reproducible."""
+shipped dispatch table is exactly what tuning/rules.py (from_bench_runs) makes of the shipped H200
+results: the table's evidence is reproducible."""
 
 import json
 import os
@@ -18,8 +18,8 @@ SHIPPED_OVERLAP = RESULTS / "overlap-tp2-h200x2-2026-11-22-v3.json"
 SHIPPED_FOUNDATION = RESULTS / "foundation-tp2-h200x2-2026-11-23.json"
 
 
-def test_shipped_dispatch_table_is_reproducible(tmp_path):
-    table = tmp_path / "table.json"
+def test_shipped_dispatch_table_is_reproducible():
+    from tp_overlap_plugin.tuning.rules import from_bench_runs, markdown
     shipped = ROOT / "tp_overlap_plugin" / "dispatch_tables" / "h200-tp2.json"
     # GEMM + all-reduce rows, once measured, come from the newest bench/gemm_ar.py run on the device
     gemm_ar = sorted(RESULTS.glob("gemm-ar-tp2-h200x2-*.json")) if "gemm_all_reduce" in json.loads(
@@ -28,14 +28,11 @@ def test_shipped_dispatch_table_is_reproducible(tmp_path):
     # two-GPU runs do not sort by date)
     gemv = sorted(RESULTS.glob("gemv-tp2-h200*.json"), key=lambda p: json.loads(p.read_text())["environment"]["date"]) \
         if "gemv" in json.loads(shipped.read_text()) else []
-    subprocess.run([sys.executable, str(ROOT / "bench" / "make_dispatch_table.py"),
-                    "--overlap", str(SHIPPED_OVERLAP), "--foundation", str(SHIPPED_FOUNDATION),
-                    *(["--gemm-ar", str(gemm_ar[-1])] if gemm_ar else []),
-                    *(["--gemv", str(gemv[-1])] if gemv else []),
-                    "--table-out", str(table), "--md-out", str(tmp_path / "table.md")],
-                   check=True, capture_output=True, text=True, timeout=120)
-    assert json.loads(table.read_text()) == json.loads(shipped.read_text())
-    assert (tmp_path / "table.md").read_text() == (RESULTS / "dispatch-h200-tp2-2026-11-22.md").read_text()
+    built = from_bench_runs(json.loads(SHIPPED_OVERLAP.read_text()), json.loads(SHIPPED_FOUNDATION.read_text()),
+                            json.loads(gemm_ar[-1].read_text()) if gemm_ar else None,
+                            json.loads(gemv[-1].read_text()) if gemv else None)
+    assert json.loads(json.dumps(built)) == json.loads(shipped.read_text())
+    assert markdown(built) == (RESULTS / "dispatch-h200-tp2-2026-11-22.md").read_text()
 
 
 # Scripts allowed not to import, each with its reason: none (decode_configs.py, which could not, is retired).
@@ -65,18 +62,16 @@ def _run(script, *args, timeout=380):
 
 
 def _table_with(tmp_path, flag: str, res: dict) -> tuple[dict, str, Path]:
-    """The dispatch table (make_dispatch_table.table_of, what its command line runs, checked
-    by test_shipped_dispatch_table_is_reproducible) of the shipped runs plus `res` (a smoke run's JSON,
+    """The dispatch table (tuning/rules.from_bench_runs, checked by
+    test_shipped_dispatch_table_is_reproducible) of the shipped runs plus `res` (a smoke run's JSON,
     retagged as if measured on the shipped table's device) in `flag`'s place: (the table, its
     markdown, its path)."""
-    from tp_overlap_plugin.tuning.rules import markdown
-    sys.path.insert(0, str(ROOT / "bench"))
-    from make_dispatch_table import table_of
+    from tp_overlap_plugin.tuning.rules import from_bench_runs, markdown
 
     env = json.loads(SHIPPED_OVERLAP.read_text())["environment"]
     res["environment"].update(device=env["device"], tp=env["tp"])
     runs = {"gemm_ar": res if flag == "--gemm-ar" else None, "gemv": res if flag == "--gemv" else None}
-    built = table_of(json.loads(SHIPPED_OVERLAP.read_text()), json.loads(SHIPPED_FOUNDATION.read_text()), **runs)
+    built = from_bench_runs(json.loads(SHIPPED_OVERLAP.read_text()), json.loads(SHIPPED_FOUNDATION.read_text()), **runs)
     table = tmp_path / "table.json"
     table.write_text(json.dumps(built))
     return built, markdown(built), table
@@ -237,30 +232,33 @@ GEMM_TABLES = sorted((ROOT / "tp_overlap_plugin" / "gemm_tables").glob("*.json")
 
 
 @pytest.mark.parametrize("shipped", GEMM_TABLES, ids=[p.stem for p in GEMM_TABLES])
-def test_shipped_gemm_table_is_reproducible(shipped, tmp_path):
+def test_shipped_gemm_table_is_reproducible(shipped):
     """The shipped GEMM config table, and the markdown beside its results, are exactly what
-    bench/gemm_configs.py makes of the results JSON the table names."""
+    tuning/gemm_configs.build_table makes of the results JSON the table names."""
+    from tp_overlap_plugin.tuning import gemm_configs
+    from tp_overlap_plugin.tuning.results import header
     source = RESULTS / json.loads(shipped.read_text())["source"]
-    table, md = tmp_path / "table.json", tmp_path / "table.md"
-    subprocess.run([sys.executable, str(ROOT / "bench" / "gemm_configs.py"), "table", str(source),
-                    "--table-out", str(table), "--md-out", str(md)], check=True, capture_output=True, text=True,
-                   timeout=120)
-    assert table.read_text() == shipped.read_text()
-    assert md.read_text() == source.with_suffix(".md").read_text()
+    payload = json.loads(source.read_text())
+    table, md = gemm_configs.build_table(payload)
+    table["source"] = source.name
+    assert gemm_configs.dump_table(table) == shipped.read_text()
+    assert header(payload["environment"]) + md == source.with_suffix(".md").read_text()
 
 
 def test_gemm_configs_pipeline_dry_run(tmp_path):
-    """measure (CPU, interpreter, tiny shapes) writes results and a table; `table` rebuilds both."""
+    """measure (CPU, interpreter, tiny shapes) writes the results and their markdown, the table's rules
+    applied; no table (tune writes those)."""
     bench = ROOT / "bench" / "gemm_configs.py"
     r = subprocess.run([sys.executable, str(bench), "measure", "--dry-run", "--m", "16,1", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    from tp_overlap_plugin.tuning import gemm_configs
+    from tp_overlap_plugin.tuning.results import header
     (js,) = tmp_path.glob("gemm-configs-dry-run-*.json")
-    rebuilt, md = tmp_path / "rebuilt.json", tmp_path / "rebuilt.md"
-    subprocess.run([sys.executable, str(bench), "table", str(js), "--table-out", str(rebuilt), "--md-out", str(md)],
-                   check=True, capture_output=True, text=True, timeout=120)
-    assert rebuilt.read_text() == (tmp_path / "gemm-table-dry-run.json").read_text()
-    assert md.read_text() == js.with_suffix(".md").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([js.name, js.with_suffix(".md").name])
+    payload = json.loads(js.read_text())
+    table, md = gemm_configs.build_table(payload)
+    assert header(payload["environment"]) + md == js.with_suffix(".md").read_text() and table["entries"]
     results = json.loads(js.read_text())["results"]
     assert {r["M"] for r in results} == {16, 1}
     assert all(isinstance(t, float) for r in results for t in r["configs"].values()), results
@@ -301,7 +299,7 @@ def test_gemm_table_rules():
 @pytest.mark.timeout(400)
 def test_gemm_ar_bench_smoke_run_feeds_the_dispatch_table(tmp_path):
     """bench/gemm_ar.py end to end on the CPU (interpreter, eager), then its JSON, as if measured on
-    the shipped table's H200 with graph times, through make_dispatch_table.py --gemm-ar: each (M, K, N)
+    the shipped table's H200 with graph times, through rules.from_bench_runs (gemm_ar): each (M, K, N)
     goes to the faster side by the margin, with and without the norm, and the dispatcher answers so."""
     from tp_overlap_plugin.dispatch import Dispatcher
 
@@ -318,7 +316,7 @@ def test_gemm_ar_bench_smoke_run_feeds_the_dispatch_table(tmp_path):
                  gemm_ar_norm_graph_us=ours_norm, linear_nccl_norm_graph_us=12.0, linear_fused_norm_graph_us=8.0)
     built, md, table = _table_with(tmp_path, "--gemm-ar", res)
     rows = built["gemm_all_reduce"]
-    # eager: always stock (launch-bound timings, make_dispatch_table.gemm_all_reduce_rows)
+    # eager: always stock (launch-bound timings, rules.gemm_all_reduce_rows)
     assert [(r["M"], r["graph_winner"], r["norm_graph_winner"], r["eager_winner"], r["norm_eager_winner"])
             for r in rows] == [(1, "gemm_ar", "gemm_ar", "stock", "stock"), (3, "stock", "stock", "stock", "stock")]
     assert "GEMM + all-reduce" in md
@@ -331,7 +329,7 @@ def test_gemm_ar_bench_smoke_run_feeds_the_dispatch_table(tmp_path):
 @pytest.mark.timeout(300)
 def test_gemv_bench_smoke_run_feeds_the_dispatch_table(tmp_path):
     """bench/gemv.py on the CPU (interpreter, eager), then its JSON, as if measured on the shipped
-    table's H200, through make_dispatch_table.py --gemv: each (M, K, N) goes to the faster side by
+    table's H200, through rules.from_bench_runs (gemv): each (M, K, N) goes to the faster side by
     the margin, and the dispatcher answers so."""
     from tp_overlap_plugin.dispatch import Dispatcher
 

@@ -153,6 +153,26 @@ def _put(path: Path, text: str) -> Path:
     return path
 
 
+def test_only_measures_the_phases_it_names(tmp_path, capsys):
+    """`tune --only gemv` measures the GEMV rows alone: the dispatch table is built (of them), the config
+    tables' phases are not run; an unknown phase is a one-line error naming the phases."""
+    proc = _tune(tmp_path, "--tp", "1", "--quick", "--device", "cpu", "--model", "demo", "--margin", "0",
+                 "--only", "gemv")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert " in 1 phases" in proc.stderr.splitlines()[0], proc.stderr[:500]
+    assert sorted(p.name for p in (tmp_path / "measurements").iterdir()) == ["cpu-tp1"]
+    assert sorted(p.name for p in (tmp_path / "measurements" / "cpu-tp1").iterdir()) == ["gemv.json"]
+    table = json.loads((tmp_path / "dispatch" / "cpu-tp1.json").read_text())
+    assert table["gemv"] and not table.get("engine")
+    assert not (tmp_path / "gemm" / "cpu.json").exists() and not (tmp_path / "decode" / "cpu.json").exists()
+
+    from tp_overlap_plugin.tuning.cli import main
+    with pytest.raises(SystemExit):
+        main(["tune", "--tp", "1", "--only", "gemv,bogus"])
+    err = capsys.readouterr().err
+    assert "unknown phase(s) ['bogus']; the phases are gemm_configs, decode_configs, gemv" in err, err
+
+
 def test_lookup_order_explicit_then_cache_then_shipped_then_none(cache, tmp_path):
     explicit = _put(tmp_path / "mine.json", json.dumps(_table(all_reduce=[])))
     _put(cache / "dispatch" / "cpu-tp2.json", json.dumps(_table()))

@@ -16,6 +16,7 @@ import sys
 
 from tp_overlap_plugin.serving import cli as serving_cli
 from tp_overlap_plugin.serving.args import CliError, check_tp_option
+from tp_overlap_plugin.tuning.plan import ONLY_CHOICES   # (no Triton: the plan's shapes only)
 
 
 def run_tune(args: argparse.Namespace) -> int:
@@ -45,7 +46,16 @@ def run_tune(args: argparse.Namespace) -> int:
     label = os.path.basename(os.path.normpath(args.model))
     return run(label, dims, args.tp, device, quick=args.quick, budget_min=args.budget_min, force=args.force,
                margin=args.margin, engine_margin=args.engine_margin, model_spec=args.model,
-               step_budget=args.max_num_batched_tokens)
+               step_budget=args.max_num_batched_tokens, only=args.only)
+
+
+def _phases(text: str) -> tuple[str, ...]:
+    """--only's value: phases separated by commas, each one tune runs."""
+    phases = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [p for p in phases if p not in ONLY_CHOICES]
+    if bad or not phases:
+        raise argparse.ArgumentTypeError(f"unknown phase(s) {bad or [text]}; the phases are {', '.join(ONLY_CHOICES)}")
+    return phases
 
 
 def add_tune_subcommand(sub) -> argparse.ArgumentParser:
@@ -72,6 +82,9 @@ def add_tune_subcommand(sub) -> argparse.ArgumentParser:
     t.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="the step token budget the engine check's largest prefill step fills (default 8192 on GPUs, "
                         "vLLM's default; serve with the same budget)")
+    t.add_argument("--only", type=_phases, default=None, metavar="PHASE[,PHASE]",
+                   help=f"measure these phases only ({', '.join(ONLY_CHOICES)}); the tables are built from every "
+                        f"row stored before too")
     t.set_defaults(func=run_tune)
     return t
 

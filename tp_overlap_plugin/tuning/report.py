@@ -71,7 +71,7 @@ def write_gemm_table(device_name: str, world: int) -> tuple[Path, str] | None:
     gpath = tables.cached_path("gemm", device_name)
     with tables.locked(gpath):
         tables.write_atomic(gpath, gc.dump_table(gtable))
-    # the results file `bench/gemm_configs.py table` rebuilds the table and its markdown from
+    # the results the table is made of (gemm_configs.build_table makes it again of them alone)
     tables.write_atomic(store_dir(device_name, world, "gemm_configs") / "gemm-configs-results.json",
                         json.dumps(payload, indent=1))
     return gpath, gmd
