@@ -161,7 +161,7 @@ def test_only_measures_the_phases_it_names(tmp_path, capsys):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert " in 1 phases" in proc.stderr.splitlines()[0], proc.stderr[:500]
     assert sorted(p.name for p in (tmp_path / "measurements").iterdir()) == ["cpu-tp1"]
-    assert sorted(p.name for p in (tmp_path / "measurements" / "cpu-tp1").iterdir()) == ["gemv.json"]
+    assert [p.name for p in (tmp_path / "measurements" / "cpu-tp1").glob("*.json")] == ["gemv.json"]
     table = json.loads((tmp_path / "dispatch" / "cpu-tp1.json").read_text())
     assert table["gemv"] and not table.get("engine")
     assert not (tmp_path / "gemm" / "cpu.json").exists() and not (tmp_path / "decode" / "cpu.json").exists()
@@ -212,6 +212,11 @@ def test_corrupt_stale_and_other_device_tables_warn_and_never_fail(cache):
     skipped, none = Dispatcher.load("table", "cpu", 2).startup_warnings("cpu", 2)
     assert "not a readable JSON table" in skipped and "no cpu-tp2.json in the cache" not in none
     assert f"the cached {cache / 'dispatch' / 'cpu-tp2.json'} does not read, and none is shipped" in none
+    # one that reads but whose rows are not rows is skipped the same way (tables.load, the one loader)
+    _put(cache / "dispatch" / "cpu-tp2.json", json.dumps(_table(gemv="oops")))
+    d = Dispatcher.load("table", "cpu", 2)
+    (w,) = d.warnings
+    assert d.missing and "does not parse" in w and "'gemv' must be a list of rows" in w, w
 
     # the GEMM config table likewise: a corrupt cached one falls back to the shipped one
     from tp_overlap_plugin import gemm_config
@@ -222,6 +227,26 @@ def test_corrupt_stale_and_other_device_tables_warn_and_never_fail(cache):
     finally:
         gemm_config.find_table.cache_clear()
     assert table is not None and found.origin == "shipped" and "is not a table" in found.warnings[0]
+
+
+def test_one_bucketed_table_type_serves_the_config_tables(monkeypatch):
+    import torch
+
+    from tp_overlap_plugin import decode_config, gemm_config
+    fma, mma = decode_config.DecodeConfig("fma", 16, 256), decode_config.DecodeConfig("mma", 64, 128, tma=True)
+    data = {"buckets": [4, 64], "configs": {fma.label(): fma.to_dict(), mma.label(): mma.to_dict()},
+            "entries": [{"M": 64, "N": 128, "K": 256, "label": fma.label()}],
+            "defaults": {"4": fma.label(), "64": mma.label()}}
+    t = tables.BucketedTable.parse(data, decode_config.DecodeConfig.from_dict)
+    assert (t.bucket(3), t.bucket(5), t.bucket(1000)) == (4, 64, 64)
+    assert (t.config(2, 1, 1), t.config(33, 1, 1), t.config(33, 128, 256)) == (fma, mma, fma)
+    # the decode matmul takes a bucket's config only where its path takes the rows (FMA: up to 16)
+    monkeypatch.setattr(decode_config, "load_table", lambda name: t)
+    monkeypatch.setattr(gemm_config, "_device_name", lambda device: "Test GPU")
+    cuda = torch.device("cuda")
+    assert decode_config.pick_decode_config(12, 128, 256, cuda) == fma
+    assert decode_config.pick_decode_config(33, 128, 256, cuda) in (decode_config.HOPPER_MMA, decode_config.CDNA3_MMA)
+    assert issubclass(gemm_config.GemmTable, tables.BucketedTable)   # the same type, with the cuBLAS crossover
 
 
 def test_the_engine_names_the_model_shapes_the_table_lacks(cache, caplog):

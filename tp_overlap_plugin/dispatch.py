@@ -77,7 +77,8 @@ class Dispatcher:
     def load(cls, mode: str = "table", device_name: str | None = None, world: int = 2,
              path: str | os.PathLike | None = None, model: str | None = None) -> "Dispatcher":
         """The table for this device and world size (explicit `path`, then the cache, then the shipped
-        tables: tables.find); an empty one (everything stock) if none was measured for it."""
+        tables: tables.load); an empty one (everything stock) if none was measured for it, or it does not
+        parse."""
         if mode != "table":
             return cls(mode=mode)
         device_name = device_name or "cpu"
