@@ -205,13 +205,27 @@ ENV_PLUMBING = {"tp_overlap_plugin.multirank": "saves the variables it sets arou
 def _env_reads(tree: ast.AST) -> list[int]:
     """Lines that read a variable: os.environ.get / [...] / `in os.environ`, os.getenv. Setting one, or
     copying the whole environment for a child process, reads no setting."""
+    # the names `os`, its environ and getenv go by here (import os as o, from os import environ)
+    oses, environs, getenvs = {"os"}, set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            oses |= {a.asname for a in node.names if a.name == "os" and a.asname}
+        elif isinstance(node, ast.ImportFrom) and node.module == "os":
+            environs |= {a.asname or a.name for a in node.names if a.name == "environ"}
+            getenvs |= {a.asname or a.name for a in node.names if a.name == "getenv"}
+
     def is_environ(node: ast.AST) -> bool:
-        return isinstance(node, ast.Attribute) and node.attr == "environ" and ast.unparse(node.value) == "os"
+        return (isinstance(node, ast.Attribute) and node.attr == "environ" and ast.unparse(node.value) in oses) or \
+            (isinstance(node, ast.Name) and node.id in environs)
+
     lines = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
-                (is_environ(node.func.value) and node.func.attr in ("get", "setdefault", "items", "keys", "values"))
-                or ast.unparse(node.func) == "os.getenv"):
+        if isinstance(node, ast.Call) and (
+                (isinstance(node.func, ast.Attribute) and is_environ(node.func.value)
+                 and node.func.attr in ("get", "setdefault", "items", "keys", "values"))
+                or (isinstance(node.func, ast.Attribute) and node.func.attr == "getenv"
+                    and ast.unparse(node.func.value) in oses)
+                or (isinstance(node.func, ast.Name) and node.func.id in getenvs)):
             lines.append(node.lineno)
         elif isinstance(node, ast.Subscript) and is_environ(node.value) and isinstance(node.ctx, ast.Load):
             lines.append(node.lineno)
@@ -223,8 +237,9 @@ def _env_reads(tree: ast.AST) -> list[int]:
 
 def test_the_environment_is_read_in_options_only():
     code = ('import os\nA = os.environ.get("X")\nB = os.environ["Y"]\nC = "Z" in os.environ\nD = os.getenv("W")\n'
-            'os.environ["V"] = "1"\nE = dict(os.environ)\n')
-    assert _env_reads(ast.parse(code)) == [2, 3, 4, 5], "the walker misses a read, or counts a write"
+            'os.environ["V"] = "1"\nE = dict(os.environ)\nimport os as o\nfrom os import environ as env, getenv\n'
+            'F = o.environ.get("U")\nG = env["T"]\nH = getenv("S")\n')
+    assert _env_reads(ast.parse(code)) == [2, 3, 4, 5, 10, 11, 12], "the walker misses a read, or counts a write"
     mods = _modules()
     assert _env_reads(ast.parse(mods[ENV_READER].read_text())), "options.py reads the environment"
     readers = {name: _env_reads(ast.parse(path.read_text())) for name, path in mods.items()
