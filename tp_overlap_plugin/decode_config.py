@@ -21,14 +21,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from tp_overlap_plugin import tables
 from tp_overlap_plugin.gemm_config import TileConfig
 
-TABLE_DIR = tables.SHIPPED["decode"]
 PATHS = ("fma", "mma")
 MAX_ROWS = 64        # the decode matmul's rows (x's M)
 FMA_MAX_ROWS = 16    # the FMA path keeps one fp32 partial per row and vector slot: past 16 rows it spills
@@ -89,11 +87,6 @@ CDNA3_MMA = DecodeConfig("mma", 32, 128, 4, 2, split_k=0)
 INTERPRETER_FMA = DecodeConfig("fma", 16, 32, 4, 1)
 INTERPRETER_MMA = DecodeConfig("mma", 16, 32, 4, 1)
 FMA_UPTO = 4  # rows at or below which a device without a table takes the FMA path
-
-
-def table_path(device_name: str) -> Path:
-    """The shipped table's path (`tp-overlap tune` caches its own: tables.cached_path)."""
-    return tables.shipped_path("decode", device_name)
 
 
 

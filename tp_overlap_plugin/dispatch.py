@@ -19,18 +19,15 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable
 
 from tp_overlap_plugin import tables
 from tp_overlap_plugin.options import DISPATCH_MODES
 from tp_overlap_plugin.shapes import LAYER_OPS
-from tp_overlap_plugin.tables import device_key  # noqa: F401  (the tables' device names)
 
 # How a step of some size runs, by the engine's verdict (tune's engine phase), from the most cautious:
 # every op stock; the table's per-op choices in the replicated layout; the table's layout and ops
 STEP_RUNS = ("stock", "replicated", "flag")
-TABLE_DIR = tables.SHIPPED["dispatch"]
 
 
 def _remembered(question):
@@ -272,10 +269,3 @@ def _wins(rows: list[dict], key: str, value: int, winner_key: str, ours: str) ->
     if above:
         near.append(min(above, key=lambda r: r[key]))
     return all(r[winner_key] == ours for r in near)
-
-
-
-def table_path(device_name: str, world: int) -> Path:
-    """Where the shipped table for this device and world size lives (`tp-overlap tune` caches its
-    own: tables.cached_path)."""
-    return tables.shipped_path("dispatch", device_name, world)

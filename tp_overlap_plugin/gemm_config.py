@@ -16,14 +16,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from tp_overlap_plugin import tables
-
-TABLE_DIR = tables.SHIPPED["gemm"]
-
 
 @dataclass(frozen=True)
 class TileConfig:
@@ -71,16 +67,6 @@ CDNA3_LARGE = TileConfig(256, 256, 64, 4, 8, 2)
 CDNA3_SMALL_M = TileConfig(64, 128, 64, 4, 4, 2, split_k=0)
 INTERPRETER = TileConfig(32, 32, 32, 4, 4, 1)
 SMALL_M = 64  # at or below: the small-M constants
-
-
-def device_slug(name: str) -> str:
-    """The tables' device key ("NVIDIA H200" -> "h200", "AMD Instinct MI300X VF" -> "mi300x")."""
-    return tables.device_key(name)
-
-
-def table_path(device_name: str) -> Path:
-    """The shipped table's path (`tp-overlap tune` caches its own: tables.cached_path)."""
-    return tables.shipped_path("gemm", device_name)
 
 
 @dataclass(frozen=True)
