@@ -27,7 +27,8 @@ from tp_overlap_plugin.ops.all_reduce import HeapAllReduce  # noqa: E402
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
 from tp_overlap_plugin.tuning.allreduce import all_reduce_sweep, torch_symm_all_reduce  # noqa: E402
 from tp_overlap_plugin.tuning.fused_ops import measure_shape, torch_fused_group  # noqa: E402
-from tp_overlap_plugin.tuning.shapes import LAYER_OPS, shipped_dims  # noqa: E402
+from tp_overlap_plugin.shapes import LAYER_OPS  # noqa: E402
+from tp_overlap_plugin.tuning.shapes import shipped_dims  # noqa: E402
 
 MODELS = {"8B": "llama-3-8b", "70B": "llama-3-70b"}
 

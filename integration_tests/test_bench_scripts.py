@@ -1,8 +1,8 @@
 """The benchmark scripts run end to end on the CPU at tiny size (stock and the flag interleaved, per-pair
 ratios, the HTTP rate sweep, the fused ops' benchmark and stress run), each is named in bench/README.md
 and run by a test, the README's headline table is what the newest results make, and the shipped
-dispatch and GEMM tables are exactly what their writers make of the shipped results: the tables'
-evidence is reproducible."""
+dispatch and GEMM tables are exactly what tuning/ makes of the shipped results (rules.from_bench_runs,
+gemm_configs.build_table): the tables' evidence is reproducible."""
 
 import re
 
@@ -21,8 +21,8 @@ SHIPPED_OVERLAP = RESULTS / "overlap-tp2-h200x2-2026-11-22-v3.json"
 SHIPPED_FOUNDATION = RESULTS / "foundation-tp2-h200x2-2026-11-23.json"
 
 
-def test_shipped_dispatch_table_is_reproducible(tmp_path):
-    table = tmp_path / "table.json"
+def test_shipped_dispatch_table_is_reproducible():
+    from tp_overlap_plugin.tuning.rules import from_bench_runs, markdown
     shipped = ROOT / "tp_overlap_plugin" / "dispatch_tables" / "h200-tp2.json"
     # GEMM + all-reduce rows, once measured, come from the newest gemm-ar run on the device
     gemm_ar = sorted(RESULTS.glob("gemm-ar-tp2-h200x2-*.json")) if "gemm_all_reduce" in json.loads(
@@ -31,14 +31,11 @@ def test_shipped_dispatch_table_is_reproducible(tmp_path):
     # two-GPU runs do not sort by date)
     gemv = sorted(RESULTS.glob("gemv-tp2-h200*.json"), key=lambda p: json.loads(p.read_text())["environment"]["date"]) \
         if "gemv" in json.loads(shipped.read_text()) else []
-    subprocess.run([sys.executable, str(ROOT / "bench" / "make_dispatch_table.py"),
-                    "--overlap", str(SHIPPED_OVERLAP), "--foundation", str(SHIPPED_FOUNDATION),
-                    *(["--gemm-ar", str(gemm_ar[-1])] if gemm_ar else []),
-                    *(["--gemv", str(gemv[-1])] if gemv else []),
-                    "--table-out", str(table), "--md-out", str(tmp_path / "table.md")],
-                   check=True, capture_output=True, text=True, timeout=120)
-    assert json.loads(table.read_text()) == json.loads(shipped.read_text())
-    assert (tmp_path / "table.md").read_text() == (RESULTS / "dispatch-h200-tp2-2026-11-22.md").read_text()
+    built = from_bench_runs(json.loads(SHIPPED_OVERLAP.read_text()), json.loads(SHIPPED_FOUNDATION.read_text()),
+                            json.loads(gemm_ar[-1].read_text()) if gemm_ar else None,
+                            json.loads(gemv[-1].read_text()) if gemv else None)
+    assert json.loads(json.dumps(built)) == json.loads(shipped.read_text())
+    assert markdown(built) == (RESULTS / "dispatch-h200-tp2-2026-11-22.md").read_text()
 
 
 MAX_SCRIPTS = 12  # issue 45: maintained tools only; finished instruments are retired (bench/notes/README.md)
@@ -210,34 +207,37 @@ def test_bench_throughput_lognormal_repeats_rounds_until_min_seconds(tmp_path):
     assert all(i + o <= 64 for i, o in zip(res["input_lens"], res["output_lens"]))
 
 
-GEMM_CONFIGS = "tp_overlap_plugin.tuning.gemm_configs"  # its command line: measure, table
+GEMM_CONFIGS = "tp_overlap_plugin.tuning.gemm_configs"  # its command line: measure (results only; tune writes the table)
 GEMM_TABLES = sorted((ROOT / "tp_overlap_plugin" / "gemm_tables").glob("*.json"))
 
 
 @pytest.mark.parametrize("shipped", GEMM_TABLES, ids=[p.stem for p in GEMM_TABLES])
-def test_shipped_gemm_table_is_reproducible(shipped, tmp_path):
+def test_shipped_gemm_table_is_reproducible(shipped):
     """The shipped GEMM config table, and the markdown beside its results, are exactly what
-    tuning/gemm_configs.py's `table` makes of the results JSON the table names."""
+    tuning/gemm_configs.build_table makes of the results JSON the table names."""
+    from tp_overlap_plugin.tuning import gemm_configs
+    from tp_overlap_plugin.tuning.results import header
     source = RESULTS / json.loads(shipped.read_text())["source"]
-    table, md = tmp_path / "table.json", tmp_path / "table.md"
-    subprocess.run([sys.executable, "-m", GEMM_CONFIGS, "table", str(source),
-                    "--table-out", str(table), "--md-out", str(md)], check=True, capture_output=True, text=True,
-                   timeout=120)
-    assert table.read_text() == shipped.read_text()
-    assert md.read_text() == source.with_suffix(".md").read_text()
+    payload = json.loads(source.read_text())
+    table, md = gemm_configs.build_table(payload)
+    table["source"] = source.name
+    assert gemm_configs.dump_table(table) == shipped.read_text()
+    assert header(payload["environment"]) + md == source.with_suffix(".md").read_text()
 
 
 def test_gemm_configs_pipeline_dry_run(tmp_path):
-    """measure (CPU, interpreter, tiny shapes) writes results and a table; `table` rebuilds both."""
+    """measure (CPU, interpreter, tiny shapes) writes the results and their markdown, the table's rules
+    applied; no table (tune writes those)."""
     r = subprocess.run([sys.executable, "-m", GEMM_CONFIGS, "measure", "--dry-run", "--m", "16,1", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    from tp_overlap_plugin.tuning import gemm_configs
+    from tp_overlap_plugin.tuning.results import header
     (js,) = tmp_path.glob("gemm-configs-dry-run-*.json")
-    rebuilt, md = tmp_path / "rebuilt.json", tmp_path / "rebuilt.md"
-    subprocess.run([sys.executable, "-m", GEMM_CONFIGS, "table", str(js), "--table-out", str(rebuilt), "--md-out", str(md)],
-                   check=True, capture_output=True, text=True, timeout=120)
-    assert rebuilt.read_text() == (tmp_path / "gemm-table-dry-run.json").read_text()
-    assert md.read_text() == js.with_suffix(".md").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([js.name, js.with_suffix(".md").name])
+    payload = json.loads(js.read_text())
+    table, md = gemm_configs.build_table(payload)
+    assert header(payload["environment"]) + md == js.with_suffix(".md").read_text() and table["entries"]
     results = json.loads(js.read_text())["results"]
     assert {r["M"] for r in results} == {16, 1}
     assert all(isinstance(t, float) for r in results for t in r["configs"].values()), results

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tp_overlap_plugin.serving.args import CliError
-from tp_overlap_plugin.serving.cli import build_parser, main
+from tp_overlap_plugin.tuning.cli import build_parser, main
 from serving_helpers import free_port
 
 

@@ -1,14 +1,21 @@
-"""The code's shape: no import circle in the package, no source file past 600 lines.
+"""The code's shape: floors that hold, no import circle in the package, no source file past 600 lines.
 
 Imports are read from the source with `ast`, not executed: cheap, and it sees the imports inside
 functions too, which running the modules would only hit on some paths.
 
-How an import counts:
-- Module level, and inside functions, alike. A function-local import only hides a circle from the
-  interpreter (it runs once both modules have loaded), the design circle stays: the engine's
-  engine.py <-> engine_core.py circle was two function-local imports (AsyncLLM.__init__ and run_core).
-  Import lazily to keep Triton or an optional dependency out of a process, never to break a circle.
-- Not under `if TYPE_CHECKING:`: such imports never run; they name types for annotations.
+The floors, bottom to top: `kernels/` (tp_overlap_plugin.kernels) <- the plugin's core
+(tp_overlap_plugin: heap, ops, layers, tables, the vLLM plugin) <- `serving/` (the engine and its server)
+<- `tuning/` (`tune` builds engines, and the whole `tp-overlap` command is put together there). A module
+imports its own floor and those below, never one above.
+
+How an import counts, for the floors and the circles alike: every import in a module's source, at
+module level, inside functions and under `if TYPE_CHECKING:`.
+- A function-local import only hides a dependency from the interpreter (it runs once both modules
+  have loaded); the design dependency stays: the engine's engine.py <-> engine_core.py circle was two
+  function-local imports (AsyncLLM.__init__ and run_core). Import lazily to keep Triton or an optional
+  dependency out of a process, never to break a circle or to reach up a floor.
+- A TYPE_CHECKING import never runs, but the module names the other's types: a reader of one needs
+  the other, and the two are one unit.
 - `from package import name` is an edge to the submodule `name` when there is one, else to the package.
   Importing a submodule also runs its parent packages' __init__, but those edges are left out: every
   module would otherwise be in a circle with the package that contains it. The __init__ files here
@@ -47,15 +54,11 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
-    """The package modules `name` imports (module level and inside functions, not TYPE_CHECKING)."""
+    """The package modules `name` imports: at module level, inside functions and under TYPE_CHECKING."""
     is_pkg = path.name == "__init__.py"
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for other in node.orelse:
-                visit(other)
-            return
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name in mods)
         elif isinstance(node, ast.ImportFrom):
@@ -134,6 +137,12 @@ def test_the_walker_sees_the_packages_and_a_circle():
             "tp_overlap_plugin.tuning.rules", "tp_overlap_plugin.heap"} <= set(mods)
     assert "tp_overlap_plugin.serving.engine.outputs" in _imports(
         "tp_overlap_plugin.serving.engine.llm_engine", mods["tp_overlap_plugin.serving.engine.llm_engine"], mods)
+    # a TYPE_CHECKING import (messages.py names SamplingParams for its annotations) and a function-local
+    # one (the `tune` subcommand imports the run when it runs) both count
+    assert "tp_overlap_plugin.serving.config" in _imports(
+        "tp_overlap_plugin.serving.engine.messages", mods["tp_overlap_plugin.serving.engine.messages"], mods)
+    assert "tp_overlap_plugin.tuning.tune" in _imports(
+        "tp_overlap_plugin.tuning.cli", mods["tp_overlap_plugin.tuning.cli"], mods)
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
     assert _circles(graph) == [["a", "b", "c"]]
     assert _path_through(graph, ["a", "b", "c"]) == "a -> b -> c -> a"
@@ -143,8 +152,100 @@ def test_no_import_circle():
     mods = _modules()
     graph = {name: _imports(name, path, mods) for name, path in mods.items()}
     circles = _circles(graph)
-    assert not circles, "import circles (function-local imports count, see this file's docstring):\n" + \
+    assert not circles, "import circles (function-local and TYPE_CHECKING imports count: this file's docstring):\n" + \
         "\n".join(_path_through(graph, c) for c in circles)
+
+
+# bottom to top; a module's floor is that of the longest of these names its own starts with
+FLOORS = ["tp_overlap_plugin.kernels", "tp_overlap_plugin", "tp_overlap_plugin.serving", "tp_overlap_plugin.tuning"]
+
+
+def _floor(module: str) -> int:
+    owners = [f for f in FLOORS if module == f or module.startswith(f + ".")]
+    assert owners, f"{module} is on no floor"
+    return FLOORS.index(max(owners, key=len))
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module on a floor above the importer's, as "importer (floor) -> imported (floor)"."""
+    return [f"{m} ({FLOORS[_floor(m)]}) -> {t} ({FLOORS[_floor(t)]})"
+            for m in sorted(graph) for t in sorted(graph[m]) if _floor(t) > _floor(m)]
+
+
+def test_the_floors_are_told_apart():
+    """Each floor's modules map to it, and an upward edge is found: a checker that found nothing could not fail."""
+    assert [_floor(m) for m in ("tp_overlap_plugin.kernels.rma", "tp_overlap_plugin.heap", "tp_overlap_plugin.ops.gemm",
+                                "tp_overlap_plugin.serving.engine.llm_engine", "tp_overlap_plugin.tuning.tune",
+                                "tp_overlap_plugin.tuning")] == [0, 1, 1, 2, 3, 3]
+    graph = {"tp_overlap_plugin.kernels.rma": {"tp_overlap_plugin.heap"}, "tp_overlap_plugin.heap": set(),
+             "tp_overlap_plugin.serving.cli": {"tp_overlap_plugin.heap", "tp_overlap_plugin.tuning.tune"},
+             "tp_overlap_plugin.tuning.tune": {"tp_overlap_plugin.serving.cli"}}
+    assert _upward(graph) == [
+        "tp_overlap_plugin.kernels.rma (tp_overlap_plugin.kernels) -> tp_overlap_plugin.heap (tp_overlap_plugin)",
+        "tp_overlap_plugin.serving.cli (tp_overlap_plugin.serving) -> tp_overlap_plugin.tuning.tune "
+        "(tp_overlap_plugin.tuning)"]
+
+
+def test_no_import_reaches_up_a_floor():
+    mods = _modules()
+    graph = {name: _imports(name, path, mods) for name, path in mods.items()}
+    up = _upward(graph)
+    assert not up, ("imports of a floor above the importer's (function-local and TYPE_CHECKING imports count; "
+                    "move what both need down a floor, or register the upper floor's part from above):\n"
+                    + "\n".join(up))
+
+
+# ---- the environment is read in one place (tp_overlap_plugin/options.py) -----------------------------
+
+ENV_READER = "tp_overlap_plugin.options"
+# Modules allowed to read os.environ besides, each with the reason: not a setting read, plumbing.
+ENV_PLUMBING = {"tp_overlap_plugin.multirank": "saves the variables it sets around a rank's start, to restore them"}
+
+
+def _env_reads(tree: ast.AST) -> list[int]:
+    """Lines that read a variable: os.environ.get / [...] / `in os.environ`, os.getenv. Setting one, or
+    copying the whole environment for a child process, reads no setting."""
+    # the names `os`, its environ and getenv go by here (import os as o, from os import environ)
+    oses, environs, getenvs = {"os"}, set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            oses |= {a.asname for a in node.names if a.name == "os" and a.asname}
+        elif isinstance(node, ast.ImportFrom) and node.module == "os":
+            environs |= {a.asname or a.name for a in node.names if a.name == "environ"}
+            getenvs |= {a.asname or a.name for a in node.names if a.name == "getenv"}
+
+    def is_environ(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "environ" and ast.unparse(node.value) in oses) or \
+            (isinstance(node, ast.Name) and node.id in environs)
+
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and (
+                (isinstance(node.func, ast.Attribute) and is_environ(node.func.value)
+                 and node.func.attr in ("get", "setdefault", "items", "keys", "values"))
+                or (isinstance(node.func, ast.Attribute) and node.func.attr == "getenv"
+                    and ast.unparse(node.func.value) in oses)
+                or (isinstance(node.func, ast.Name) and node.func.id in getenvs)):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Subscript) and is_environ(node.value) and isinstance(node.ctx, ast.Load):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Compare) and any(is_environ(c) for c in node.comparators) and any(
+                isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_the_environment_is_read_in_options_only():
+    code = ('import os\nA = os.environ.get("X")\nB = os.environ["Y"]\nC = "Z" in os.environ\nD = os.getenv("W")\n'
+            'os.environ["V"] = "1"\nE = dict(os.environ)\nimport os as o\nfrom os import environ as env, getenv\n'
+            'F = o.environ.get("U")\nG = env["T"]\nH = getenv("S")\n')
+    assert _env_reads(ast.parse(code)) == [2, 3, 4, 5, 10, 11, 12], "the walker misses a read, or counts a write"
+    mods = _modules()
+    assert _env_reads(ast.parse(mods[ENV_READER].read_text())), "options.py reads the environment"
+    readers = {name: _env_reads(ast.parse(path.read_text())) for name, path in mods.items()
+               if name != ENV_READER and name not in ENV_PLUMBING}
+    readers = {name: lines for name, lines in readers.items() if lines}
+    assert not readers, f"read environment variables through tp_overlap_plugin/options.py (one function each): {readers}"
 
 
 def _source_files() -> list[Path]:

@@ -223,7 +223,7 @@ def _after_a_give_up(ctx, seed):
     its slot in the peers' heaps keeps a sentinel; the peers time out naming it, and their rows of
     it are NaN. Returns (the normal outputs, the second call's output, its error, what GAVE_UP's
     slot holds on this rank after the second call)."""
-    from tp_overlap_plugin.error_slot import ERR_CODE, ERR_PEER, ERR_RANK, ERR_STUCK
+    from tp_overlap_plugin.kernels.error_slot import ERR_CODE, ERR_PEER, ERR_RANK, ERR_STUCK
     from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm
     h, r, W, dev = ctx.heap, ctx.rank, ctx.world_size, ctx.device
     dtype = torch.float16 if dev.type == "cpu" else torch.bfloat16

@@ -11,13 +11,16 @@ import tempfile
 
 import pytest
 
-from tp_overlap_plugin.dispatch import Dispatcher, table_path
+from tp_overlap_plugin import tables
+from tp_overlap_plugin.dispatch import Dispatcher
 
 SMALL = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=16, show_progress=False,
              dist_timeout_s=60)
 
 
 def test_table_names_follow_the_device():
+    def table_path(device_name, world):
+        return tables.shipped_path("dispatch", device_name, world)
     assert table_path("NVIDIA H200", 2).name == "h200-tp2.json"
     assert table_path("AMD Instinct MI300X", 8).name == "mi300x-tp8.json"
     assert table_path("AMD Instinct MI300X VF", 8).name == "mi300x-tp8.json"

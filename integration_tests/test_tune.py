@@ -40,7 +40,7 @@ def _tune(cache: Path, *args, timeout=240, env_extra=None):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(env_extra or {})
     env["TP_OVERLAP_CACHE"] = str(cache)
-    return subprocess.run([sys.executable, "-m", "tp_overlap_plugin.serving.cli", "tune", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "tp_overlap_plugin.tuning.cli", "tune", *args], env=env,
                           capture_output=True, text=True, timeout=timeout, cwd=tempfile.gettempdir())
 
 
@@ -192,6 +192,11 @@ def test_corrupt_stale_and_other_device_tables_warn_and_never_fail(cache):
     skipped, none = Dispatcher.load("table", "cpu", 2).startup_warnings("cpu", 2)
     assert "not a readable JSON table" in skipped and "no cpu-tp2.json in the cache" not in none
     assert f"the cached {cache / 'dispatch' / 'cpu-tp2.json'} does not read, and none is shipped" in none
+    # one that reads but whose rows are not rows is skipped the same way (tables.load, the one loader)
+    _put(cache / "dispatch" / "cpu-tp2.json", json.dumps(_table(gemv="oops")))
+    d = Dispatcher.load("table", "cpu", 2)
+    (w,) = d.warnings
+    assert d.missing and "does not parse" in w and "'gemv' must be a list of rows" in w, w
 
     # the GEMM config table likewise: a corrupt cached one falls back to the shipped one
     from tp_overlap_plugin import gemm_config
@@ -202,6 +207,26 @@ def test_corrupt_stale_and_other_device_tables_warn_and_never_fail(cache):
     finally:
         gemm_config.find_table.cache_clear()
     assert table is not None and found.origin == "shipped" and "is not a table" in found.warnings[0]
+
+
+def test_one_bucketed_table_type_serves_the_config_tables(monkeypatch):
+    import torch
+
+    from tp_overlap_plugin import decode_config, gemm_config
+    fma, mma = decode_config.DecodeConfig("fma", 16, 256), decode_config.DecodeConfig("mma", 64, 128, tma=True)
+    data = {"buckets": [4, 64], "configs": {fma.label(): fma.to_dict(), mma.label(): mma.to_dict()},
+            "entries": [{"M": 64, "N": 128, "K": 256, "label": fma.label()}],
+            "defaults": {"4": fma.label(), "64": mma.label()}}
+    t = tables.BucketedTable.parse(data, decode_config.DecodeConfig.from_dict)
+    assert (t.bucket(3), t.bucket(5), t.bucket(1000)) == (4, 64, 64)
+    assert (t.config(2, 1, 1), t.config(33, 1, 1), t.config(33, 128, 256)) == (fma, mma, fma)
+    # the decode matmul takes a bucket's config only where its path takes the rows (FMA: up to 16)
+    monkeypatch.setattr(decode_config, "load_table", lambda name: t)
+    monkeypatch.setattr(gemm_config, "_device_name", lambda device: "Test GPU")
+    cuda = torch.device("cuda")
+    assert decode_config.pick_decode_config(12, 128, 256, cuda) == fma
+    assert decode_config.pick_decode_config(33, 128, 256, cuda) in (decode_config.HOPPER_MMA, decode_config.CDNA3_MMA)
+    assert issubclass(gemm_config.GemmTable, tables.BucketedTable)   # the same type, with the cuBLAS crossover
 
 
 def test_the_engine_names_the_model_shapes_the_table_lacks(cache, caplog):
@@ -239,21 +264,25 @@ def test_an_unwritable_cache_is_a_clear_error_before_measuring(tmp_path):
 
 def test_only_measures_the_named_phases(tmp_path, capsys):
     """`tune --only PHASE` (what the retired bench/gemv.py, gemm_ar.py, ... ran): that phase's rows and
-    no other's, into a table; a phase that does not exist is an error naming the phases, before any
-    rank starts."""
-    from tp_overlap_plugin.serving.cli import main
-    assert main(["tune", "--tp", "1", "--device", "cpu", "--model", "demo", "--only", "gemv,fused"]) == 2
+    no other's; the dispatch table is built (of them), the config tables' phases are not run; a phase
+    that does not exist is a one-line usage error naming the phases, before any rank starts."""
+    from tp_overlap_plugin.tuning.cli import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["tune", "--tp", "1", "--device", "cpu", "--model", "demo", "--only", "gemv,bogus"])
     err = capsys.readouterr().err
-    assert "--only: no phase fused; the phases are gemm_configs, decode_configs, gemv," in err and "estimated" not in err
+    assert exit_.value.code == 2 and "estimated" not in err
+    assert "unknown phase(s) ['bogus']; the phases are gemm_configs, decode_configs, gemv," in err, err
     cache = tmp_path / "cache"
-    proc = _tune(cache, "--tp", "1", "--device", "cpu", "--model", "demo", "--only", "gemv", "--margin", "0",
-                 "--budget-min", "30")
+    proc = _tune(cache, "--tp", "1", "--quick", "--device", "cpu", "--model", "demo", "--only", "gemv",
+                 "--margin", "0", "--budget-min", "30")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "1 phases" in proc.stderr.splitlines()[0], proc.stderr[:500]
+    assert " in 1 phases" in proc.stderr.splitlines()[0], proc.stderr[:500]
+    assert sorted(p.name for p in (cache / "measurements").iterdir()) == ["cpu-tp1"]
     assert sorted(p.name for p in (cache / "measurements").rglob("*.json")) == ["gemv.json"]
     table = json.loads((cache / "dispatch" / "cpu-tp1.json").read_text())
     assert table["gemv"] and all(r["winner"] == "gemv" for r in table["gemv"])
-    assert not table.get("gemm") and not table.get("gemm_silu_mul") and "engine" not in table
+    assert not table.get("gemm") and not table.get("gemm_silu_mul") and not table.get("engine")
+    assert not (cache / "gemm" / "cpu.json").exists() and not (cache / "decode" / "cpu.json").exists()
 
 
 def test_two_runs_at_once_leave_one_valid_file_with_both_runs_rows(tmp_path):
@@ -265,13 +294,13 @@ def test_two_runs_at_once_leave_one_valid_file_with_both_runs_rows(tmp_path):
         "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}))
     cache = tmp_path / "cache"
     env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "TP_OVERLAP_CACHE": str(cache)}
-    procs = [subprocess.Popen([sys.executable, "-m", "tp_overlap_plugin.serving.cli", "tune", "--tp", "1", "--quick",
+    procs = [subprocess.Popen([sys.executable, "-m", "tp_overlap_plugin.tuning.cli", "tune", "--tp", "1", "--quick",
                                "--device", "cpu", "--model", model, "--budget-min", "30"], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir()) for model in ("demo", str(tiny))]
     outs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outs]
     from tp_overlap_plugin.serving.model.demo import demo_hf_config
-    from tp_overlap_plugin.tuning.shapes import ModelDims
+    from tp_overlap_plugin.shapes import ModelDims
     dims = [ModelDims.from_hf(demo_hf_config()), ModelDims.from_hf(json.loads((tiny / "config.json").read_text()))]
     layers = {(k, n) for d in dims for _, k, n in d.layers(1)}
     table = json.loads((cache / "dispatch" / "cpu-tp1.json").read_text())

@@ -28,10 +28,9 @@ atomic read, one round trip for the program, after threads have polled on their 
 import triton
 import triton.language as tl
 
-from tp_overlap_plugin import error_slot
-from tp_overlap_plugin.kernels import triton_compat
+from tp_overlap_plugin.kernels import error_slot, triton_compat
 
-# the error slot's words and codes: one layout with the host (tp_overlap_plugin/error_slot.py)
+# the error slot's words and codes: one layout with the host (kernels/error_slot.py)
 _ERR_CODE = tl.constexpr(error_slot.ERR_CODE)
 _ERR_RANK = tl.constexpr(error_slot.ERR_RANK)
 _ERR_PEER = tl.constexpr(error_slot.ERR_PEER)

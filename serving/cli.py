@@ -1,11 +1,13 @@
-"""The `tp-overlap` command: serve, generate, bench, demo, tune.
+"""The `tp-overlap` command's engine subcommands: serve, generate, bench, demo. The whole command
+(these and `tune`) is tp_overlap_plugin/tuning/cli.py's `main`: tuning builds engines, so it sits above
+serving/ and registers its subcommand there; nothing here imports it.
 
     tp-overlap generate --prompt "Hello"                          # embedded demo model, nothing downloaded
     tp-overlap generate --model /models/Llama-3.1-8B --tp 2 --prompt "Hi" --chat
     torchrun --nproc-per-node 2 -m tp_overlap_plugin.serving.cli generate --model ... --tp 2 --prompt "Hi"
 
-The entry lives with the engine, not in tp_overlap_plugin: the plugin (layers, heap, kernels) is what
-vLLM loads, and it must never import the engine. The engine's options (`add_engine_args`,
+The subcommands live with the engine, not in the plugin's core: the plugin (layers, heap, kernels) is
+what vLLM loads, and it must never import the engine. The engine's options (`add_engine_args`,
 `engine_config_from_args`) live in args.py, shared with the server and the offline benches.
 """
 
@@ -15,9 +17,11 @@ import argparse
 import os
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
-from .args import (DEBUG_HINT, CliError, Parser, add_debug_arg, add_engine_args, check_tp_option,
+from tp_overlap_plugin import options
+
+from .args import (DEBUG_HINT, CliError, Parser, add_debug_arg, add_engine_args,
                    describe_validation_error, engine_config_from_args, report_error)
 from .config import SamplingParams
 
@@ -147,42 +151,9 @@ def _bench_serve(args) -> int:
     return bench_serve_main(args)
 
 
-def _tune(args) -> int:
-    """Measure the flag's tables on this machine for this TP size and model (tp_overlap_plugin/tuning/tune.py)."""
-    from tp_overlap_plugin import tables
-
-    from .config import EngineConfig
-
-    try:  # before anything is measured: a cache it cannot write would lose the run
-        tables.writable_or_raise(tables.cache_dir())
-    except PermissionError as e:
-        raise CliError(str(e), status=1) from None
-
-    try:
-        mcfg = EngineConfig(model=args.model).load_model_config()
-    except (FileNotFoundError, ValueError) as e:
-        raise CliError(str(e)) from None
-    import torch
-
-    from tp_overlap_plugin.tuning.plan import PHASES
-    from tp_overlap_plugin.tuning.shapes import ModelDims
-    from tp_overlap_plugin.tuning.tune import run
-
-    if unknown := [p for p in args.only if p not in PHASES + ("engine",)]:
-        raise CliError(f"--only: no phase {', '.join(unknown)}; the phases are {', '.join(PHASES + ('engine',))}")
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and torch.cuda.device_count() < args.tp:
-        raise CliError(f"--tp {args.tp} needs {args.tp} GPUs on this machine, found {torch.cuda.device_count()}")
-    check_tp_option(mcfg, args.tp)
-    dims = ModelDims.of(mcfg)
-    label = os.path.basename(os.path.normpath(args.model))
-    return run(label, dims, args.tp, device, quick=args.quick, budget_min=args.budget_min, force=args.force,
-               margin=args.margin, engine_margin=args.engine_margin, model_spec=args.model,
-               step_budget=args.max_num_batched_tokens, only=args.only)
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(more: Sequence[Callable] = ()) -> argparse.ArgumentParser:
+    """serving's subcommands; each of `more` adds its own to the subparsers (the `tune` of the whole
+    command, tp_overlap_plugin/tuning/cli.py)."""
     p = Parser(prog="tp-overlap", description="tensor-parallel serving with overlapped kernels")
     p.add_argument("--debug", action="store_true", help="print the traceback of an error")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -196,33 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_debug_arg(d)
     d.set_defaults(func=_demo)
 
-    t = sub.add_parser("tune", help="measure the --tp-overlap tables for this machine, TP size and model, into the "
-                                    "per-user cache (then `serve --tp-overlap` uses them)")
-    t.add_argument("--tp", type=int, required=True, help="the TP size to measure (starts that many ranks here)")
-    t.add_argument("--model", default="demo",
-                   help="a shipped config name (llama-3-8b, llama-3-70b, qwen2.5-7b), a model directory or "
-                        "'demo': its shard shapes are measured")
-    t.add_argument("--quick", action="store_true", help="fewer sizes and configs (about 3 minutes at TP=8)")
-    t.add_argument("--budget-min", type=float, default=None,
-                   help="stop starting new measurements after this many minutes (default 10, --quick 3); "
-                        "a rerun resumes")
-    t.add_argument("--force", action="store_true", help="measure everything again, ignoring cached rows")
-    t.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present")
-    t.add_argument("--margin", type=float, default=None,
-                   help="ours is chosen where it is at least this many times faster than stock in every repeat "
-                        "(default 1.02; 0 picks ours wherever it ran correctly, for tests of the pipeline); "
-                        "the engine's check too, unless --engine-margin")
-    t.add_argument("--engine-margin", type=float, default=None,
-                   help="a step size keeps the flag where its engine step is at least this many times faster than "
-                        "the stock engine's in every repeat, else it runs stock (default 1.01)")
-    t.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="the step token budget the engine check's largest prefill step fills (default 8192 on GPUs, "
-                        "vLLM's default; serve with the same budget)")
-    t.add_argument("--only", type=lambda s: tuple(x for x in s.split(",") if x), default=(),
-                   metavar="PHASE[,PHASE...]",
-                   help="measure only these phases, comma-separated (a wrong name lists them all); the tables are "
-                        "still made of every row measured before")
-    t.set_defaults(func=_tune)
+    for add in more:
+        add(sub)
 
     # The server's and the benchmark's options live next to their code. Those modules import fastapi,
     # prometheus_client and httpx only when serving, so the parser works without the `serve` extra.
@@ -253,7 +199,7 @@ def _interpret_kernels_without_gpu(argv) -> None:
     interpreter, and Triton reads TRITON_INTERPRET once, when it is imported: so it is set here,
     before the parser imports the engine. The CPU engine runs no other Triton kernel, and an
     explicit TRITON_INTERPRET in the environment wins."""
-    if "triton" in sys.modules or "TRITON_INTERPRET" in os.environ:
+    if "triton" in sys.modules or options.env_triton_interpret() is not None:
         return
     argv = list(sys.argv[1:] if argv is None else argv)
     cpu = "--device=cpu" in argv or any(a == "--device" and b == "cpu" for a, b in zip(argv, argv[1:]))
@@ -289,9 +235,9 @@ def _run(args: argparse.Namespace, prog: str) -> int:
         return 1
 
 
-def main(argv=None) -> int:
+def main(argv=None, more: Sequence[Callable] = ()) -> int:
     _interpret_kernels_without_gpu(argv)
-    args = build_parser().parse_args(argv)
+    args = build_parser(more).parse_args(argv)
     prog = " ".join(["tp-overlap", args.command] + ([args.bench_command] if args.command == "bench" else []))
     return _run(args, prog)
 

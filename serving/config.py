@@ -5,14 +5,14 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tp_overlap_plugin import options
 from tp_overlap_plugin.options import TPOverlapOptions, options_from_env
 
 SHIPPED_CONFIGS = Path(__file__).parent / "model" / "model_configs"
@@ -263,6 +263,15 @@ MAX_TOP_LOGPROBS = 20
 # OpenAI's range for a logit bias.
 MAX_LOGIT_BIAS = 100.0
 
+# The sampling knobs' bounds, written once: SamplingParams and the HTTP requests (protocol.py) take
+# these types, so a request is refused at the door with the same limits the engine holds.
+Temperature = Annotated[float, Field(ge=0.0)]    # (the HTTP API adds OpenAI's upper bound, 2)
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]               # presence and frequency (OpenAI's range)
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=10.0)]     # vLLM's; 1 disables
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+
 
 class RequestError(ValueError):
     """A request the engine refuses; `param` names the SamplingParams field at fault (the server's
@@ -271,6 +280,11 @@ class RequestError(ValueError):
     def __init__(self, message: str, param: str):
         super().__init__(message)
         self.param = param
+
+
+class ContextLengthError(RequestError):
+    """A prompt and its max_tokens that do not fit the model's context (InputProcessor.check_context);
+    `param` names what to shorten or lower."""
 
 
 class StructuredOutput(BaseModel):
@@ -299,23 +313,22 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: Temperature = 1.0
     top_k: int = Field(0, ge=0, description="0 disables")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    top_p: TopP = 1.0
+    min_p: MinP = 0.0
     seed: Optional[int] = None
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = Field(False, description="return the log-probability of each chosen token")
-    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS,
-                              description="also the most likely tokens at each position (needs logprobs)")
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted from the logit of every "
-                                    "token generated so far (OpenAI)")
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted once per time a token "
-                                     "was generated so far (OpenAI)")
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="divides positive and multiplies "
-                                      "negative logits of tokens in the prompt or the output (HF/vLLM); 1 disables")
+    top_logprobs: TopLogprobs = Field(0, description="also the most likely tokens at each position (needs logprobs)")
+    presence_penalty: Penalty = Field(0.0, description="subtracted from the logit of every token generated so far "
+                                      "(OpenAI)")
+    frequency_penalty: Penalty = Field(0.0, description="subtracted once per time a token was generated so far "
+                                       "(OpenAI)")
+    repetition_penalty: RepetitionPenalty = Field(1.0, description="divides positive and multiplies negative logits "
+                                                  "of tokens in the prompt or the output (HF/vLLM); 1 disables")
     logit_bias: Optional[dict[int, float]] = Field(None, description="token id -> bias added to its logit, "
                                                    f"in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
     structured_output: Optional[StructuredOutput] = None
@@ -374,7 +387,4 @@ def default_device(cfg: EngineConfig) -> str:
 
 def env_rank_world() -> Optional[tuple[int, int, int]]:
     """(rank, world_size, local_rank) when launched by torchrun, else None."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        return r, w, int(os.environ.get("LOCAL_RANK", r))
-    return None
+    return options.env_launcher_rank()

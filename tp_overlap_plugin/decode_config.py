@@ -21,14 +21,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from tp_overlap_plugin import tables
 from tp_overlap_plugin.gemm_config import TileConfig
 
-TABLE_DIR = tables.SHIPPED["decode"]
 PATHS = ("fma", "mma")
 MAX_ROWS = 64        # the decode matmul's rows (x's M)
 FMA_MAX_ROWS = 16    # the FMA path keeps one fp32 partial per row and vector slot: past 16 rows it spills
@@ -91,43 +89,18 @@ INTERPRETER_MMA = DecodeConfig("mma", 16, 32, 4, 1)
 FMA_UPTO = 4  # rows at or below which a device without a table takes the FMA path
 
 
-def table_path(device_name: str) -> Path:
-    """The shipped table's path (`tp-overlap tune` caches its own: tables.cached_path)."""
-    return tables.shipped_path("decode", device_name)
-
-
-@dataclass(frozen=True)
-class DecodeTable:
-    buckets: tuple[int, ...]   # measured M, ascending
-    configs: dict              # (bucket, n, k) -> DecodeConfig
-    defaults: dict             # bucket -> DecodeConfig
-
-    @classmethod
-    def from_json(cls, data: dict) -> "DecodeTable":
-        by_label = {label: DecodeConfig.from_dict(c) for label, c in data["configs"].items()}
-        return cls(buckets=tuple(data["buckets"]),
-                   configs={(e["M"], e["N"], e["K"]): by_label[e["label"]] for e in data["entries"]},
-                   defaults={int(m): by_label[label] for m, label in data["defaults"].items()})
-
-    def bucket(self, m: int) -> int:
-        """The smallest measured M >= m, or the largest."""
-        return next((b for b in self.buckets if b >= m), self.buckets[-1])
-
-    def config(self, m: int, n: int, k: int) -> DecodeConfig | None:
-        b = self.bucket(m)
-        cfg = self.configs.get((b, n, k), self.defaults.get(b))
-        return cfg if cfg is not None and cfg.takes(m) else None
-
-
-REQUIRED = ("buckets", "configs", "entries", "defaults")
 
 
 @functools.lru_cache(maxsize=None)
-def load_table(device_name: str) -> DecodeTable | None:
+def load_table(device_name: str) -> tables.BucketedTable[DecodeConfig] | None:
     """The table for this device (cache, then shipped: tables.load_config_table); one that does not
     parse falls back like a missing one (the constants below)."""
-    return tables.load_config_table("decode", device_name, REQUIRED, DecodeTable.from_json,
+    return tables.load_config_table("decode", device_name, tables.BUCKETED_FIELDS, _parse,
                                     "the decode matmul takes its on-paper configs")[0]
+
+
+def _parse(data: dict) -> tables.BucketedTable[DecodeConfig]:
+    return tables.BucketedTable.parse(data, DecodeConfig.from_dict)
 
 
 def pick_decode_config(m: int, n: int, k: int, device: torch.device) -> DecodeConfig:
@@ -138,7 +111,7 @@ def pick_decode_config(m: int, n: int, k: int, device: torch.device) -> DecodeCo
     from tp_overlap_plugin.gemm_config import _device_name
     table = load_table(_device_name(device))
     cfg = table.config(m, n, k) if table is not None else None
-    if cfg is not None:
+    if cfg is not None and cfg.takes(m):   # (a bucket's config may be one path's that cannot take m rows)
         return cfg
     if torch.version.hip is not None:
         return CDNA3_FMA if small else CDNA3_MMA

@@ -19,17 +19,15 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable
 
 from tp_overlap_plugin import tables
-from tp_overlap_plugin.tables import device_key  # noqa: F401  (the tables' device names)
+from tp_overlap_plugin.options import DISPATCH_MODES
+from tp_overlap_plugin.shapes import LAYER_OPS
 
-MODES = ("table", "overlap", "stock")
 # How a step of some size runs, by the engine's verdict (tune's engine phase), from the most cautious:
 # every op stock; the table's per-op choices in the replicated layout; the table's layout and ops
 STEP_RUNS = ("stock", "replicated", "flag")
-TABLE_DIR = tables.SHIPPED["dispatch"]
 
 
 def _remembered(question):
@@ -69,29 +67,26 @@ class Dispatcher:
     _answers: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"dispatch mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode not in DISPATCH_MODES:
+            raise ValueError(f"dispatch mode must be one of {DISPATCH_MODES}, got {self.mode!r}")
 
     @classmethod
     def load(cls, mode: str = "table", device_name: str | None = None, world: int = 2,
              path: str | os.PathLike | None = None, model: str | None = None) -> "Dispatcher":
         """The table for this device and world size (explicit `path`, then the cache, then the shipped
-        tables: tables.find); an empty one (everything stock) if none was measured for it."""
+        tables: tables.load); an empty one (everything stock) if none was measured for it, or it does not
+        parse."""
         if mode != "table":
             return cls(mode=mode)
         device_name = device_name or "cpu"
-        found = tables.find("dispatch", device_name, world, explicit=path, required=("all_reduce",),
-                            current=tables.versions("cpu" if device_name == "cpu" else "cuda"), model=model)
-        if found.data is None:
+        fields, found = tables.load("dispatch", device_name, _fields_of, "the flag runs stock", world=world,
+                                    explicit=path, required=("all_reduce",), model=model,
+                                    current=tables.versions("cpu" if device_name == "cpu" else "cuda"))
+        if fields is None:
             looked = tables.cached_path("dispatch", device_name, world)
             return cls(mode=mode, source=f"no table ({looked} nor the shipped one): stock everywhere",
                        missing=looked.name, warnings=found.warnings)
-        data = found.data
-        return cls(mode=mode, gemm=data.get("gemm", []), all_reduce=data.get("all_reduce", []),
-                   gemm_all_reduce_rows=data.get("gemm_all_reduce", []), gemv_rows=data.get("gemv", []),
-                   silu_mul_rows=data.get("gemm_silu_mul", []), engine_rows=data.get("engine", []),
-                   one_shot_max_bytes=data.get("one_shot_max_bytes"),
-                   source=found.describe(), margin=data.get("margin", cls.margin), warnings=found.warnings)
+        return cls(mode=mode, **fields, source=found.describe(), warnings=found.warnings)
 
     @property
     def may_use_kernels(self) -> bool:
@@ -126,7 +121,7 @@ class Dispatcher:
         fused = {(r["op"], r["K"], r["N"]) for r in self.gemm}
         lacking = []
         for layer, k, n in ops:
-            op = "rs" if layer in ROW_LAYERS else "ag"
+            op = LAYER_OPS.get(layer, "ag")   # (the LM head is column-parallel)
             has = (k, n) in gemv and (world == 1 or (op, k, n) in fused or layer == "lm_head")
             if not has:
                 lacking.append((layer, k, n))
@@ -241,6 +236,24 @@ class Dispatcher:
         return bool(rows) and _wins(rows, "M", m, "winner", "fused")
 
 
+# the table's JSON field -> the Dispatcher's (rows of each are lists of dicts)
+_ROWS = {"gemm": "gemm", "all_reduce": "all_reduce", "gemm_all_reduce": "gemm_all_reduce_rows", "gemv": "gemv_rows",
+         "gemm_silu_mul": "silu_mul_rows", "engine": "engine_rows"}
+
+
+def _fields_of(data: dict) -> dict:
+    """A dispatch table's JSON -> Dispatcher fields; TypeError where a field is not what it should be."""
+    fields = {}
+    for key, name in _ROWS.items():
+        rows = data.get(key, [])
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise TypeError(f"{key!r} must be a list of rows (objects)")
+        fields[name] = rows
+    fields["one_shot_max_bytes"] = data.get("one_shot_max_bytes")
+    fields["margin"] = float(data.get("margin", Dispatcher.margin))
+    return fields
+
+
 _GEMM_AR_WINNERS = ("graph_winner", "eager_winner", "norm_graph_winner", "norm_eager_winner")
 
 
@@ -256,12 +269,3 @@ def _wins(rows: list[dict], key: str, value: int, winner_key: str, ours: str) ->
     if above:
         near.append(min(above, key=lambda r: r[key]))
     return all(r[winner_key] == ours for r in near)
-
-
-ROW_LAYERS = ("o_proj", "down")  # the row-parallel layers (K divided by W); the others divide N
-
-
-def table_path(device_name: str, world: int) -> Path:
-    """Where the shipped table for this device and world size lives (`tp-overlap tune` caches its
-    own: tables.cached_path)."""
-    return tables.shipped_path("dispatch", device_name, world)

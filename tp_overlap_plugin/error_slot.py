@@ -1,24 +1,23 @@
-"""The heap's error slot: where a kernel whose bounded wait gave up says why, and where the host sets
-the bound. One layout for both sides: the kernels (kernels/rma.py wraps these as constexprs) write it,
-SymmetricHeap allocates it first in every heap and turns it into an exception (`heap.check`).
+"""The host's reading of the heap's error slot. The slot's layout is the kernels' (kernels/error_slot.py:
+they write it); SymmetricHeap allocates it, sets the wait bound in it and raises what a record says
+(`heap.check`)."""
 
-The slot is ERR_WORDS int64 words. Word ERR_CODE is 0 while every wait succeeded; a kernel that gives up
-claims it (-1), fills the record words, then publishes its code. ERR_TIMEOUT_NS is no error: the wait
-bound in ns, written by the host, read by every wait.
+from __future__ import annotations
 
-Plain ints, no Triton: the host imports this before it decides whether Triton runs interpreted.
-"""
+from typing import Callable
 
-# word offsets
-ERR_CODE = 0          # 0: no failure; else one of the codes below
-ERR_RANK = 1          # the rank whose wait gave up
-ERR_PEER = 2          # the peer it waited for
-ERR_FLAG_OFFSET = 3   # the flag's offset in the heap
-ERR_EXPECTED = 4      # the epoch it waited for
-ERR_SEEN = 5          # the value it saw last
-ERR_BOUND_NS = 6      # the bound in ns that wait had (the host may have set another since)
-ERR_TIMEOUT_NS = 7    # the wait bound in ns (set by the host)
-ERR_WORDS = 8
+from tp_overlap_plugin.kernels.error_slot import (ERR_BOUND_NS, ERR_CODE, ERR_EXPECTED, ERR_FLAG_OFFSET, ERR_PEER,
+                                                  ERR_RANK, ERR_SEEN)
 
-# codes (word ERR_CODE)
-ERR_STUCK = 1         # a wait gave up: the peer never set the flag
+
+def failure(record: list[int], timeout_s: float, describe_offset: Callable[[int], str]) -> str | None:
+    """What a slot's words say: None while every wait succeeded, else which rank gave up on which peer's
+    flag (`describe_offset` names a heap offset), after how long, expecting and seeing what."""
+    if record[ERR_CODE] == 0:
+        return None
+    # the bound the wait had (a record written by hand, as in tests, has none: the current one)
+    bound = record[ERR_BOUND_NS] / 1e9 if record[ERR_BOUND_NS] > 0 else timeout_s
+    return (f"rank {record[ERR_RANK]} gave up after {bound:g} s waiting for rank "
+            f"{record[ERR_PEER]} to set flag {describe_offset(record[ERR_FLAG_OFFSET])} to epoch "
+            f"{record[ERR_EXPECTED]} (saw {record[ERR_SEEN]}); the peer crashed, hung, or the ranks "
+            f"issued different collectives. The heap is unusable now; restart the group.")

@@ -16,14 +16,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from tp_overlap_plugin import tables
-
-TABLE_DIR = tables.SHIPPED["gemm"]
-
 
 @dataclass(frozen=True)
 class TileConfig:
@@ -73,48 +69,25 @@ INTERPRETER = TileConfig(32, 32, 32, 4, 4, 1)
 SMALL_M = 64  # at or below: the small-M constants
 
 
-def device_slug(name: str) -> str:
-    """The tables' device key ("NVIDIA H200" -> "h200", "AMD Instinct MI300X VF" -> "mi300x")."""
-    return tables.device_key(name)
-
-
-def table_path(device_name: str) -> Path:
-    """The shipped table's path (`tp-overlap tune` caches its own: tables.cached_path)."""
-    return tables.shipped_path("gemm", device_name)
-
-
 @dataclass(frozen=True)
-class GemmTable:
-    buckets: tuple[int, ...]                        # measured M, ascending
-    configs: dict                                   # (bucket, n, k) -> TileConfig
-    defaults: dict                                  # bucket -> TileConfig
+class GemmTable(tables.BucketedTable[TileConfig]):
+    """The bucketed tiles, and per (N, K) the measured crossover below which cuBLAS wins."""
     cublas_below: dict                              # (n, k) -> M (None: cuBLAS at every measured M)
     default_cublas_below: int | None
     margin: float
 
     @classmethod
     def from_json(cls, data: dict) -> "GemmTable":
-        by_label = {label: TileConfig.from_dict(c) for label, c in data["configs"].items()}
-        return cls(buckets=tuple(data["buckets"]),
-                   configs={(e["M"], e["N"], e["K"]): by_label[e["label"]] for e in data["entries"]},
-                   defaults={int(m): by_label[label] for m, label in data["defaults"].items()},
+        return cls(**cls.fields_of(data, TileConfig.from_dict),
                    cublas_below={(e["N"], e["K"]): e["M"] for e in data["cublas_below"]},
                    default_cublas_below=data.get("default_cublas_below"), margin=data["margin"])
-
-    def bucket(self, m: int) -> int:
-        """The smallest measured M >= m (its tiles cover m rows), or the largest."""
-        return next((b for b in self.buckets if b >= m), self.buckets[-1])
-
-    def config(self, m: int, n: int, k: int) -> TileConfig | None:
-        b = self.bucket(m)
-        return self.configs.get((b, n, k), self.defaults.get(b))
 
     def prefers_cublas(self, m: int, n: int, k: int) -> bool:
         below = self.cublas_below.get((n, k), self.default_cublas_below)
         return below is None or m < below
 
 
-REQUIRED = ("buckets", "configs", "entries", "defaults", "cublas_below", "margin")
+REQUIRED = (*tables.BUCKETED_FIELDS, "cublas_below", "margin")
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,18 +21,16 @@ when they give up (`check()` turns it into a RankTimeoutError) and the flags of 
 from __future__ import annotations
 
 import contextlib
-import os
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from tp_overlap_plugin.error_slot import (ERR_BOUND_NS, ERR_CODE, ERR_EXPECTED, ERR_FLAG_OFFSET, ERR_PEER,
-                                          ERR_RANK, ERR_SEEN, ERR_TIMEOUT_NS, ERR_WORDS)
+from tp_overlap_plugin import error_slot, options
 from tp_overlap_plugin.heap_ipc import IpcBackend
 from tp_overlap_plugin.heap_shm import InterpreterMemoryLock, ShmBackend
 from tp_overlap_plugin.heap_torch import TorchSymmBackend
+from tp_overlap_plugin.kernels.error_slot import ERR_TIMEOUT_NS, ERR_WORDS
 
 ALIGN = 256
 DEFAULT_HEAP_SIZE = 256 << 20
@@ -49,7 +47,7 @@ class RankTimeoutError(RuntimeError):
 
 
 def default_backend(device: torch.device) -> str:
-    env = os.environ.get("TP_OVERLAP_HEAP_BACKEND")
+    env = options.env_heap_backend()
     if env:
         return env
     if device.type == "cpu":
@@ -62,7 +60,8 @@ def default_backend(device: torch.device) -> str:
 
 
 def default_heap_size() -> int:
-    return int(os.environ.get("TP_OVERLAP_HEAP_SIZE", DEFAULT_HEAP_SIZE))
+    size = options.env_heap_size()
+    return DEFAULT_HEAP_SIZE if size is None else size
 
 
 # How long a wait on a peer spins before it gives up, in seconds of wall-clock time, whatever the world
@@ -73,10 +72,8 @@ HEAP_TIMEOUT_SETTING = "heap_timeout_s (TP_OVERLAP_HEAP_TIMEOUT_S, or tp_overlap
 
 
 def default_timeout_s() -> float:
-    if os.environ.get("TP_OVERLAP_SPIN_LIMIT"):
-        warnings.warn("TP_OVERLAP_SPIN_LIMIT is no longer read: waits are bounded in seconds by "
-                      f"{HEAP_TIMEOUT_SETTING}", stacklevel=3)
-    return float(os.environ.get("TP_OVERLAP_HEAP_TIMEOUT_S", DEFAULT_HEAP_TIMEOUT_S))
+    seconds = options.env_heap_timeout_s(HEAP_TIMEOUT_SETTING)
+    return DEFAULT_HEAP_TIMEOUT_S if seconds is None else seconds
 
 
 @dataclass(frozen=True)
@@ -208,16 +205,9 @@ class SymmetricHeap:
 
     def check(self) -> None:
         """Raise if a kernel of this rank gave up waiting on a peer. Synchronises with the device."""
-        err = self.error.tolist()
-        if err[ERR_CODE] == 0:
-            return
-        # the bound the wait had (a record written by hand, as in tests, has none: the current one)
-        bound = err[ERR_BOUND_NS] / 1e9 if err[ERR_BOUND_NS] > 0 else self.timeout_s
-        raise RankTimeoutError(
-            f"rank {err[ERR_RANK]} gave up after {bound:g} s waiting for rank "
-            f"{err[ERR_PEER]} to set flag {self.describe_offset(err[ERR_FLAG_OFFSET])} to epoch "
-            f"{err[ERR_EXPECTED]} (saw {err[ERR_SEEN]}); the peer crashed, hung, or the ranks "
-            f"issued different collectives. The heap is unusable now; restart the group.")
+        failure = error_slot.failure(self.error.tolist(), self.timeout_s, self.describe_offset)
+        if failure is not None:
+            raise RankTimeoutError(failure)
 
     def poll(self) -> None:
         """Raise like check() when the device has already recorded a failed wait, without waiting

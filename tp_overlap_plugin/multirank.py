@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tp_overlap_plugin import options
+
 # Multicast on NVLink can take a shared host's GPUs out of service; never turn it on.
 _GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -205,7 +207,7 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, device: str = "cpu", hea
 def sharing_gpus() -> bool:
     """Whether GPU runs may put several ranks on a GPU (TP_OVERLAP_SHARE_GPUS=1): the GPU tests then
     run their 4- and 8-rank cases on a 2-GPU machine."""
-    return os.environ.get("TP_OVERLAP_SHARE_GPUS") == "1"
+    return options.env_share_gpus()
 
 
 def gpu_ranks_fit(world_size: int) -> bool:

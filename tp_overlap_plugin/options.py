@@ -8,6 +8,10 @@ environment; vLLM from `--additional-config '{"tp_overlap": {...}}'` or the envi
 The environment, read alike by both: TP_OVERLAP unset, or 0 / false / off / no: off; 1 / true / on /
 yes: on with the defaults; a JSON object: on with those options.
 
+Every environment variable the package reads is read here, each by one function at the end of this
+file (integration_tests/test_code_layout.py checks that no other module reads one), so that one file
+lists them all.
+
 Plain Python, no Triton and no pydantic: vLLM's front end reads the options before anything decides
 whether Triton runs interpreted, and the plugin needs only torch and Triton.
 """
@@ -17,11 +21,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
+from pathlib import Path
 from typing import Any, Literal, Optional
 
-from tp_overlap_plugin.dispatch import MODES
-
 ENV_SWITCH = "TP_OVERLAP"
+# How the dispatcher picks a path (tp_overlap_plugin/dispatch.py): the measured table, always our
+# kernels, never them
+DISPATCH_MODES = ("table", "overlap", "stock")
 CONFIG_KEY = "tp_overlap"
 BACKENDS = ("torch", "ipc", "shm")
 FUSED_OPS = ("kernel", "chunked")
@@ -79,8 +86,8 @@ class TPOverlapOptions:
         if self.heap_timeout_s is not None and (not isinstance(self.heap_timeout_s, (int, float))
                                                 or not 0 < self.heap_timeout_s < 1e9):
             raise bad("heap_timeout_s", "a positive number of seconds")
-        if self.dispatch not in MODES:
-            raise bad("dispatch", f"one of {MODES}")
+        if self.dispatch not in DISPATCH_MODES:
+            raise bad("dispatch", f"one of {DISPATCH_MODES}")
         if self.dispatch_table is not None and not isinstance(self.dispatch_table, str):
             raise bad("dispatch_table", "a path")
         if self.backend is not None and self.backend not in BACKENDS:
@@ -152,3 +159,77 @@ def options_from_env() -> Optional[TPOverlapOptions]:
     """The options the environment sets; None when it leaves the flag off."""
     env = env_switch()
     return None if env is None else TPOverlapOptions.from_section(env, ENV_SWITCH)
+
+
+# ---- the environment: every variable the package reads ----------------------------------------------
+
+def env_heap_backend() -> Optional[str]:
+    """TP_OVERLAP_HEAP_BACKEND: the heap backend (torch, ipc, shm) instead of the device's default."""
+    return os.environ.get("TP_OVERLAP_HEAP_BACKEND") or None
+
+
+def env_heap_size() -> Optional[int]:
+    """TP_OVERLAP_HEAP_SIZE: symmetric heap bytes per rank (SymmetricHeap's default size)."""
+    raw = os.environ.get("TP_OVERLAP_HEAP_SIZE")
+    return int(raw) if raw is not None else None
+
+
+def env_heap_timeout_s(setting: str) -> Optional[float]:
+    """TP_OVERLAP_HEAP_TIMEOUT_S: seconds a kernel waits on a peer. TP_OVERLAP_SPIN_LIMIT, the count of
+    polls it replaced, is no longer read: setting it warns, naming `setting` (where the bound is set)."""
+    if os.environ.get("TP_OVERLAP_SPIN_LIMIT"):
+        warnings.warn(f"TP_OVERLAP_SPIN_LIMIT is no longer read: waits are bounded in seconds by {setting}",
+                      stacklevel=4)
+    raw = os.environ.get("TP_OVERLAP_HEAP_TIMEOUT_S")
+    return float(raw) if raw is not None else None
+
+
+def env_cache_dir() -> Path:
+    """Where `tp-overlap tune` keeps its tables and measurements: $TP_OVERLAP_CACHE, else
+    $XDG_CACHE_HOME/tp-overlap, else ~/.cache/tp-overlap."""
+    if os.environ.get("TP_OVERLAP_CACHE"):
+        return Path(os.environ["TP_OVERLAP_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "tp-overlap"
+    return Path.home() / ".cache" / "tp-overlap"
+
+
+def env_share_gpus() -> bool:
+    """TP_OVERLAP_SHARE_GPUS=1: GPU runs may put several ranks on a GPU (4- and 8-rank tests on 2 GPUs)."""
+    return os.environ.get("TP_OVERLAP_SHARE_GPUS") == "1"
+
+
+def env_triton_interpret() -> Optional[str]:
+    """TRITON_INTERPRET as set (Triton reads it when it is imported), None when unset."""
+    return os.environ.get("TRITON_INTERPRET")
+
+
+def env_launcher_rank() -> Optional[tuple[int, int, int]]:
+    """(RANK, WORLD_SIZE, LOCAL_RANK) when a launcher (torchrun) started this process, else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        return r, w, int(os.environ.get("LOCAL_RANK", r))
+    return None
+
+
+STEP_TRACE_ENV = "TP_OVERLAP_STEP_TRACE"
+
+
+def env_step_trace() -> Optional[str]:
+    """TP_OVERLAP_STEP_TRACE: a file the engine appends per-step timings to (serving/step_trace.py)."""
+    return os.environ.get(STEP_TRACE_ENV) or None
+
+
+def env_api_key(openai_too: bool = False) -> Optional[str]:
+    """TP_OVERLAP_API_KEY: the server's key (and the load generator's); with `openai_too`, OPENAI_API_KEY
+    after it (the load generator talks to any OpenAI-compatible server)."""
+    key = os.environ.get("TP_OVERLAP_API_KEY")
+    if not key and openai_too:
+        key = os.environ.get("OPENAI_API_KEY")
+    return key or None
+
+
+def env_tune_fake_step_ms() -> dict:
+    """TP_OVERLAP_TUNE_FAKE_STEP_MS: a JSON object of engine-check step times that tests impose
+    (tuning/engine_check.py); {} when unset."""
+    return json.loads(os.environ.get("TP_OVERLAP_TUNE_FAKE_STEP_MS") or "{}")

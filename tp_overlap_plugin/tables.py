@@ -15,6 +15,10 @@ cached table measured under other versions (torch, Triton, driver) is used with 
 may be stale; a shipped table measured on a different device likewise. Each warning names the
 `tp-overlap tune` command that measures this machine.
 
+`load` is the one loader of all three: it finds a table in that order and parses it, and one that does
+not parse falls back like a missing one. The GEMM and decode tables are both a `BucketedTable`: per
+measured M bucket and (N, K) shape the fastest config, per bucket the most frequent winner.
+
 Writes are atomic (a temporary file in the same folder, then os.replace) and serialised by a lock
 file, so two `tune` runs at once leave one valid file holding both runs' rows.
 """
@@ -30,6 +34,9 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable, Generic, TypeVar
+
+from tp_overlap_plugin import options
 
 log = logging.getLogger(__name__)
 PACKAGE_DIR = Path(__file__).parent
@@ -52,11 +59,7 @@ def device_key(device_name: str) -> str:
 
 def cache_dir() -> Path:
     """The per-user cache: $TP_OVERLAP_CACHE, else $XDG_CACHE_HOME/tp-overlap, else ~/.cache/tp-overlap."""
-    if os.environ.get("TP_OVERLAP_CACHE"):
-        return Path(os.environ["TP_OVERLAP_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "tp-overlap"
-    return Path.home() / ".cache" / "tp-overlap"
+    return options.env_cache_dir()
 
 
 def table_name(kind: str, device_name: str, world: int | None = None) -> str:
@@ -178,25 +181,69 @@ def find(kind: str, device_name: str, world: int | None = None, explicit: str | 
     return Found("none", None, None, warnings)
 
 
+def load(kind: str, device_name: str, parse: Callable[[dict], Any], instead: str, *, world: int | None = None,
+         explicit: str | os.PathLike | None = None, required: tuple[str, ...] = (), current: dict | None = None,
+         model: str | None = None) -> tuple[Any, Found]:
+    """A table of `kind` for this device (and world size), as `find` finds it, parsed by `parse`, and
+    where it came from. One that does not parse falls back like a missing one: (None, Found "none"),
+    its warning added; `instead` says what runs then. The warnings are the caller's to log."""
+    found = find(kind, device_name, world, explicit=explicit, required=required, current=current, model=model)
+    if found.data is None:
+        return None, found
+    try:
+        return parse(found.data), found
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        found.warnings.append(f"tp_overlap: skipping the {kind} table {found.path}: it does not parse "
+                              f"({type(e).__name__}: {e}); {instead}. `{tune_command(world, model)}` measures a "
+                              f"new one.")
+        return None, Found("none", warnings=found.warnings)
+
+
 def load_config_table(kind: str, device_name: str, required: tuple[str, ...], parse, instead: str):
-    """A config table ("gemm", "decode") for this device, as `find` finds it (cache, then shipped),
-    parsed by `parse`, and where it came from; the lookup's warnings logged (by rank 0 only: once per
-    start). One that does not parse falls back like a missing one: (None, Found "none"); `instead`
-    says what runs then."""
-    found = find(kind, device_name, required=required, current=versions("cuda"))
-    table = None
-    if found.data is not None:
-        try:
-            table = parse(found.data)
-        except (KeyError, TypeError, ValueError) as e:
-            found.warnings.append(f"tp_overlap: skipping the {kind} table {found.path}: it does not parse "
-                                  f"({type(e).__name__}: {e}); {instead}. `{tune_command()}` measures a new one.")
-            found = Found("none", warnings=found.warnings)
+    """A config table ("gemm", "decode") for this device (`load`, compared with this process's CUDA
+    versions), its warnings logged by rank 0 only: once per start."""
+    table, found = load(kind, device_name, parse, instead, required=required, current=versions("cuda"))
     import torch.distributed as dist
     if not dist.is_initialized() or dist.get_rank() == 0:
         for w in found.warnings:
             log.warning(w)
     return table, found
+
+
+C = TypeVar("C")
+# the fields of a bucketed table's JSON (tuning writes them; extra fields are the kind's own)
+BUCKETED_FIELDS = ("buckets", "configs", "entries", "defaults")
+
+
+@dataclass(frozen=True)
+class BucketedTable(Generic[C]):
+    """Configs measured per M bucket and (N, K) shape: the GEMM core's tiles (gemm_config.py) and the
+    decode matmul's (decode_config.py). In JSON: `buckets` (measured M, ascending), `configs` (label ->
+    config fields), `entries` ({M, N, K, label}: the fastest at that shape), `defaults` (bucket -> the
+    label of its most frequent winner, for shapes the table lacks)."""
+    buckets: tuple[int, ...]
+    configs: dict       # (bucket, n, k) -> C
+    defaults: dict      # bucket -> C
+
+    @staticmethod
+    def fields_of(data: dict, make: Callable[[dict], C]) -> dict:
+        """The constructor's fields from the JSON, each config made by `make` from its fields."""
+        by_label = {label: make(c) for label, c in data["configs"].items()}
+        return {"buckets": tuple(data["buckets"]),
+                "configs": {(e["M"], e["N"], e["K"]): by_label[e["label"]] for e in data["entries"]},
+                "defaults": {int(m): by_label[label] for m, label in data["defaults"].items()}}
+
+    @classmethod
+    def parse(cls, data: dict, make: Callable[[dict], C]) -> "BucketedTable[C]":
+        return cls(**cls.fields_of(data, make))
+
+    def bucket(self, m: int) -> int:
+        """The smallest measured M >= m (its tiles cover m rows), or the largest."""
+        return next((b for b in self.buckets if b >= m), self.buckets[-1])
+
+    def config(self, m: int, n: int, k: int) -> C | None:
+        b = self.bucket(m)
+        return self.configs.get((b, n, k), self.defaults.get(b))
 
 
 @contextlib.contextmanager

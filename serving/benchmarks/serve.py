@@ -34,6 +34,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 
+from tp_overlap_plugin import options
+
 from ..args import CliError
 from .workloads import lognormal_lengths
 
@@ -230,7 +232,7 @@ async def run_benchmark(a: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
     base = server_root(a.base_url or f"http://{a.host}:{a.port}")
-    api_key = a.api_key or os.environ.get("TP_OVERLAP_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    api_key = a.api_key or options.env_api_key(openai_too=True)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limit = a.max_concurrency or a.num_prompts
     limits = httpx.Limits(max_connections=max(limit, 1), max_keepalive_connections=max(limit, 1))

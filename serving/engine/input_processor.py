@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
-from ..config import EngineConfig, RequestError, SamplingParams, resolve_model_dir
+from ..config import ContextLengthError, EngineConfig, RequestError, SamplingParams, resolve_model_dir
 from .structured import StructuredOutputs
 from ..model.tokenizer import ByteTokenizer, load_tokenizer
 from .messages import ProcessedRequest
@@ -62,9 +62,7 @@ class InputProcessor:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
-                             f"it must be at most {self.max_model_len - 1} to leave room for one output token")
+        self.check_context(len(ids))
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
@@ -75,6 +73,25 @@ class InputProcessor:
         if params.structured_output is not None:
             grammar = self.compile_grammar(params)
         return ProcessedRequest(text, ids, params, grammar)
+
+    def check_context(self, n_prompt: int, max_tokens: Optional[int] = None, param: str = "max_tokens",
+                      prompt_param: str = "prompt") -> None:
+        """ContextLengthError naming what to change when a prompt of `n_prompt` tokens and `max_tokens`
+        (None: the reply may fill what is left, at least one token) do not fit max_model_len: the prompt
+        (`prompt_param`) when it alone leaves no room, else either (`param` is max_tokens' name)."""
+        limit = self.max_model_len
+        if n_prompt >= limit and max_tokens is None:
+            raise ContextLengthError(f"{n_prompt} prompt tokens but max_model_len is {limit}: no room is left for a "
+                                     f"reply; shorten the {prompt_param} to at most {limit - 1} tokens", prompt_param)
+        if n_prompt >= limit:
+            raise ContextLengthError(f"{n_prompt} prompt tokens leave no room for a reply in this model's context of "
+                                     f"{limit} tokens (max_model_len), and the request asks for {n_prompt} prompt "
+                                     f"tokens + {param}={max_tokens}; shorten the {prompt_param} to at most "
+                                     f"{max(limit - max_tokens, 1)} tokens", prompt_param)
+        if max_tokens is not None and n_prompt + max_tokens > limit:
+            raise ContextLengthError(f"this model's context is {limit} tokens (max_model_len) but the request needs "
+                                     f"{n_prompt + max_tokens}: {n_prompt} prompt tokens + {param}={max_tokens}; "
+                                     f"shorten the prompt or lower {param}", param)
 
     # ---- tokenization: the one place text becomes ids (the server's handlers call these too) ----------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -9,12 +9,12 @@ deltas of each step into one message and the streams live in the server's proces
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Protocol
 
 if TYPE_CHECKING:
     import torch
 
-    from .messages import ProcessedRequest
+    from ..config import SamplingParams
 
 TopLogprobs = list[tuple[int, float]]   # per token: its top_logprobs most likely (id, logprob), best first
 
@@ -75,10 +75,18 @@ class RequestOutput:
     num_preemptions: int = 0
 
 
+class StreamedRequest(Protocol):
+    """What a stream reads of its request (a messages.ProcessedRequest: that module imports this one,
+    for the deltas, so this one names no type of it)."""
+    prompt: Optional[str]
+    prompt_ids: list[int]
+    params: "SamplingParams"
+
+
 class RequestStream:
     """One request's RequestOutputs, rebuilt from its deltas on the receiving side."""
 
-    def __init__(self, request_id: str, request: "ProcessedRequest"):
+    def __init__(self, request_id: str, request: StreamedRequest):
         self.request_id = request_id
         self.prompt, self.prompt_ids, self.params = request.prompt, request.prompt_ids, request.params
         self.text = ""

@@ -25,16 +25,15 @@ specialised as divisible by 16 or equal to 1, a pointer's alignment) that was ne
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import deque
 from typing import Optional
 
 import torch
 
-from tp_overlap_plugin import stats
+from tp_overlap_plugin import options, stats
 
-ENV = "TP_OVERLAP_STEP_TRACE"
+ENV = options.STEP_TRACE_ENV   # the variable's name, for those that set it (tests, bench/serve_timeline.py)
 
 
 def step_kind(num_decodes: int, num_seqs: int) -> str:
@@ -61,7 +60,7 @@ class StepTrace:
 
     @classmethod
     def from_env(cls, device: torch.device) -> Optional["StepTrace"]:
-        path = os.environ.get(ENV)
+        path = options.env_step_trace()
         return cls(path, device) if path else None
 
     def _event(self):

@@ -89,7 +89,7 @@ def _log_dispatch(cfg: EngineConfig, mcfg: ModelConfig, tp: TPGroup, device: tor
         return
     from tp_overlap_plugin.gemm_config import table_source
     from tp_overlap_plugin.ops.operands import KERNEL_DTYPES
-    from tp_overlap_plugin.tuning.shapes import ModelDims
+    from tp_overlap_plugin.shapes import ModelDims
     oc, world = cfg.tp_overlap, tp.world_size
     log.info("tp_overlap: %s, dispatch %s (%s); GEMM configs: %s", heap, oc.dispatch, dispatcher.source,
              table_source(device))

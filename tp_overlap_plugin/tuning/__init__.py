@@ -3,7 +3,7 @@ are command lines over these modules.
 
   timing        timers: device events, CUDA-graph replays, interleaved repeats, wall clock on the CPU
   results       the environment of a run, JSON + markdown output
-  shapes        a model's local matmuls at TP=W, from its config
+  shapes        the shipped model configs' dims (a model's shard shapes: tp_overlap_plugin/shapes.py)
   gemm_configs  the GEMM core's tile configs against cuBLAS -> the GEMM config table
   decode_configs  the decode matmul's configs against F.linear -> the decode config table
   gemv          decode-sized matmuls: our GEMV against F.linear
@@ -17,5 +17,6 @@ are command lines over these modules.
   store         the measurements, per device and TP size, one file per phase, resumable
   phases        the phases as the W ranks run them (shared out, or collective)
   report        the store -> the tables and the evidence (markdown, PNG)
-  tune          the command: the plan, the ranks, the tables
+  tune          the run: the plan, the ranks, the tables
+  cli           the whole `tp-overlap` command: serving's subcommands and `tune`
 """

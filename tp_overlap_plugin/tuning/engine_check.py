@@ -32,8 +32,8 @@ import math
 import os
 import time
 
-from tp_overlap_plugin import tables
-from tp_overlap_plugin.tuning.shapes import LAYER_OPS
+from tp_overlap_plugin import options, tables
+from tp_overlap_plugin.shapes import LAYER_OPS
 
 PROMPT_LEN = 2048       # prefill prompts (bench/e2e.py's prefill-b8/b32: 2048 tokens each)
 PREFILL_TOKENS = 2048   # the prefill step measured beside the budget's
@@ -47,7 +47,6 @@ BLOCK = 16              # KV block size (the engine's default)
 # the interpreter: the demo model's smallest steps: the budget's (two prompts of 8 tokens) and half
 # of it, as 8192 and 2048 on a GPU; batch 1
 CPU_BUDGET, CPU_PROMPT_LEN, CPU_DECODE_BATCHES, CPU_CONTEXT = 16, 8, (1,), 8
-FAKE_ENV = "TP_OVERLAP_TUNE_FAKE_STEP_MS"
 
 
 def plan_items(model: str, world: int, device: str, budget: int | None) -> list[dict]:
@@ -260,7 +259,7 @@ def _run_steps(ctx, runner, step, calls: int) -> float:
 def _interleaved(ctx, plan, it: dict, step, runners: dict) -> dict:
     """Per variant, ms per step in each of the plan's repeats, the variants taking turns in each."""
     from tp_overlap_plugin.multirank import agree
-    fake = json.loads(os.environ.get(FAKE_ENV) or "{}").get(f"{it['kind']}/{it['tokens']}", {})
+    fake = options.env_tune_fake_step_ms().get(f"{it['kind']}/{it['tokens']}", {})
     calls = 1  # the interpreter: one step each, nothing to warm up
     if ctx.device.type == "cuda":
         for runner in runners.values():  # compiles what is left, and the estimate of a step's time

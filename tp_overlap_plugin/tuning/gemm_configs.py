@@ -1,11 +1,10 @@
-"""The GEMM core against cuBLAS on one GPU, and the config table `pick_config` reads.
-
-Two steps, so the shipped table can be checked without a GPU:
+"""The GEMM core against cuBLAS on one GPU, and the rules that make the config table `pick_config` reads
+of the measurements (`build_table`, pure). `tp-overlap tune` runs it as its gemm_configs phase and is the
+one writer of the table (`tp-overlap tune --only gemm_configs` measures this phase alone); the command
+line here measures and writes results only:
 
   measure (one GPU, ~4-6 min on an H200, bounded by --budget-s):
-    python -m tp_overlap_plugin.tuning.gemm_configs measure [--out DIR] [--table-out PATH] [--budget-s 420]
-  table (CPU; rebuilds the table and its markdown from a results JSON):
-    python -m tp_overlap_plugin.tuning.gemm_configs table bench/results/gemm-configs-h200-DATE.json [--table-out PATH]
+    python -m tp_overlap_plugin.tuning.gemm_configs measure [--out DIR] [--budget-s 420]
 
 measure times a compact set of candidate configs (TMA and pointer, warp-specialized, subtiled,
 split-K) on every Llama-3 8B/70B linear layer at TP = 1, 2, 4, 8 (32 distinct (K, N)) and
@@ -20,9 +19,8 @@ error < 1e-2). Passes run in the order above; past --budget-s the run stops and 
 
 Writes <out>/gemm-configs-<device>-<date>.json (raw medians, candidates, environment) and .md
 (per shape: cuBLAS, the best config, ratio, the v2 pointer baseline; every candidate; the
-crossover below which cuBLAS stays), and the table (default
-tp_overlap_plugin/gemm_tables/<device>.json). `table` recomputes the table and markdown from the
-JSON alone; integration_tests/test_bench_scripts.py checks that the shipped table is exactly that.
+crossover below which cuBLAS stays). `build_table` makes the table of that JSON alone;
+integration_tests/test_bench_scripts.py checks that the shipped table is exactly that.
 
 Table rules: per (M, N, K) the fastest config; for M <= 64 one config per (N, K) across those M
 (the least worst ratio), since their row tiles coincide; shapes the table lacks use each M's most
@@ -43,7 +41,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from tp_overlap_plugin.tuning.results import md_table
 
@@ -121,7 +118,6 @@ def measure(args) -> None:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
-    from tp_overlap_plugin.gemm_config import device_slug, table_path
     from tp_overlap_plugin.tuning.results import environment, write_results
     from tp_overlap_plugin.tuning.timing import capture_stream
 
@@ -135,7 +131,6 @@ def measure(args) -> None:
         shapes = {(96, 80): ["dry a"], (64, 200): ["dry b"]}
         passes = [m for m in passes if m <= 16] or [1]
     env = environment(args.tp, on_gpu=not args.dry_run, layout=LAYOUT, budget_s=args.budget_s, dry_run=args.dry_run)
-    table_out = args.table_out or (Path(args.out) / "gemm-table-dry-run.json" if args.dry_run else table_path(env["device"]))
     preflight_log: list[str] = []
     crashed = preflight_all(large + small, preflight_log, args.dry_run, workers=1 if args.dry_run else 4)
     print("\n".join(preflight_log), f"\n[{time.perf_counter() - t0:5.0f}s] preflight done; left out: {crashed or 'none'}",
@@ -164,14 +159,14 @@ def measure(args) -> None:
             payload["results"].append(entry)
             payload["stopped"] = entry.pop("stopped", None)
             print(f"[{time.perf_counter() - t0:5.0f}s] {entry_summary(entry)}", flush=True)
-            _write(args, payload, write_results, table_out)  # a run cut off keeps what it measured
+            _write(args, payload, write_results)  # a run cut off keeps what it measured
             if payload["stopped"]:
                 break
         if payload["stopped"]:
             break
     payload["wall_s"] = round(time.perf_counter() - t0, 1)
-    paths = _write(args, payload, write_results, table_out)
-    print(f"done in {payload['wall_s']} s; wrote", *paths, f"(device slug {device_slug(env['device'])})")
+    paths = _write(args, payload, write_results)
+    print(f"done in {payload['wall_s']} s; wrote", *paths)
 
 
 def l2_bytes(dev) -> int:
@@ -325,14 +320,11 @@ def preflight_in_subprocess(cands, log: list, dry_run: bool = False) -> dict[str
 PREFLIGHT_TIMEOUT_S = 240
 
 
-def _write(args, payload, write_results, table_out):
-    table, md = build_table(payload)
+def _write(args, payload, write_results):
+    """The results JSON and its markdown (the table's evidence); the table itself is tune's to write."""
+    _, md = build_table(payload)
     stem = f"gemm-configs{'-dry-run' if args.dry_run else ''}"
-    js, md_path = write_results(args.out, stem, payload, md)
-    table["source"] = os.path.basename(js)
-    Path(table_out).parent.mkdir(parents=True, exist_ok=True)
-    Path(table_out).write_text(dump_table(table))
-    return js, md_path, str(table_out)
+    return write_results(args.out, stem, payload, md)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -472,27 +464,11 @@ def _markdown(payload, rows, entries, crossover, margin) -> str:
     return "\n".join(out)
 
 
-def make_table(args) -> None:
-    payload = json.loads(Path(args.results).read_text())
-    table, md = build_table(payload, args.margin)
-    table["source"] = os.path.basename(args.results)
-    env = payload["environment"]
-    from tp_overlap_plugin.gemm_config import table_path
-    from tp_overlap_plugin.tuning.results import header
-    table_out = Path(args.table_out or table_path(env["device"]))
-    table_out.parent.mkdir(parents=True, exist_ok=True)
-    table_out.write_text(dump_table(table))
-    md_out = Path(args.md_out or Path(args.results).with_suffix(".md"))
-    md_out.write_text(header(env) + md)
-    print("wrote", table_out, md_out)
-
-
 def main(argv=None, results_dir: str | os.PathLike = "."):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    m = sub.add_parser("measure", help="time the candidates against cuBLAS on this GPU, write results and table")
+    m = sub.add_parser("measure", help="time the candidates against cuBLAS on this GPU, write the results")
     m.add_argument("--out", default=str(results_dir), help="results directory (JSON + md)")
-    m.add_argument("--table-out", default=None, help="table path (default tp_overlap_plugin/gemm_tables/<device>.json)")
     m.add_argument("--budget-s", type=float, default=420.0, help="stop starting new shapes after this many seconds")
     m.add_argument("--tp", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
     m.add_argument("--m", type=lambda s: [int(x) for x in s.split(",")], default=list(M_PASSES),
@@ -501,18 +477,11 @@ def main(argv=None, results_dir: str | os.PathLike = "."):
     f = sub.add_parser("preflight", help="(used by measure) run each candidate once, in this process")
     f.add_argument("--labels", required=True, help="candidate labels separated by |")
     f.add_argument("--dry-run", action="store_true")
-    t = sub.add_parser("table", help="rebuild the table and markdown from a results JSON (CPU)")
-    t.add_argument("results")
-    t.add_argument("--table-out", default=None)
-    t.add_argument("--md-out", default=None, help="default: the results JSON's .md")
-    t.add_argument("--margin", type=float, default=MARGIN)
     args = p.parse_args(argv)
     if args.cmd == "measure":
         measure(args)
-    elif args.cmd == "preflight":
-        preflight(args.labels.split("|"), args.dry_run)
     else:
-        make_table(args)
+        preflight(args.labels.split("|"), args.dry_run)
 
 
 if __name__ == "__main__":

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tp_overlap_plugin.tuning.shapes import LAYER_OPS, ModelDims
+from tp_overlap_plugin.shapes import LAYER_OPS, ModelDims
 
 # in this order: a phase's table is written before the phases that run on it (the decode matmul's
 # configs before gemv, the GEMM core's before the phases that run the core)
 PHASES = ("gemm_configs", "decode_configs", "gemv", "silu_mul", "all_reduce", "fused_ops", "gemm_ar")
+# what `tune --only` can pick: a measuring phase, or the engine's check (tuning/engine_check.py)
+ONLY_CHOICES = (*PHASES, "engine")
 SHARED_OUT = ("gemm_configs", "decode_configs", "gemv", "silu_mul")  # one GPU's work: shared over the ranks
 GPU_REPEATS = 3
 # seconds per measured item, for the estimate printed first. GPU: gemm_configs and gemv from the H100
@@ -137,18 +139,23 @@ def heap_bytes(plan: Plan) -> int:
     if plan.world == 1:
         return 1 << 20
     W = plan.world
-    ar = plan.items["all_reduce"]
-    top = max(it["bytes"] for it in ar if "bytes" in it)
-    tokens = max(it["tokens"] for it in ar if "tokens" in it)
-    size = max(HeapAllReduce.heap_bytes(W, top, min(top, 8 << 20)), allreduce.norm_heap_bytes(W, plan.dims.hidden, tokens))
+    size = 0
+    ar = plan.items.get("all_reduce")   # (a run of some phases only, `tune --only`, lacks the others)
+    if ar:
+        top = max(it["bytes"] for it in ar if "bytes" in it)
+        tokens = max(it["tokens"] for it in ar if "tokens" in it)
+        size = max(HeapAllReduce.heap_bytes(W, top, min(top, 8 << 20)),
+                   allreduce.norm_heap_bytes(W, plan.dims.hidden, tokens))
     fused = 0
-    for it in plan.items["fused_ops"]:  # one op's buffers at a time (a heap scope per shape)
+    for it in plan.items.get("fused_ops", []):  # one op's buffers at a time (a heap scope per shape)
         rows = -(-it["M"] // W)
         need = (AllGatherGemm.heap_bytes(W, rows, it["K"], torch.bfloat16) if it["op"] == "ag"
                 else GemmReduceScatter.heap_bytes(W, rows, it["N"], torch.bfloat16)) + (1 << 20)
         fused = max(fused, need)
-    shapes = [(it["shape"], it["K"], it["N"]) for it in plan.items["gemm_ar"]]
-    size = max(size, fused, gemm_ar.heap_bytes(W, shapes, [it["M"] for it in plan.items["gemm_ar"]]))
+    size = max(size, fused)
+    if plan.items.get("gemm_ar"):
+        shapes = [(it["shape"], it["K"], it["N"]) for it in plan.items["gemm_ar"]]
+        size = max(size, gemm_ar.heap_bytes(W, shapes, [it["M"] for it in plan.items["gemm_ar"]]))
     return -(-(size + (16 << 20)) // 4096) * 4096
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tp_overlap_plugin import tables
 from tp_overlap_plugin.tuning.plan import PHASES, Plan
-from tp_overlap_plugin.tuning.shapes import LAYER_OPS
+from tp_overlap_plugin.shapes import LAYER_OPS
 from tp_overlap_plugin.tuning.store import load_phase, store_dir
 
 
@@ -71,8 +71,7 @@ def write_gemm_table(device_name: str, world: int) -> tuple[Path, str] | None:
     gpath = tables.cached_path("gemm", device_name)
     with tables.locked(gpath):
         tables.write_atomic(gpath, gc.dump_table(gtable))
-    # the results file `python -m tp_overlap_plugin.tuning.gemm_configs table` rebuilds the table and
-    # its markdown from
+    # the results the table is made of (gemm_configs.build_table makes it again of them alone)
     tables.write_atomic(store_dir(device_name, world, "gemm_configs") / "gemm-configs-results.json",
                         json.dumps(payload, indent=1))
     return gpath, gmd

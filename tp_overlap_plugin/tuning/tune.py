@@ -42,24 +42,25 @@ from tp_overlap_plugin.tuning import engine_check
 from tp_overlap_plugin.tuning.plan import PHASES, Plan, heap_bytes, make_plan, plan_candidates
 from tp_overlap_plugin.tuning.phases import tune_rank
 from tp_overlap_plugin.tuning.report import build_tables
-from tp_overlap_plugin.tuning.shapes import ModelDims
+from tp_overlap_plugin.shapes import ModelDims
 from tp_overlap_plugin.tuning.store import load_rows, save_rows, store_dir
 
 
 def run(model: str, dims: ModelDims, world: int, device: str, quick: bool = False, budget_min: float | None = None,
         force: bool = False, margin: float | None = None, timeout_s: float | None = None, *,
         engine_margin: float | None = None, model_spec: str | None = None, step_budget: int | None = None,
-        only: tuple[str, ...] = ()) -> int:
-    """`margin` sets the engine check's margin too, unless `engine_margin` is given. `only`: measure
-    these phases alone (PHASES and "engine"); the tables are still made of everything in the store."""
+        only: tuple[str, ...] | None = None) -> int:
+    """`margin` sets the engine check's margin too, unless `engine_margin` is given. `only`: the phases
+    to measure (plan.ONLY_CHOICES), the others' stored rows kept; the tables are built from every stored
+    row either way."""
     from tp_overlap_plugin.tuning import rules
     cache = tables.cache_dir()
     if engine_margin is None:
         engine_margin = rules.ENGINE_MARGIN if margin is None else margin
-    whole = make_plan(model, dims, world, device, quick, rules.MARGIN if margin is None else margin, engine_margin,
-                      model_spec, step_budget)
-    # the heap is sized from the whole plan (its sizing reads every collective phase's items)
-    plan = dataclasses.replace(whole, items={p: v for p, v in whole.items.items() if p in only}) if only else whole
+    plan = make_plan(model, dims, world, device, quick, rules.MARGIN if margin is None else margin, engine_margin,
+                     model_spec, step_budget)
+    if only:
+        plan = dataclasses.replace(plan, items={p: v for p, v in plan.items.items() if p in only})
     budget_s = 60 * (budget_min if budget_min is not None else (3 if quick else 10))
     total = sum(len(v) for v in plan.items.values())
     print(f"tp-overlap tune: {model} at TP={world} on {device}{' (quick)' if quick else ''}: {total} rows in "
@@ -77,7 +78,7 @@ def run(model: str, dims: ModelDims, world: int, device: str, quick: bool = Fals
         # the measuring phases leave the engine check its estimated time within the budget
         ops_deadline = deadline - plan.phase_estimates_s().get("engine", 0.0)
         got, interrupted = _ranks(tune_rank, plan, (plan, ops_deadline, force, _preflight(plan, summary), str(cache)),
-                                  timeout, heap_bytes(whole) if world > 1 else None)
+                                  timeout, heap_bytes(plan) if world > 1 else None)
         if got is not None:
             summary["phases"].update(got["phases"])
             device_name = got["environment"]["device"]

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import socket
 import time
 from typing import Optional
+
+from tp_overlap_plugin import options
 
 from ...args import DEBUG_HINT, CliError, engine_config_from_args
 
@@ -266,7 +267,7 @@ def serve_main(a: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
     try:
         name = a.served_model_name or cfg.model
-        app = build_app(engine, name, a.api_key or os.environ.get("TP_OVERLAP_API_KEY"), model_root=cfg.model)
+        app = build_app(engine, name, a.api_key or options.env_api_key(), model_root=cfg.model)
         logger.info("engine ready in %.1f s: model %s, tp=%d, max_model_len=%d, %d KV blocks of %d tokens",
                     time.perf_counter() - t0, cfg.model, cfg.tensor_parallel_size, engine.max_model_len,
                     engine.num_blocks, cfg.block_size)

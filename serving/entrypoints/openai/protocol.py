@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
-from ...config import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
+from ...config import (MAX_LOGIT_BIAS, MinP, Penalty, RepetitionPenalty, Temperature, TopLogprobs,
+                       TopP)
 
 # Stop strings are matched against the tail of the text after every token; a bound keeps that cheap.
 MAX_STOP_STRINGS = 16
@@ -86,10 +87,10 @@ class _SamplingFields(_Request):
     """The sampling knobs common to both endpoints (OpenAI's plus vLLM's extensions)."""
 
     model: Optional[str] = Field(None, description="the served model name; default: the one model served")
-    temperature: Optional[float] = Field(None, ge=0.0, le=2.0, description="0 is greedy; default 1")
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    temperature: Optional[Annotated[Temperature, Field(le=2.0)]] = Field(None, description="0 is greedy; default 1")
+    top_p: Optional[TopP] = None
     top_k: Optional[int] = Field(None, ge=-1, description="-1 or 0 disables")
-    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
+    min_p: Optional[MinP] = None
     n: int = Field(1, ge=1, le=128, description="completions per prompt")
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None
@@ -99,12 +100,13 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = Field(None, description="an end-user id; recorded in nothing, accepted for compatibility")
-    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0, description="subtracted from the logit of "
-                                              "each token generated so far")
-    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0, description="subtracted from a token's "
-                                               "logit once per time it was generated so far")
-    repetition_penalty: Optional[float] = Field(None, gt=0.0, le=10.0, description="vLLM's: divides positive and "
-                                                "multiplies negative logits of prompt and output tokens; 1 disables")
+    presence_penalty: Optional[Penalty] = Field(None, description="subtracted from the logit of each token "
+                                                "generated so far")
+    frequency_penalty: Optional[Penalty] = Field(None, description="subtracted from a token's logit once per time it "
+                                                 "was generated so far")
+    repetition_penalty: Optional[RepetitionPenalty] = Field(None, description="vLLM's: divides positive and "
+                                                            "multiplies negative logits of prompt and output tokens; "
+                                                            "1 disables")
     logit_bias: Optional[dict[str, float]] = Field(None, description="token id (as a string) -> bias added to its "
                                                    f"logit, in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
     response_format: Optional[ResponseFormat] = None
@@ -180,9 +182,8 @@ Prompt = Union[str, list[str], list[int], list[list[int]]]
 class CompletionRequest(_SamplingFields):
     prompt: Prompt = Field(..., description="a string, a list of strings, token ids, or a list of token-id lists")
     max_tokens: int = Field(16, ge=1, description="tokens to generate per choice")
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
-                                    description="the sampled token's log-probability and this many most likely "
-                                                "tokens' at each position (raw model distribution)")
+    logprobs: Optional[TopLogprobs] = Field(None, description="the sampled token's log-probability and this many "
+                                            "most likely tokens' at each position (raw model distribution)")
     echo: bool = False
     best_of: Optional[int] = Field(None, ge=1, description="only equal to n is supported")
     suffix: Optional[str] = Field(None, description="not supported; only null is accepted")
@@ -322,8 +323,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Optional[int] = Field(None, ge=1, description="default: what is left of the context")
     max_completion_tokens: Optional[int] = Field(None, ge=1, description="the newer name of max_tokens")
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
-                                        description="this many most likely tokens at each position (needs logprobs)")
+    top_logprobs: Optional[TopLogprobs] = Field(None, description="this many most likely tokens at each position "
+                                                "(needs logprobs)")
     add_generation_prompt: bool = True
     # Fields that OpenAI's SDKs and agent frameworks send and that change nothing here: accepted, logged at
     # debug level (IGNORED), and otherwise ignored. A value that would ask for something this server does

@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
-from ...config import RequestError, SamplingParams
+from ...config import ContextLengthError, RequestError, SamplingParams
 from ...metrics import ServerMetrics
 from .protocol import UsageInfo, sse
 from .server_errors import API_PARAM, ApiError, describe_validation_errors, error_body, internal_error_body
@@ -116,20 +116,13 @@ class OpenAIServing:
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
 
-    def _check_context(self, n_prompt: int, max_tokens: int, param: str, prompt_param: str) -> None:
-        """A 400 naming what to change when the prompt and `param`=max_tokens do not fit the context: the
-        prompt (`prompt_param`) when it alone leaves no room, else either."""
-        limit = self.max_model_len
-        if n_prompt >= limit:
-            raise ApiError(400, f"{n_prompt} prompt tokens leave no room for a reply in this model's context of "
-                                f"{limit} tokens (max_model_len), and the request asks for {n_prompt} prompt tokens "
-                                f"+ {param}={max_tokens}; shorten the {prompt_param} to at most "
-                                f"{max(limit - max_tokens, 1)} tokens", param=prompt_param,
-                           code="context_length_exceeded")
-        if n_prompt + max_tokens > limit:
-            raise ApiError(400, f"this model's context is {limit} tokens (max_model_len) but the request needs "
-                                f"{n_prompt + max_tokens}: {n_prompt} prompt tokens + {param}={max_tokens}; "
-                                f"shorten the prompt or lower {param}", param=param, code="context_length_exceeded")
+    def _check_context(self, n_prompt: int, max_tokens: Optional[int], param: str, prompt_param: str) -> None:
+        """A 400 naming what to change when the prompt and `param`=max_tokens (None: the rest of the
+        context) do not fit it: the input processor's check, its error as the API's."""
+        try:
+            self.engine.input_processor.check_context(n_prompt, max_tokens, param, prompt_param)
+        except ContextLengthError as e:
+            raise ApiError(400, str(e), param=e.param, code="context_length_exceeded") from None
 
     def _make_choices(self, base_id: str, prompts: list[tuple[Optional[str], list[int]]], n: int,
                       params_kw: dict, seed: Optional[int]) -> list[Choice]:

@@ -11,7 +11,6 @@ from fastapi import Request
 from .protocol import (ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
                        ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatResponseMessage, DeltaMessage,
                        new_id)
-from .server_errors import ApiError
 from .serving_base import OpenAIServing
 
 logger = logging.getLogger("tp_overlap.server")
@@ -27,15 +26,8 @@ class OpenAIServingChat(OpenAIServing):
         ids = self._chat_ids([m.for_template() for m in req.messages], req.add_generation_prompt)
         requested = req.requested_max_tokens()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        if requested is None:
-            if len(ids) >= self.max_model_len:
-                raise ApiError(400, f"the messages take {len(ids)} tokens but this model's context is "
-                                    f"{self.max_model_len} tokens (max_model_len); no room is left for a reply",
-                               param="messages", code="context_length_exceeded")
-            max_tokens = self.max_model_len - len(ids)
-        else:
-            self._check_context(len(ids), requested, param, "messages")
-            max_tokens = requested
+        self._check_context(len(ids), requested, param, "messages")
+        max_tokens = self.max_model_len - len(ids) if requested is None else requested
         kw = dict(req.sampling_kwargs(), max_tokens=max_tokens, logprobs=req.logprobs,
                   top_logprobs=req.top_logprobs or 0)
         base = new_id("chatcmpl")

@@ -1,0 +1,101 @@
+"""The `tp-overlap` command whole (pyproject's console script): serving's subcommands (serve, generate,
+bench, demo: serving/cli.py) and `tune`, added here. `tune` builds engines, so tuning sits above
+serving/ and the command is put together on this floor; serving/ never imports tuning.
+
+    python -m tp_overlap_plugin.tuning.cli tune --tp 2 --model llama-3-8b   # what `tp-overlap tune` runs
+
+Nothing of Triton is imported before the command has parsed its arguments (serving/cli.py decides on
+TRITON_INTERPRET first): the measuring code is imported when `tune` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from tp_overlap_plugin.serving import cli as serving_cli
+from tp_overlap_plugin.serving.args import CliError, check_tp_option
+from tp_overlap_plugin.tuning.plan import ONLY_CHOICES   # (no Triton: the plan's shapes only)
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    """Measure the flag's tables on this machine for this TP size and model (tuning/tune.py)."""
+    from tp_overlap_plugin import tables
+    from tp_overlap_plugin.serving.config import EngineConfig
+
+    try:  # before anything is measured: a cache it cannot write would lose the run
+        tables.writable_or_raise(tables.cache_dir())
+    except PermissionError as e:
+        raise CliError(str(e), status=1) from None
+
+    try:
+        mcfg = EngineConfig(model=args.model).load_model_config()
+    except (FileNotFoundError, ValueError) as e:
+        raise CliError(str(e)) from None
+    import torch
+
+    from tp_overlap_plugin.shapes import ModelDims
+    from tp_overlap_plugin.tuning.tune import run
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and torch.cuda.device_count() < args.tp:
+        raise CliError(f"--tp {args.tp} needs {args.tp} GPUs on this machine, found {torch.cuda.device_count()}")
+    check_tp_option(mcfg, args.tp)
+    dims = ModelDims.of(mcfg)
+    label = os.path.basename(os.path.normpath(args.model))
+    return run(label, dims, args.tp, device, quick=args.quick, budget_min=args.budget_min, force=args.force,
+               margin=args.margin, engine_margin=args.engine_margin, model_spec=args.model,
+               step_budget=args.max_num_batched_tokens, only=args.only)
+
+
+def _phases(text: str) -> tuple[str, ...]:
+    """--only's value: phases separated by commas, each one tune runs."""
+    phases = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [p for p in phases if p not in ONLY_CHOICES]
+    if bad or not phases:
+        raise argparse.ArgumentTypeError(f"unknown phase(s) {bad or [text]}; the phases are {', '.join(ONLY_CHOICES)}")
+    return phases
+
+
+def add_tune_subcommand(sub) -> argparse.ArgumentParser:
+    """Register `tune` on the `tp-overlap` parser's subparsers."""
+    t = sub.add_parser("tune", help="measure the --tp-overlap tables for this machine, TP size and model, into the "
+                                    "per-user cache (then `serve --tp-overlap` uses them)")
+    t.add_argument("--tp", type=int, required=True, help="the TP size to measure (starts that many ranks here)")
+    t.add_argument("--model", default="demo",
+                   help="a shipped config name (llama-3-8b, llama-3-70b, qwen2.5-7b), a model directory or "
+                        "'demo': its shard shapes are measured")
+    t.add_argument("--quick", action="store_true", help="fewer sizes and configs (about 3 minutes at TP=8)")
+    t.add_argument("--budget-min", type=float, default=None,
+                   help="stop starting new measurements after this many minutes (default 10, --quick 3); "
+                        "a rerun resumes")
+    t.add_argument("--force", action="store_true", help="measure everything again, ignoring cached rows")
+    t.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present")
+    t.add_argument("--margin", type=float, default=None,
+                   help="ours is chosen where it is at least this many times faster than stock in every repeat "
+                        "(default 1.02; 0 picks ours wherever it ran correctly, for tests of the pipeline); "
+                        "the engine's check too, unless --engine-margin")
+    t.add_argument("--engine-margin", type=float, default=None,
+                   help="a step size keeps the flag where its engine step is at least this many times faster than "
+                        "the stock engine's in every repeat, else it runs stock (default 1.01)")
+    t.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="the step token budget the engine check's largest prefill step fills (default 8192 on GPUs, "
+                        "vLLM's default; serve with the same budget)")
+    t.add_argument("--only", type=_phases, default=None, metavar="PHASE[,PHASE]",
+                   help=f"measure these phases only ({', '.join(ONLY_CHOICES)}); the tables are built from every "
+                        f"row stored before too")
+    t.set_defaults(func=run_tune)
+    return t
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return serving_cli.build_parser(more=(add_tune_subcommand,))
+
+
+def main(argv=None) -> int:
+    return serving_cli.main(argv, more=(add_tune_subcommand,))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
