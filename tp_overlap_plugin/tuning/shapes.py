@@ -1,5 +1,5 @@
 """The shapes `tune` and the bench scripts measure: the dims of the model configs shipped with the engine
-(serving/model_configs). A model's shard shapes themselves are tp_overlap_plugin/shapes.py's."""
+(serving/model/model_configs). A model's shard shapes themselves are tp_overlap_plugin/shapes.py's."""
 
 from __future__ import annotations
 
