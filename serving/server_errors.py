@@ -65,11 +65,11 @@ def _clean_loc(loc) -> list[str]:
     # a message's role after its index (`messages.0.user.content`); a client wants the field it sent.
     out, after_index = [], False
     for x in loc:
-        follows_index, after_index = after_index, isinstance(x, int)
+        tagged, after_index = after_index and out[-2:-1] in (["messages"], ["content"]), isinstance(x, int)
         x = str(x)
         if x == "body" and not out:
             continue
-        if x in _UNION_TAGS or "[" in x or (follows_index and x in MESSAGE_TAGS):
+        if x in _UNION_TAGS or "[" in x or (tagged and x in MESSAGE_TAGS):
             continue
         out.append(x)
     return out

@@ -6,9 +6,11 @@ and the calls seen, each with its name and its argument text so far. While gener
 (`final=False`) a snapshot only ever grows: text that could still turn out to begin a call is held
 back, a call appears once its name is complete, and its arguments grow as they are generated. So the
 stream (`ToolCallStream`, the differences between snapshots) and the reply that is not streamed (the
-final snapshot) tell the same calls and the same content. The one exception is a call that never
-completes as JSON (cut by max_tokens, or malformed): the final snapshot then returns its text as content
-(auto) or drops it (forced), while a stream has already sent its first pieces.
+final snapshot) tell the same calls and the same content. The one exception is a call whose arguments
+never complete as JSON (cut by max_tokens, or malformed): the final snapshot returns its text as content
+(auto) or drops it (forced), while a stream has already sent its first pieces. (Text after a complete
+call's arguments that does not close the call as it should is dropped, or for llama3_json is content:
+the call stands, as it was streamed.)
 
 A call's arguments are the model's own JSON text (the object it wrote), so streamed pieces add up to
 exactly the reply's `arguments`.
@@ -76,12 +78,12 @@ def _scan_call(text: str, pos: int) -> _Scan:
         # grows; anything else is only shown whole).
         partial = text[start:] if text[start:start + 1] == "{" else ""
         return _Scan(PartialCall(name, partial, False), None)
+    call = PartialCall(name, _arguments_text(value, text[start:value_end]), True)
     close = _WS.match(text, value_end).end()
     if close == len(text):
-        return _Scan(PartialCall(name, _arguments_text(value, text[start:value_end]), True), None)
-    if text[close] != "}":
-        return _Scan(None, None, invalid=True)
-    return _Scan(PartialCall(name, _arguments_text(value, text[start:value_end]), True), close + 1)
+        return _Scan(call, None)
+    # Complete arguments are a call even if the object does not close as it should: it was streamed as one.
+    return _Scan(call, close + 1 if text[close] == "}" else close)
 
 
 def _arguments_text(value, raw: Optional[str] = None) -> str:
@@ -149,8 +151,8 @@ class HermesToolParser(ToolParser):
             if j < 0 and not final:
                 is_call = True          # a call being written
             else:
-                is_call = (scan.call is not None and not scan.invalid and scan.call.complete
-                           and (scan.end is None or not body[scan.end:].strip()))
+                # (What follows a complete call inside its block is dropped: the call was streamed already.)
+                is_call = scan.call is not None and not scan.invalid and scan.call.complete
             if is_call:
                 add(segment.rstrip())
                 calls.append(scan.call)
@@ -165,8 +167,9 @@ class HermesToolParser(ToolParser):
 
 
 class Llama3JsonToolParser(ToolParser):
-    """Llama 3.1 / 3.2 JSON tool calls: a reply that is (after an optional <|python_tag|>) one or more
-    `{"name": ..., "parameters": {...}}` objects separated by `;` is calls; any other reply is content."""
+    """Llama 3.1 / 3.2 JSON tool calls: a reply that begins (after an optional <|python_tag|>) with one or
+    more `{"name": ..., "parameters": {...}}` objects separated by `;` is calls, and text after them is
+    content; a reply that begins otherwise is content."""
 
     name = "llama3_json"
     TAG = "<|python_tag|>"
@@ -196,7 +199,7 @@ class Llama3JsonToolParser(ToolParser):
             if pos == len(text):
                 return Snapshot("", calls)
             if text[pos] != ";":
-                return Snapshot(text)
+                return Snapshot(text[pos:], calls)   # prose after the calls: content
             pos += 1
             if not text[pos:].strip():
                 return Snapshot("", calls)
