@@ -85,7 +85,10 @@ def test_what_sdks_and_agent_frameworks_send(client):
 
     with pytest.raises(openai.BadRequestError) as e:
         chat("system", tool_choice="required")
-    assert e.value.body["param"] == "tool_choice" and "cannot be honoured" in e.value.body["message"]
+    assert e.value.body["param"] == "tool_choice" and "needs tools" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat("system", audio={"format": "wav", "voice": "alloy"}, modalities=["text", "audio"])
+    assert e.value.body["param"] == "audio" and "produces no audio" in e.value.body["message"]
 
 
 def test_completion_matches_offline_engine_and_reports_usage(client, offline):
