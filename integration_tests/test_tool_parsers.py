@@ -138,10 +138,15 @@ def test_every_field_of_the_sdk_request_and_message_types_is_listed():
     from openai.types.chat import completion_create_params as params
     import openai.types.chat as t
 
-    fields = set(ChatCompletionRequest.model_fields)
-    assert _keys(params.CompletionCreateParamsBase) - fields == set()
-    assert _keys(t.ChatCompletionStreamOptionsParam) <= {"include_usage", "include_obfuscation"} | \
-        set(ChatCompletionRequest.model_fields["stream_options"].annotation.__args__[0].model_fields)
+    from openai.types import completion_create_params as completion_params
+
+    from tp_overlap_plugin.serving.protocol import CompletionRequest
+
+    assert _keys(params.CompletionCreateParamsBase) - set(ChatCompletionRequest.model_fields) == set()
+    assert _keys(completion_params.CompletionCreateParamsBase) - set(CompletionRequest.model_fields) == set()
+    from tp_overlap_plugin.serving.protocol import StreamOptions
+
+    assert _keys(t.ChatCompletionStreamOptionsParam) - set(StreamOptions.model_fields) == set()
     from tp_overlap_plugin.serving import chat_messages as m
 
     for sdk, ours in [(t.ChatCompletionSystemMessageParam, m.SystemMessage), (t.ChatCompletionUserMessageParam, m.UserMessage),

@@ -46,6 +46,7 @@ class ErrorResponse(_Response):
 # ---- shared request pieces -------------------------------------------------------------------------
 class StreamOptions(_Request):
     include_usage: bool = False
+    include_obfuscation: Optional[bool] = Field(None, description="accepted and ignored: chunks carry no padding")
 
 
 class JsonSchemaFormat(_Request):
