@@ -273,3 +273,35 @@ def test_demo_template_renders_tools_calls_and_results():
     # The demo's own call format is what the hermes parser reads.
     call = text.split("<|assistant|>")[1].removesuffix("<|end|>")
     assert [(c.name, c.arguments) for c in HermesToolParser().snapshot(call, True).calls] == [("w", '{"city": "P"}')]
+
+
+QWEN_LIKE = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}"
+             "{% for m in messages %}{% if m.role == 'tool' %}<response>{{ m.content }}</response>"
+             "{% else %}<{{ m.role }}>{{ m.content }}{% for c in m.tool_calls or [] %}"
+             "{% if loop.index > 1 %}{{ raise_exception('one call at a time') }}{% endif %}"
+             "<call>{{ c.function.arguments | tojson }}</call>{% endfor %}{% endif %}{% endfor %}")
+
+
+def test_hf_templates_get_tools_and_call_arguments_as_objects(tmp_path):
+    """A Hugging Face template gets the tools, and a call's arguments as an object (`tojson` writes them
+    once, not as a quoted string); its own raise_exception is a ValueError (the server's 400)."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from tp_overlap_plugin.serving.engine.input_processor import InputProcessor
+    from tp_overlap_plugin.serving.tokenizer import HFTokenizer
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["tools and calls"] * 4, vocab_size=260, min_frequency=1, special_tokens=["<|eos|>"])
+    PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|eos|>",
+                            chat_template=QWEN_LIKE).save_pretrained(str(tmp_path))
+    proc = InputProcessor(HFTokenizer(tmp_path), 300, 128, structured=None)
+    call = {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"city": "P"}'}}
+    req = _req(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}], tools=TOOLS)
+    text = proc.chat_text([m.for_template() for m in req.messages], False, [t.for_template() for t in req.tools])
+    assert text == '<tools>w;t;</tools><user>hi<assistant><call>{"city": "P"}</call><response>sunny</response>'
+    assert proc.chat_text([{"role": "user", "content": "hi"}], False) == "<user>hi"     # no tools: no section
+    two = _req(messages=[{"role": "assistant", "content": None, "tool_calls": [call, call]}])
+    with pytest.raises(ValueError, match="the chat template rejected the messages: one call at a time"):
+        proc.chat_text([m.for_template() for m in two.messages], False)
