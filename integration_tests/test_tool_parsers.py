@@ -178,7 +178,8 @@ def test_a_replys_model_dump_and_the_sdks_nulls_are_accepted():
     msgs = [{"role": "system", "content": "s", "name": "n"}, {"role": "user", "content": "hi", "name": "u"}, dumped,
             {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sunny"}]},
             {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
-            {"role": "function", "name": "w", "content": None}]
+            {"role": "function", "name": "w", "content": None},
+            {"role": "assistant", "content": "ok", "reasoning_content": None, "reasoning": "because"}]
     req = ChatCompletionRequest.model_validate({
         "messages": msgs, "prediction": None, "audio": None, "modalities": ["text"], "web_search_options": None,
         "moderation": None, "functions": None, "function_call": "none", "n": None, "logprobs": None,
@@ -191,6 +192,7 @@ def test_a_replys_model_dump_and_the_sdks_nulls_are_accepted():
         {"id": "call_1", "type": "function", "function": {"name": "w", "arguments": {"a": 1}}}]}
     assert rendered[3] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
     assert rendered[4]["content"] == "no" and rendered[5] == {"role": "tool", "content": "", "name": "w"}
+    assert rendered[6] == {"role": "assistant", "content": "ok", "reasoning_content": "because"}
 
 
 @pytest.mark.parametrize("kw,param,fragment", [

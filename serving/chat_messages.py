@@ -163,6 +163,9 @@ class AssistantMessage(_Message):
         None, description="the deprecated single call; rendered as one tool call")
     annotations: Optional[list[Annotation]] = Field(None, description="accepted and ignored (metadata of the content)")
     audio: null_only("this server produces no audio, so no reply of it has any") = None
+    # vLLM's replies carry these; a client that talked to vLLM sends them back.
+    reasoning_content: Optional[str] = Field(None, description="passed to the chat template (vLLM's field)")
+    reasoning: Optional[str] = Field(None, description="the newer name of reasoning_content")
 
     def text(self) -> str:
         if self.content is None and self.refusal is not None:
@@ -176,6 +179,9 @@ class AssistantMessage(_Message):
             calls.append(_call_for_template(None, self.function_call))
         if calls:
             out["tool_calls"] = calls
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            out["reasoning_content"] = reasoning
         return out
 
 
