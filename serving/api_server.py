@@ -225,6 +225,9 @@ def tool_parser_from_args(a: argparse.Namespace) -> Optional[str]:
     if a.enable_auto_tool_choice and a.tool_call_parser is None:
         raise CliError("--enable-auto-tool-choice needs --tool-call-parser to say how the model writes its calls",
                        hint=f"add --tool-call-parser with one of: {', '.join(sorted(PARSERS))}")
+    if a.tool_call_parser is not None and not a.enable_auto_tool_choice:
+        logger.warning("--tool-call-parser %s is not used without --enable-auto-tool-choice: tool_choice 'auto' "
+                       "is refused", a.tool_call_parser)
     return a.tool_call_parser if a.enable_auto_tool_choice else None
 
 
