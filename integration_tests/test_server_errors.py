@@ -136,9 +136,12 @@ BAD_CHATS = [
     ({"messages": [{"role": "user"}]}, ["missing required parameter 'messages.0.content'"]),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]},
      ["'image_url' are not supported"]),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, ["unsupported parameter 'tools'"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+     ["tool_choice 'auto'", "--enable-auto-tool-choice"]),
     ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "function", "function": {"name": "f"}}},
-     ["'tool_choice'", "a named function' cannot be honoured"]),
+     ["'f', which is not among the tools (none given)"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}, ["'functions'", "as 'tools'"]),
+    ({"messages": [{"role": "tool", "content": "x"}]}, ["missing required parameter 'messages.0.tool_call_id'"]),
     ({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "extreme"}, ["'reasoning_effort'"]),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, ["top_logprobs needs logprobs=true"]),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
@@ -250,7 +253,9 @@ FUZZ_LIMITS = {"max_tokens": 4, "max_completion_tokens": 4, "n": 2}
 # choices of up to MAX_LEN tokens) is far shorter than this.
 FUZZ_MAX_STREAM_EVENTS = 10_000
 FUZZ_REQUESTS = ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest",
-                 "ChatMessage", "TextContentPart", "StreamOptions")
+                 "SystemMessage", "UserMessage", "AssistantMessage", "ToolMessage", "FunctionMessage",
+                 "TextContentPart", "RefusalContentPart", "ToolCallParam", "FunctionCallParam", "ChatTool",
+                 "FunctionDefinition", "StreamOptions")
 
 
 def _narrow(node, field: str) -> None:
@@ -288,6 +293,10 @@ def fuzz_schemas(server):
             _narrow(prop, field)
         if "model" in schema["properties"]:
             schema["properties"]["model"] = {"enum": ["demo", None]}
+        if "tools" in schema["properties"]:
+            # Rendered tools alone pass this server's context (MAX_LEN), and 'auto' needs a flag it lacks:
+            # positive cases send none (test_server_tools.py serves them; negative cases still send any).
+            schema["properties"]["tools"] = {"type": "null"}
     # "exactly one of prompt and messages", which the server's schema does not say
     narrow["components"]["schemas"]["TokenizeRequest"]["oneOf"] = [
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},

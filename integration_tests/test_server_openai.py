@@ -22,7 +22,8 @@ from tp_overlap_plugin.serving.model.tokenizer import ByteTokenizer
 pytestmark = pytest.mark.timeout(180)
 
 MAX_LEN = 256
-ARGS = ["--max-model-len", str(MAX_LEN), "--max-num-seqs", "32", "--no-access-log", "--log-level", "warning"]
+ARGS = ["--max-model-len", str(MAX_LEN), "--max-num-seqs", "32", "--no-access-log", "--log-level", "warning",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 PROMPTS = ["The tensor-parallel engine says:", "Hello, world", "0123456789"]
 
 
@@ -83,9 +84,16 @@ def test_what_sdks_and_agent_frameworks_send(client):
     assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
     assert all(ch.usage is None for ch in chunks[:-1])
 
+    # Tools with 'auto' (the default) on a server started with the tool flags: the demo's reply is no call.
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    auto, none = chat("system", tools=tools).choices[0], chat("system", tools=tools, tool_choice="none").choices[0]
+    assert auto.message.tool_calls is None and auto.message.content == none.message.content
     with pytest.raises(openai.BadRequestError) as e:
         chat("system", tool_choice="required")
-    assert e.value.body["param"] == "tool_choice" and "cannot be honoured" in e.value.body["message"]
+    assert e.value.body["param"] == "tool_choice" and "needs tools" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat("system", audio={"format": "wav", "voice": "alloy"}, modalities=["text", "audio"])
+    assert e.value.body["param"] == "audio" and "produces no audio" in e.value.body["message"]
 
 
 def test_completion_matches_offline_engine_and_reports_usage(client, offline):

@@ -178,3 +178,44 @@ def test_keywords_the_grammar_would_not_enforce_are_refused_by_name(schema, frag
     with pytest.raises(ValueError, match="not supported in structured output") as e:
         so.compile(StructuredOutput(json_schema=schema))
     assert fragment in str(e.value)
+
+
+# ---- forced tool calls (serving/entrypoints/openai/chat_tools.py): grammars built from the tools' parameters ----
+TOOL_PARAMETERS = [
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 4},
+                                      "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+     "required": ["city", "days"]},
+    {"type": "object", "properties": {"unit": {"enum": ["C", "F"]}, "tags": {"type": "array", "items": {
+        "type": "string", "pattern": "^[a-z]{1,3}$"}, "maxItems": 2}}, "required": ["unit"]},
+    None,   # a function without parameters: its arguments are {}
+]
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_forced_tool_calls_parse_and_validate_against_their_function(parallel):
+    """tool_choice 'required' and a named function: every output the grammar ends is calls that the reply
+    parser reads back, each naming one of the tools, its arguments valid for that tool."""
+    from tp_overlap_plugin.serving.entrypoints.openai.chat_tools import plan_tools
+    from tp_overlap_plugin.serving.entrypoints.openai.protocol import ChatCompletionRequest
+
+    tools = [{"type": "function", "function": {"name": f"f{i}", **({"parameters": p} if p else {})}}
+             for i, p in enumerate(TOOL_PARAMETERS)]
+    so = _structured(BYTES, BYTES.vocab_size)
+    for choice in ("required", {"type": "function", "function": {"name": "f1"}}):
+        req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": tools,
+                                                    "tool_choice": choice, "parallel_tool_calls": parallel})
+        plan = plan_tools(req, None)
+        compiled = so.compile(StructuredOutput(json_schema=plan.structured_output["json_schema"]))
+        seen, finished = set(), 0
+        for seed in range(20):
+            text = _walk(so, compiled, BYTES, BYTES.vocab_size, random.Random(seed))
+            if text is None:
+                continue
+            finished += 1
+            calls = plan.parser.snapshot(text, final=True).calls
+            assert calls and (parallel or len(calls) == 1), text
+            for c in calls:
+                params = TOOL_PARAMETERS[int(c.name[1:])] or {"type": "object", "additionalProperties": False}
+                jsonschema.validate(json.loads(c.arguments), params)
+                seen.add(c.name)
+        assert finished >= 10 and (seen == {"f0", "f1", "f2"} if choice == "required" else seen == {"f1"}), seen

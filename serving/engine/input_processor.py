@@ -100,15 +100,22 @@ class InputProcessor:
             raise ValueError("this model has no tokenizer; send the prompt as token ids")
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)) if text else []
 
-    def chat_text(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The messages through the model's chat template; ValueError when the model has no tokenizer
-        (so no template) or the template rejects them (the message says which)."""
+    def chat_text(self, messages: list[dict], add_generation_prompt: bool = True,
+                  tools: Optional[list[dict]] = None) -> str:
+        """The messages (and the tools offered, if any) through the model's chat template; ValueError when
+        the model has no tokenizer (so no template) or the template rejects them (the message says which)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template; send token ids to the "
                              "completions API")
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        except ValueError as e:
+            from jinja2 import TemplateError
+        except ImportError:   # (then there are no Hugging Face templates either)
+            TemplateError = ValueError
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tools=tools)
+        except (ValueError, TypeError, TemplateError) as e:
+            # (A template's own `raise_exception`, e.g. "only one tool call at a time", is a TemplateError.)
             raise ValueError(f"the chat template rejected the messages: {e}") from None
 
     def encode_chat(self, text: str) -> list[int]:

@@ -91,7 +91,7 @@ _SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 
 
-def _check_honoured(schema: Any, where: str = "schema") -> None:
+def check_honoured(schema: Any, where: str = "schema") -> None:
     """ValueError naming the first keyword of `schema` the grammar would not enforce, and where it is."""
     if not isinstance(schema, dict):
         return
@@ -113,15 +113,15 @@ def _check_honoured(schema: Any, where: str = "schema") -> None:
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         raise ValueError(f"{where}.allOf: an allOf of more than one schema is not supported in structured output")
     for k in _SUBSCHEMA:
-        _check_honoured(schema.get(k), f"{where}.{k}")
+        check_honoured(schema.get(k), f"{where}.{k}")
     for k in _SUBSCHEMA_LISTS:
         if isinstance(schema.get(k), list):
             for i, sub in enumerate(schema[k]):
-                _check_honoured(sub, f"{where}.{k}[{i}]")
+                check_honoured(sub, f"{where}.{k}[{i}]")
     for k in _SUBSCHEMA_MAPS:
         if isinstance(schema.get(k), dict):
             for name, sub in schema[k].items():
-                _check_honoured(sub, f"{where}.{k}.{name}")
+                check_honoured(sub, f"{where}.{k}.{name}")
 
 
 class StructuredOutputs:
@@ -173,7 +173,7 @@ class StructuredOutputs:
         try:
             if so.json_object:
                 return compiler.compile_json_schema({"type": "object"}, any_whitespace=False)
-            _check_honoured(so.json_schema)
+            check_honoured(so.json_schema)
             schema_json = json.dumps(so.json_schema)   # (key order matters: it is the output's)
             ebnf = _json_schema_grammar(schema_json)
             if ebnf is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Optional, Sequence
@@ -66,13 +67,30 @@ class ByteTokenizer:
         """Each id's bytes, "" for the specials (their text is not what they stand for)."""
         return [bytes([i]) for i in range(256)] + [""] * len(self.SPECIALS)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: Optional[list[dict]] = None) -> str:
+        """`<|role|>content<|end|>` per message. Tools, when offered, are a system turn of their own first;
+        an assistant's tool calls follow its content as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
+        blocks, and a tool's result is a user turn in `<tool_response>` tags, as Qwen2.5's template writes
+        them: so the demo pairs with `--tool-call-parser hermes`."""
         parts = []
+        if tools:
+            listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+            parts.append(f"<|system|># Tools\n<tools>\n{listed}\n</tools>\nTo call a function, reply with "
+                         f'<tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call><|end|>')
         for m in messages:
             role = m.get("role")
+            if role == "tool":
+                parts.append(f"<|user|><tool_response>\n{m.get('content') or ''}\n</tool_response><|end|>")
+                continue
             if role not in ("system", "user", "assistant"):
                 raise ValueError(f"unknown chat role {role!r}")
-            parts.append(f"<|{role}|>{m.get('content', '')}<|end|>")
+            text = m.get("content") or ""
+            for call in m.get("tool_calls") or []:
+                fn = call.get("function", call)
+                text += "<tool_call>" + json.dumps({"name": fn.get("name"), "arguments": fn.get("arguments", {})},
+                                                   ensure_ascii=False) + "</tool_call>"
+            parts.append(f"<|{role}|>{text}<|end|>")
         if add_generation_prompt:
             parts.append("<|assistant|>")
         return "".join(parts)
@@ -119,10 +137,13 @@ class HFTokenizer:
             return bytes([int(m.group(1), 16)])
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: Optional[list[dict]] = None) -> str:
         if not self._hf or not getattr(self._tok, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
-        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        # tools=None, not [], without tools: some templates write a tools section for any list.
+        return self._tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
 
 
 def _byte_level_decoder(tok) -> Optional[dict[str, int]]:

@@ -24,6 +24,7 @@ from typing import Optional
 from tp_overlap_plugin import options
 
 from ...args import DEBUG_HINT, CliError, engine_config_from_args
+from .tool_parsers import PARSERS
 
 try:
     from fastapi import FastAPI, Request
@@ -63,7 +64,7 @@ class OpenAIServer:
     `app.fastapi`)."""
 
     def __init__(self, engine, served_model_name: str, api_key: Optional[str] = None,
-                 model_root: Optional[str] = None):
+                 model_root: Optional[str] = None, tool_parser: Optional[str] = None):
         self.engine = engine
         self.model_name = served_model_name
         self.model_root = model_root
@@ -73,7 +74,7 @@ class OpenAIServer:
         self.in_flight = InFlight()
         shared = (engine, served_model_name, self.metrics, self.in_flight)
         self.completion = OpenAIServingCompletion(*shared)
-        self.chat = OpenAIServingChat(*shared)
+        self.chat = OpenAIServingChat(*shared, tool_parser=tool_parser)
         self.tokenization = OpenAIServingTokenization(*shared)
         self.app = self._build_app()
 
@@ -175,10 +176,11 @@ class OpenAIServer:
         return wrapped
 
 
-def build_app(engine, served_model_name: str, api_key: Optional[str] = None, model_root: Optional[str] = None):
+def build_app(engine, served_model_name: str, api_key: Optional[str] = None, model_root: Optional[str] = None,
+              tool_parser: Optional[str] = None):
     """The ASGI app for an AsyncLLM (the FastAPI object is its `.fastapi`, the requests in flight its
-    `.in_flight`)."""
-    server = OpenAIServer(engine, served_model_name, api_key, model_root)
+    `.in_flight`). `tool_parser`: the parser of tool_choice 'auto' (--enable-auto-tool-choice); None: off."""
+    server = OpenAIServer(engine, served_model_name, api_key, model_root, tool_parser)
     server.app.in_flight = server.in_flight
     return server.app
 
@@ -211,6 +213,23 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the server's and uvicorn's log level")
     g.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve tool_choice 'auto' (the default when a request has tools): calls are parsed out of "
+                        "the reply with --tool-call-parser. 'required' and a named function work without it")
+    g.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                   help="the format of the model's tool calls: hermes (Qwen2.5, Qwen3, the demo model), "
+                        "llama3_json (Llama 3.1, 3.2)")
+
+
+def tool_parser_from_args(a: argparse.Namespace) -> Optional[str]:
+    """The parser tool_choice 'auto' uses, or None when it is off; CliError for a flag without the other."""
+    if a.enable_auto_tool_choice and a.tool_call_parser is None:
+        raise CliError("--enable-auto-tool-choice needs --tool-call-parser to say how the model writes its calls",
+                       hint=f"add --tool-call-parser with one of: {', '.join(sorted(PARSERS))}")
+    if a.tool_call_parser is not None and not a.enable_auto_tool_choice:
+        logger.warning("--tool-call-parser %s is not used without --enable-auto-tool-choice: tool_choice 'auto' "
+                       "is refused", a.tool_call_parser)
+    return a.tool_call_parser if a.enable_auto_tool_choice else None
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -237,6 +256,7 @@ def serve_main(a: argparse.Namespace) -> int:
 
     logging.basicConfig(level=getattr(logging, a.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = engine_config_from_args(a)
+    tool_parser = tool_parser_from_args(a)
     t0 = time.perf_counter()
 
     def _interrupt(signum, frame):
@@ -267,7 +287,8 @@ def serve_main(a: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
     try:
         name = a.served_model_name or cfg.model
-        app = build_app(engine, name, a.api_key or options.env_api_key(), model_root=cfg.model)
+        app = build_app(engine, name, a.api_key or options.env_api_key(), model_root=cfg.model,
+                        tool_parser=tool_parser)
         logger.info("engine ready in %.1f s: model %s, tp=%d, max_model_len=%d, %d KV blocks of %d tokens",
                     time.perf_counter() - t0, cfg.model, cfg.tensor_parallel_size, engine.max_model_len,
                     engine.num_blocks, cfg.block_size)

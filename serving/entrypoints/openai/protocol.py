@@ -1,9 +1,9 @@
 """Request and response schemas of the OpenAI-compatible server.
 
 The request models list exactly the fields the engine can honour and forbid everything else: a client
-that sends `tools` or `functions` gets a 400 that names the field, instead of an answer that quietly
-differs from what it asked for. Fields that OpenAI clients send with their neutral defaults
-(`best_of == n`, `suffix: null`, ...) are accepted at those values only; fields that SDKs and agent
+that sends `functions` or asks for `audio` gets a 400 that names the field, instead of an answer that
+quietly differs from what it asked for. Fields that OpenAI clients send with their neutral defaults
+(`best_of == n`, `suffix: null`, `audio: null`, ...) are accepted at those values only; fields that SDKs and agent
 frameworks send and that change nothing here (`store`, `metadata`, `reasoning_effort`, ...) are accepted
 and ignored (ChatCompletionRequest.IGNORED).
 
@@ -17,24 +17,19 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ...config import (MAX_LOGIT_BIAS, MinP, Penalty, RepetitionPenalty, Temperature, TopLogprobs,
                        TopP)
+from .chat_messages import (MAX_TOOLS, ChatMessage, ChatTool, DeltaToolCall, ToolCall, ToolChoice,
+                            TextContentPart, null_only)
+from .protocol_base import RequestModel as _Request
+from .protocol_base import ResponseModel as _Response
 
 # Stop strings are matched against the tail of the text after every token; a bound keeps that cheap.
 MAX_STOP_STRINGS = 16
 # OpenAI allows 300 logit_bias entries per request.
 MAX_LOGIT_BIAS_ENTRIES = 300
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class _Response(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 # ---- errors -----------------------------------------------------------------------------------------
@@ -52,6 +47,7 @@ class ErrorResponse(_Response):
 # ---- shared request pieces -------------------------------------------------------------------------
 class StreamOptions(_Request):
     include_usage: bool = False
+    include_obfuscation: Optional[bool] = Field(None, description="accepted and ignored: chunks carry no padding")
 
 
 class JsonSchemaFormat(_Request):
@@ -91,13 +87,13 @@ class _SamplingFields(_Request):
     top_p: Optional[TopP] = None
     top_k: Optional[int] = Field(None, ge=-1, description="-1 or 0 disables")
     min_p: Optional[MinP] = None
-    n: int = Field(1, ge=1, le=128, description="completions per prompt")
+    n: Optional[int] = Field(1, ge=1, le=128, description="completions per prompt; null: 1")
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: bool = False
     seed: Optional[int] = Field(None, ge=-(2 ** 63), le=2 ** 63 - 1)
     ignore_eos: bool = False
-    stream: bool = False
+    stream: Optional[bool] = Field(False, description="null: false")
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = Field(None, description="an end-user id; recorded in nothing, accepted for compatibility")
     presence_penalty: Optional[Penalty] = Field(None, description="subtracted from the logit of each token "
@@ -120,6 +116,11 @@ class _SamplingFields(_Request):
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stops)}")
         return v
+
+    @field_validator("n")
+    @classmethod
+    def _null_n(cls, v):
+        return 1 if v is None else v   # (OpenAI's SDK types allow null, meaning the default)
 
     @field_validator("stop_token_ids")
     @classmethod
@@ -291,65 +292,83 @@ class CompletionStreamResponse(_Response):
 
 
 # ---- /v1/chat/completions ---------------------------------------------------------------------------
-class TextContentPart(_Request):
-    type: Literal["text"]
-    text: str
-
-    @model_validator(mode="before")
-    @classmethod
-    def _only_text(cls, data):
-        if isinstance(data, dict) and data.get("type") != "text":
-            raise ValueError(f"content parts of type {data.get('type')!r} are not supported; only 'text'")
-        return data
-
-
-class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"] = Field(
-        ..., description="'developer' is OpenAI's newer name for the system message, and is rendered as one")
+# The messages and tools: chat_messages.py.
+class Prediction(_Request):
+    type: Literal["content"]
     content: Union[str, list[TextContentPart]]
 
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(p.text for p in self.content)
 
-    def for_template(self) -> dict[str, str]:
-        """The message as the chat template takes it."""
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+class PromptCacheOptions(_Request):
+    mode: Optional[Literal["implicit", "explicit"]] = None
+    ttl: Optional[Literal["30m"]] = None
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: Optional[int] = Field(None, ge=1, description="default: what is left of the context")
     max_completion_tokens: Optional[int] = Field(None, ge=1, description="the newer name of max_tokens")
-    logprobs: bool = False
+    logprobs: Optional[bool] = Field(False, description="null: false")
     top_logprobs: Optional[TopLogprobs] = Field(None, description="this many most likely tokens at each position "
                                                 "(needs logprobs)")
     add_generation_prompt: bool = True
-    # Fields that OpenAI's SDKs and agent frameworks send and that change nothing here: accepted, logged at
-    # debug level (IGNORED), and otherwise ignored. A value that would ask for something this server does
-    # not do (tools) is refused, naming the field.
+    # ---- tools (chat_tools.py says what each tool_choice does) ----
+    tools: Optional[list[ChatTool]] = Field(None, max_length=MAX_TOOLS,
+                                            description="function tools; rendered by the model's chat template")
+    tool_choice: Optional[ToolChoice] = Field(
+        None, description="'none', 'auto' (needs --enable-auto-tool-choice), 'required', a named function, or "
+                          "allowed_tools; default: 'auto' when tools are given, else 'none'")
+    parallel_tool_calls: Optional[bool] = Field(None, description="false: at most one tool call per reply")
+    # ---- fields that OpenAI's SDKs and agent frameworks send and that change nothing here: accepted,
+    # logged at debug level (IGNORED), and otherwise ignored ----
     store: Optional[bool] = Field(None, description="ignored: this server keeps no completions")
     metadata: Optional[dict[str, str]] = Field(None, description="ignored: kept only with stored completions")
-    service_tier: Optional[Literal["auto", "default", "flex", "scale", "priority"]] = Field(
+    service_tier: Optional[Literal["auto", "default", "flex", "scale", "priority", "fast"]] = Field(
         None, description="ignored: one tier")
-    parallel_tool_calls: Optional[bool] = Field(None, description="ignored: no tools are called")
-    tool_choice: Optional[Literal["none", "auto"]] = Field(
-        None, description="'none', or 'auto' (which without tools means none); tool calls are not supported")
-    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = Field(
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = Field(
         None, description="ignored: the models served here answer without a reasoning phase")
+    verbosity: Optional[Literal["low", "medium", "high"]] = Field(
+        None, description="ignored: the reply is as long as the model makes it")
     prompt_cache_key: Optional[str] = Field(None, description="ignored: prefix caching needs no key")
+    prompt_cache_options: Optional[PromptCacheOptions] = Field(None, description="ignored: prefix caching is automatic")
+    prompt_cache_retention: Optional[Literal["in_memory", "24h"]] = Field(
+        None, description="ignored: prefix caching is automatic")
     safety_identifier: Optional[str] = Field(None, description="ignored: recorded nowhere")
-    IGNORED: ClassVar[tuple[str, ...]] = ("store", "metadata", "service_tier", "parallel_tool_calls", "tool_choice",
-                                          "reasoning_effort", "prompt_cache_key", "safety_identifier")
+    prediction: Optional[Prediction] = Field(
+        None, description="ignored: a predicted output only saves time elsewhere; the reply is the same without it")
+    IGNORED: ClassVar[tuple[str, ...]] = ("store", "metadata", "service_tier", "reasoning_effort", "verbosity",
+                                          "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention",
+                                          "safety_identifier", "prediction")
+    # ---- accepted only as null (or a neutral value): any other asks for what this server does not do ----
+    audio: null_only("this server produces no audio") = None
+    modalities: Optional[list[Literal["text"]]] = Field(None, description="only 'text': no audio is produced")
+    web_search_options: null_only("this server searches nothing") = None
+    moderation: null_only("this server runs no moderation") = None
+    functions: null_only("the deprecated 'functions' are not supported; send them as 'tools'") = None
+    function_call: Optional[Literal["none", "auto"]] = Field(
+        None, description="deprecated; without 'functions' both values mean no call")
 
-    @field_validator("tool_choice", mode="before")
+    @field_validator("tool_choice", "function_call", mode="before")
     @classmethod
-    def _no_tool_calls(cls, v):
-        if v is not None and v not in ("none", "auto"):
-            shown = v if isinstance(v, str) else "a named function"
-            raise ValueError(f"tool_choice {shown!r} cannot be honoured: this server calls no tools; send 'none' "
-                             f"or leave it out")
+    def _known_choice(cls, v, info: ValidationInfo):
+        # One clear line instead of pydantic's one error per union branch.
+        if info.field_name == "function_call":
+            if isinstance(v, dict):
+                raise ValueError("a named function_call (deprecated) is not supported; send 'tools' and 'tool_choice'")
+            return v
+        if v is not None and not isinstance(v, (str, dict)) or isinstance(v, str) and v not in ("none", "auto",
+                                                                                                 "required"):
+            raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or an object, not {v!r}")
+        if isinstance(v, dict) and v.get("type") not in ("function", "allowed_tools"):
+            raise ValueError(f"tool_choice of type {v.get('type')!r} is not supported; send 'none', 'auto', "
+                             f"'required', a function ({{\"type\": \"function\", \"function\": {{\"name\": ...}}}}) "
+                             f"or allowed_tools")
+        return v
+
+    @field_validator("modalities", mode="before")
+    @classmethod
+    def _text_only(cls, v):
+        if isinstance(v, list) and any(m != "text" for m in v):
+            raise ValueError(f"only the 'text' modality is supported, not {[m for m in v if m != 'text']}")
         return v
 
     def ignored_fields(self) -> dict[str, Any]:
@@ -376,7 +395,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str] = Field(..., description="null when the reply is only tool calls")
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatTopLogprob(_Response):
@@ -400,7 +420,7 @@ class ChatCompletionChoice(_Response):
     index: int
     message: ChatResponseMessage
     logprobs: Optional[ChatChoiceLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+    finish_reason: Optional[Literal["stop", "length", "tool_calls", "abort"]] = None
 
 
 class ChatCompletionResponse(_Response):
@@ -415,13 +435,14 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatCompletionStreamChoice(_Response):
     index: int
     delta: DeltaMessage
     logprobs: Optional[ChatChoiceLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+    finish_reason: Optional[Literal["stop", "length", "tool_calls", "abort"]] = None
 
 
 class ChatCompletionStreamResponse(_Response):
@@ -459,6 +480,8 @@ class TokenizeRequest(_Request):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
+    tools: Optional[list[ChatTool]] = Field(None, max_length=MAX_TOOLS, description="messages only: rendered by "
+                                            "the chat template, as /v1/chat/completions does")
     add_generation_prompt: bool = Field(True, description="messages only")
     add_special_tokens: Optional[bool] = Field(
         None, description="default: true for a prompt; for messages, the ids /v1/chat/completions would use")
@@ -468,6 +491,8 @@ class TokenizeRequest(_Request):
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of 'prompt' and 'messages'")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("'tools' go with 'messages' (the chat template renders them), not with a prompt")
         return self
 
 

@@ -106,13 +106,14 @@ class OpenAIServing:
         except ValueError as e:
             raise ApiError(400, str(e), param="prompt") from None
 
-    def _chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        """The ids /v1/chat/completions feeds the model for these messages."""
-        return self.engine.input_processor.encode_chat(self._chat_text(messages, add_generation_prompt))
+    def _chat_ids(self, messages: list[dict], add_generation_prompt: bool,
+                  tools: Optional[list[dict]] = None) -> list[int]:
+        """The ids /v1/chat/completions feeds the model for these messages (and tools)."""
+        return self.engine.input_processor.encode_chat(self._chat_text(messages, add_generation_prompt, tools))
 
-    def _chat_text(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def _chat_text(self, messages: list[dict], add_generation_prompt: bool, tools: Optional[list[dict]] = None) -> str:
         try:
-            return self.engine.input_processor.chat_text(messages, add_generation_prompt)
+            return self.engine.input_processor.chat_text(messages, add_generation_prompt, tools)
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
 

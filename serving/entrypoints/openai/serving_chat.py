@@ -1,41 +1,60 @@
-"""POST /v1/chat/completions: the messages through the model's chat template, then one engine request per
-choice."""
+"""POST /v1/chat/completions: the messages (and tools) through the model's chat template, then one engine
+request per choice; tool calls out of the replies (chat_tools.py, tool_parsers.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from typing import Optional
 
 from fastapi import Request
 
+from .chat_tools import finish_reason, plan_tools, reply_message
 from .protocol import (ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
-                       ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatResponseMessage, DeltaMessage,
-                       new_id)
+                       ChatCompletionStreamChoice, ChatCompletionStreamResponse, DeltaMessage, new_id)
+from .server_errors import ApiError
 from .serving_base import OpenAIServing
+from .tool_parsers import ToolCallStream
 
 logger = logging.getLogger("tp_overlap.server")
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, *shared, tool_parser: Optional[str] = None):
+        super().__init__(*shared)
+        # The --tool-call-parser that tool_choice 'auto' uses; None: --enable-auto-tool-choice is off.
+        self.tool_parser = tool_parser
+
     async def create(self, req: ChatCompletionRequest, request: Request):
         self.check_model(req.model)
         ignored = req.ignored_fields()
         if ignored:
             logger.debug("chat request: ignoring %s (they change nothing on this server)",
                          ", ".join(f"{k}={v!r}" for k, v in ignored.items()))
-        ids = self._chat_ids([m.for_template() for m in req.messages], req.add_generation_prompt)
+        plan = plan_tools(req, self.tool_parser)
+        ids = self._chat_ids([m.for_template() for m in req.messages], req.add_generation_prompt,
+                             plan.template_tools)
         requested = req.requested_max_tokens()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         self._check_context(len(ids), requested, param, "messages")
         max_tokens = self.max_model_len - len(ids) if requested is None else requested
-        kw = dict(req.sampling_kwargs(), max_tokens=max_tokens, logprobs=req.logprobs,
+        kw = dict(req.sampling_kwargs(), max_tokens=max_tokens, logprobs=bool(req.logprobs),
                   top_logprobs=req.top_logprobs or 0)
+        if plan.forced:
+            kw["structured_output"] = plan.structured_output
         base = new_id("chatcmpl")
-        choices = self._make_choices(base, [(None, ids)], req.n, kw, req.seed)
+        try:
+            choices = self._make_choices(base, [(None, ids)], req.n, kw, req.seed)
+        except ApiError as e:
+            if plan.forced and e.param == "response_format":   # the grammar made of the tools' parameters
+                raise ApiError(400, f"the tools' parameters cannot be forced: {e.message}", param="tools") from None
+            raise
 
         if req.stream:
             async def chunks():
                 sent = {c.index: 0 for c in choices}
+                calls = {c.index: ToolCallStream(plan.parser, plan.max_calls) for c in choices} if plan.parser else {}
+                texts = {c.index: "" for c in choices}
                 async with contextlib.aclosing(self._run(choices, "chat")) as it:
                     # OpenAI streams announce the role first, once per choice.
                     for c in choices:
@@ -45,12 +64,17 @@ class OpenAIServingChat(OpenAIServing):
                     async for c, text in it:
                         new_ids = c.token_ids[sent[c.index]:]
                         finish = c.finish_reason
-                        if not (text or finish or (req.logprobs and new_ids)):
+                        tool_deltas = []
+                        if plan.parser:
+                            texts[c.index] += text
+                            text, tool_deltas = calls[c.index].push(text, final=finish is not None)
+                            finish = finish_reason(plan, calls[c.index].called, texts[c.index], finish)
+                        if not (text or tool_deltas or finish or (req.logprobs and new_ids)):
                             continue
                         k = sent[c.index]
                         lp = self.logprobs.chat(new_ids, c.logprobs[k:], c.top_logprobs[k:]) if req.logprobs else None
                         sent[c.index] = len(c.token_ids)
-                        delta = DeltaMessage(content=text) if text else DeltaMessage()
+                        delta = DeltaMessage(content=text or None, tool_calls=tool_deltas or None)
                         chunk = ChatCompletionStreamResponse(id=base, model=self.model_name, choices=[
                             ChatCompletionStreamChoice(index=c.index, delta=delta, logprobs=lp,
                                                        finish_reason=finish)]).model_dump()
@@ -62,8 +86,10 @@ class OpenAIServingChat(OpenAIServing):
                 id=base, model=self.model_name, choices=[], usage=self._usage(choices)).model_dump())
 
         await self._complete(choices, "chat", request)
-        out_choices = [ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                                            logprobs=(self.logprobs.chat(c.token_ids, c.logprobs, c.top_logprobs)
-                                                      if req.logprobs else None),
-                                            finish_reason=c.finish_reason) for c in choices]
+        out_choices = []
+        for c in choices:
+            message, called = reply_message(plan, c.text)
+            out_choices.append(ChatCompletionChoice(
+                index=c.index, message=message, finish_reason=finish_reason(plan, called, c.text, c.finish_reason),
+                logprobs=self.logprobs.chat(c.token_ids, c.logprobs, c.top_logprobs) if req.logprobs else None))
         return ChatCompletionResponse(id=base, model=self.model_name, choices=out_choices, usage=self._usage(choices))

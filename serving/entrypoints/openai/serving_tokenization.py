@@ -13,7 +13,8 @@ class OpenAIServingTokenization(OpenAIServing):
         if req.prompt is not None:
             ids = self._encode(req.prompt, req.add_special_tokens is not False)
         else:
-            text = self._chat_text([m.for_template() for m in req.messages], req.add_generation_prompt)
+            tools = [t.for_template() for t in req.tools] if req.tools else None
+            text = self._chat_text([m.for_template() for m in req.messages], req.add_generation_prompt, tools)
             if req.add_special_tokens is None:     # what /v1/chat/completions feeds the model
                 ids = self.engine.input_processor.encode_chat(text)
             else:
