@@ -3,7 +3,7 @@
 A request's `StructuredOutput` is compiled once (xgrammar caches compiled grammars) into a matcher
 that the sequence carries. Each step the engine asks `fill` for a bitmask [B, ceil(V/32)] of the
 constrained rows, which the sampler applies on the device in one op; the host accepts each sampled
-token into its matcher before the sequence's next mask is built (engine/llm_engine.py says how under async
+token into its matcher before the sequence's next mask is built (engine/core.py says how under async
 scheduling). Once the JSON is complete the grammar allows only the end-of-sequence tokens, so the
 output ends there.
 

@@ -5,7 +5,7 @@ It has no tokenizer and no text: the front end (front_end.py) processes requests
 here and turns the deltas into text, stop strings included. What ends a request on its ids is decided
 here, in one place (`_finish_reason`): an end-of-sequence or stop token id, max_tokens, max_model_len.
 
-`LLMEngine` (llm_engine.py) drives a core in its own process; under `AsyncLLM` the core process
+`LLMEngine` (llm_engine.py) drives a core in its caller's process; under `AsyncLLM` the core process
 (core_process.py) does. Single-threaded: add / abort / step.
 """
 
