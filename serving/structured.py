@@ -169,6 +169,7 @@ class StructuredOutputs:
         if self.tokenizer is None:
             if self._vocabulary is not None:
                 return xgr.TokenizerInfo.deserialize_json(self._vocabulary)
+            # (the core's: the front end sends the vocabulary before the first grammar it needs)
             raise ValueError("structured output needs a tokenizer; this model has none")
         hf = getattr(self.tokenizer, "hf_tokenizer", None)
         if hf is not None:

@@ -75,6 +75,9 @@ class LLMEngine:
     def add(self, request_id: Optional[str], request: ProcessedRequest) -> str:
         """Schedule a processed request; nothing of it is checked again. Returns its id."""
         rid = str(next(self._ids)) if request_id is None else str(request_id)
+        if request.params.structured_output is not None and request.grammar is None:
+            # (a request that was pickled: the core here has no vocabulary of its own to compile against)
+            request.grammar = self.front.input_processor.compile_grammar(request.params)
         self.core.add(rid, request)
         self._streams[rid] = self.front.stream(rid, request)
         return rid
