@@ -93,3 +93,35 @@ def test_the_issues_case_streams_nothing(engine):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=["nnn"], include_stop_str_in_output=True)
     (streamed, comp), = _run(engine, {"nnn+": ("Hello", params)}).values()
     assert streamed == comp.text == "nnn"
+
+
+def test_async_llm_streams_the_same_and_frees_the_request_in_its_core(engine):
+    """The same front end under AsyncLLM (core loop on a thread, same pipes): the streamed text equals
+    the offline one, and the request a stop string ended is aborted in the core (its blocks freed)."""
+    import asyncio
+
+    from tp_overlap_plugin.serving import AsyncLLM
+
+    text = _run(engine, {"ref": ("Hello", SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))})
+    full = text["ref"][1].text
+    stop = full[4:7]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop])
+    expected = _run(engine, {"offline": ("Hello", params)})["offline"][1]
+    eng = AsyncLLM(EngineConfig(model="demo", max_model_len=128, show_progress=False), in_thread=True)
+
+    async def main():
+        outs = [o async for o in eng.generate("Hello", params, "s")]
+        for _ in range(500):
+            if eng.stats()["num_requests_running"] == 0 and eng.stats()["num_requests_waiting"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        return outs
+
+    try:
+        outs = asyncio.run(main())
+        assert "".join(o.delta_text for o in outs) == outs[-1].outputs[0].text == expected.text == full[:full.find(stop)]
+        assert outs[-1].outputs[0].finish_reason == "stop" and outs[-1].outputs[0].token_ids == expected.token_ids
+        stats = eng.stats()
+        assert stats["num_requests_running"] == 0 and stats["kv_cache_free_blocks"] == stats["kv_cache_total_blocks"]
+    finally:
+        eng.shutdown()
