@@ -55,6 +55,7 @@ class AsyncLLM:
         self.cfg = cfg
         self.mcfg = cfg.load_model_config()
         self.mcfg.check_tp(cfg.tensor_parallel_size)   # fail before any process is spawned
+        tokenizer, eos_ids = FrontEnd.load(cfg, self.mcfg)   # likewise
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, RequestStream]] = {}
         self._error: Optional[BaseException] = None
         self._stopped = False
@@ -64,11 +65,7 @@ class AsyncLLM:
         self.max_model_len: int = info.max_model_len
         self.vocab_size: int = info.vocab_size
         self.num_blocks: int = info.num_blocks
-        try:
-            self.front = FrontEnd(cfg, self.mcfg, self.max_model_len)
-        except BaseException:
-            self.core.shutdown()
-            raise
+        self.front = FrontEnd(tokenizer, eos_ids, self.vocab_size, self.max_model_len)
         self.tokenizer = self.front.tokenizer
         self.input_processor = self.front.input_processor
         self._vocabulary_sent = False   # the core compiles grammars against it (messages.GrammarVocabulary)

@@ -148,8 +148,9 @@ class EngineCore:
         With async scheduling the step launched here is finalised (tokens appended, stops checked) by
         the next call, after that call has launched its own step: the host does this work while the
         device runs. A sequence that stops on a token it cannot foresee (an end-of-sequence or stop
-        token; a stop string, which the front end aborts) was already scheduled once more; that extra
-        token is computed and dropped, never emitted."""
+        token) was already scheduled once more; that extra token is computed and dropped, never
+        emitted. A stop string is the front end's to see: the tokens emitted before its abort arrives
+        are dropped there."""
         self._require_driver()
         if self._trace is not None:
             self._trace.enter()

@@ -18,12 +18,18 @@ from .request_stream import RequestStream
 class FrontEnd:
     """The model's tokenizer and end-of-sequence ids, the input processor over them, and the streams."""
 
-    def __init__(self, cfg: EngineConfig, mcfg, max_model_len: int):
-        self.tokenizer, eos_ids = engine_tokenizer(cfg, mcfg)
-        self.vocab_size: int = mcfg.vocab_size
+    def __init__(self, tokenizer, eos_ids: set[int], vocab_size: int, max_model_len: int):
+        """`tokenizer` and `eos_ids` as `load` returns them."""
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, eos_ids)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, max_model_len, self.structured,
                                               eos_ids)
+
+    @staticmethod
+    def load(cfg: EngineConfig, mcfg) -> tuple:
+        """(tokenizer or None, end-of-sequence ids) of the model (input_processor.engine_tokenizer)."""
+        return engine_tokenizer(cfg, mcfg)
 
     @property
     def eos_ids(self) -> set[int]:

@@ -32,7 +32,8 @@ class LLMEngine:
         self.is_driver = self.core.is_driver
         if not self.is_driver:
             return
-        self.front = FrontEnd(cfg, self.core.mcfg, self.core.max_model_len)
+        self.front = FrontEnd(*FrontEnd.load(cfg, self.core.mcfg), self.core.mcfg.vocab_size,
+                              self.core.max_model_len)
         self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
 
