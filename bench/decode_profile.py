@@ -141,7 +141,7 @@ def weight_bytes(model) -> tuple[int, int]:
 def _drain(eng) -> None:
     for rid in list(eng.scheduler.by_id):
         eng.abort_request(rid)
-    while eng._pending is not None or eng.has_unfinished():
+    while eng.core._pending is not None or eng.has_unfinished():
         eng.step()
 
 

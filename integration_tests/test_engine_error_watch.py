@@ -82,13 +82,14 @@ class _NeverReady:
 
 def test_a_step_stuck_in_a_collective_ends_at_the_bounded_wait_and_names_a_stopped_rank():
     # A stopped peer never joins a collective, where no heap wait can give up: the host's wait for
-    # the step's event is bounded instead (the engine's _wait_ready), and the error says who stopped.
+    # the step's event is bounded instead (the engine core's _wait_ready), and the error says who stopped.
     import multiprocessing as mp
     import os
     import signal
     import time
     import types
 
+    from tp_overlap_plugin.serving.engine.core import EngineCore
     from tp_overlap_plugin.serving.worker.workers import Workers, stopped as _stopped
     peer = mp.get_context("spawn").Process(target=time.sleep, args=(60,), daemon=True)   # a worker rank's stand-in
     peer.start()
@@ -105,7 +106,7 @@ def test_a_step_stuck_in_a_collective_ends_at_the_bounded_wait_and_names_a_stopp
         ev = _NeverReady()
         t = time.monotonic()
         with pytest.raises(RuntimeError, match=r"did not finish within 0.2 s.*rank 1 \(pid \d+\) is stopped"):
-            LLMEngine._wait_ready(eng, ev)
+            EngineCore._wait_ready(eng, ev)
         assert 0.2 <= time.monotonic() - t < 5 and ev.queries > 5 and isinstance(eng._broken, TimeoutError)
         os_kill(peer.pid, signal.SIGCONT)
         assert not _stopped(peer.pid)   # a running peer is not reported as stopped

@@ -247,6 +247,21 @@ def test_stop_strings(client):
     assert kept.choices[0].text == full[:i + 1]
 
 
+def test_streamed_stop_strings_equal_the_replies(client):
+    """Streamed text equals the non-streamed reply for stop strings that begin in one token and end in
+    a later one (issue 46: "Hello" with stop "nnn" streamed "nn" where the reply was ""), and for one
+    that never completes; with and without the stop string in the output."""
+    full = _greedy(client, "Hello", n_tokens=24).choices[0].text
+    for stop in ["nnn", full[4:7], full[-3:], full[:2] + "\x00"]:
+        for include in (False, True):
+            extra = {"include_stop_str_in_output": include}
+            reply = _greedy(client, "Hello", n_tokens=24, stop=[stop], extra=extra).choices[0].text
+            streamed = "".join(ch.choices[0].text for ch in _greedy(client, "Hello", n_tokens=24, stop=[stop],
+                                                                    extra=extra, stream=True) if ch.choices)
+            i = full.find(stop)
+            assert streamed == reply == (full if i < 0 else full[:i + len(stop) if include else i]), (stop, include)
+
+
 def test_echo_and_logprobs(client, offline):
     out = _greedy(client, PROMPTS[1], n_tokens=6, logprobs=0)
     lp = out.choices[0].logprobs

@@ -1,9 +1,12 @@
-"""`AsyncLLM`: the streaming API for servers, over an engine core in a process of its own.
+"""`AsyncLLM`: the streaming API for servers: the front end (front_end.py) in this process, over an
+engine core in a process of its own.
 
-This process keeps what is per request: input processing (validate and tokenize, once), one asyncio
-queue and one `RequestStream` per stream. The core client (core_client.py) carries processed requests
-to the core process and each step's deltas back; they are fanned out to the streams on the client's
-reader thread, one wake-up per event loop. No coroutine waits for a model step.
+This process keeps what needs the tokenizer or is per request: input processing (validate and
+tokenize, once), and per stream one asyncio queue and one `RequestStream` (detokenizing, stop
+strings). The core client (core_client.py) carries processed requests to the core process and each
+step's token-id deltas back; they are fanned out to the streams' queues on the client's reader
+thread, one wake-up per event loop, and turned into text by each stream's consumer. No coroutine
+waits for a model step.
 """
 
 from __future__ import annotations
@@ -11,16 +14,18 @@ from __future__ import annotations
 import asyncio
 import atexit
 import itertools
+import threading
 import weakref
 from typing import AsyncIterator, Optional, Union
 
 from ..config import EngineConfig, SamplingParams, env_rank_world
-from .structured import StructuredOutputs
+from .core import EngineCore
 from .core_client import EngineCoreClient
-from .input_processor import InputProcessor, Prompt, engine_tokenizer
-from .llm_engine import LLMEngine
-from .messages import AbortRequest, AddRequest, ProcessedRequest
-from .outputs import OutputDelta, RequestOutput, RequestStream
+from .front_end import FrontEnd
+from .input_processor import Prompt
+from .messages import AbortRequest, AddRequest, GrammarVocabulary, OutputDelta, ProcessedRequest
+from .outputs import RequestOutput
+from .request_stream import RequestStream
 
 
 class AsyncLLM:
@@ -34,7 +39,7 @@ class AsyncLLM:
         engine.abort("req-1")
 
     `in_thread=True` runs the same core loop on a thread of this process instead (debugging).
-    `core_setup(engine)` runs in the core once its LLMEngine is built; it must pickle (a module-level
+    `core_setup(core)` runs in the core process once its EngineCore is built; it must pickle (a module-level
     function), and tests use it to inject faults. Under torchrun, ranks > 0 serve rank 0's steps in
     this constructor (`is_driver` False); rank 0's core process inherits the launch environment.
     """
@@ -42,16 +47,15 @@ class AsyncLLM:
     def __init__(self, config: Optional[EngineConfig] = None, *, in_thread: bool = False, core_setup=None,
                  **kwargs):
         cfg = config if config is not None else EngineConfig(**kwargs)
-        self.engine: Optional[LLMEngine] = None
         launched = env_rank_world()
         self.is_driver = launched is None or launched[0] == 0
         if not self.is_driver:
-            self.engine = LLMEngine(cfg)   # serves rank 0's steps until it shuts down
+            EngineCore(cfg)   # serves rank 0's steps until it shuts down
             return
         self.cfg = cfg
         self.mcfg = cfg.load_model_config()
         self.mcfg.check_tp(cfg.tensor_parallel_size)   # fail before any process is spawned
-        self.tokenizer, eos_ids = engine_tokenizer(cfg, self.mcfg)
+        tokenizer, eos_ids = FrontEnd.load(cfg, self.mcfg)   # likewise
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, RequestStream]] = {}
         self._error: Optional[BaseException] = None
         self._stopped = False
@@ -61,9 +65,11 @@ class AsyncLLM:
         self.max_model_len: int = info.max_model_len
         self.vocab_size: int = info.vocab_size
         self.num_blocks: int = info.num_blocks
-        self.eos_ids = set(info.eos_ids)
-        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len,
-                                              StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_ids))
+        self.front = FrontEnd(tokenizer, eos_ids, self.vocab_size, self.max_model_len)
+        self.tokenizer = self.front.tokenizer
+        self.input_processor = self.front.input_processor
+        self._vocabulary_sent = False   # the core compiles grammars against it (messages.GrammarVocabulary)
+        self._vocabulary_lock = threading.Lock()
         ref = weakref.ref(self)
         # Before multiprocessing's own exit hook, which would wait for the core forever.
         atexit.register(lambda: ref() is not None and ref().shutdown())
@@ -103,7 +109,7 @@ class AsyncLLM:
         return self._error is None and not self._stopped and self.core.alive()
 
     def stats(self) -> dict:
-        """The engine's `LLMEngine.stats()` after its latest step."""
+        """The core's `EngineCore.stats()` after its latest step."""
         return self.core.stats
 
     def _require_running(self) -> None:
@@ -118,7 +124,11 @@ class AsyncLLM:
         processed request for `generate`, or the error that names what is wrong; RuntimeError when
         the engine cannot serve."""
         self._require_running()
-        return self.input_processor.process(prompt, params)
+        return self.front.process(prompt, params)
+
+    @property
+    def eos_ids(self) -> set[int]:
+        return self.front.eos_ids
 
     async def generate(self, prompt: Union[Prompt, ProcessedRequest],
                        params: Optional[Union[SamplingParams, dict]] = None,
@@ -136,15 +146,17 @@ class AsyncLLM:
                 raise TypeError("a processed request carries its sampling params; pass params=None")
             request = prompt
         else:
-            request = self.input_processor.process(prompt, params)   # raises on bad input, here
+            request = self.front.process(prompt, params)   # raises on bad input, here
         rid = f"async-{next(self._ids)}" if request_id is None else str(request_id)
         q: asyncio.Queue = asyncio.Queue()
-        stream = RequestStream(rid, request)
+        stream = self.front.stream(rid, request)
         self._streams[rid] = (asyncio.get_running_loop(), q, stream)
         finished = False
         try:
             if self._error is not None:   # failed while this stream registered: no one would tell it
                 raise RuntimeError(f"the engine loop died: {self._error!r}")
+            if request.params.structured_output is not None:
+                self._send_vocabulary()
             self.core.send(AddRequest(rid, request))
             while True:
                 d = await q.get()
@@ -154,6 +166,8 @@ class AsyncLLM:
                     raise d
                 out = stream.output(d)
                 finished = out.finished
+                if finished and not d.finished:   # a stop string ended it: the core would go on
+                    self.abort(rid)
                 yield out
                 if finished:
                     return
@@ -162,6 +176,14 @@ class AsyncLLM:
             if not finished and self._error is None and not self._stopped:
                 # The consumer went away (client disconnect, cancellation): free the blocks.
                 self.abort(rid)
+
+    def _send_vocabulary(self) -> None:
+        """Before the first request with a structured output: the core compiles its grammars against
+        the front end's vocabulary (it has no tokenizer)."""
+        with self._vocabulary_lock:
+            if not self._vocabulary_sent:
+                self.core.send(GrammarVocabulary(self.front.grammar_vocabulary()))
+                self._vocabulary_sent = True
 
     def abort(self, request_id: str) -> None:
         """Abort a request; the core frees its blocks before its next step."""

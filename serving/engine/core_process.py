@@ -1,13 +1,16 @@
-"""The engine core process: the step loop of an `AsyncLLM` in a process of its own.
+"""The engine core process: an `AsyncLLM`'s `EngineCore` (core.py) and its step loop, in a process of
+its own.
 
 Why a process: at 128 concurrent streams the HTTP server's event loop (SSE formatting, Starlette, h11)
-and the step loop (scheduling, launching, detokenising) compete for one GIL, and a CUDA-graph decode
-step then spends more host time launching than the GPU spends running it. Here the HTTP process keeps
-tokenisation, validation and the per-request streams; the core process (`spawn`) owns the LLMEngine,
-rank 0 of the TP group (it spawns the other ranks itself, as an offline engine does).
+and the step loop (scheduling, launching) compete for one GIL, and a CUDA-graph decode step then spends
+more host time launching than the GPU spends running it. The HTTP process keeps the front end
+(front_end.py: tokenizer, input processing, detokenizing, stop strings, the per-request streams); the
+core process (`spawn`) owns the EngineCore: scheduler, KV blocks, sampling state and rank 0 of the TP
+group (it spawns the other ranks itself, as an offline engine does). It takes processed requests
+(token ids and sampling params) and sends token-id deltas back; it builds no tokenizer.
 
 The channel is two one-way pipes carrying the message types of messages.py; the core imports
-nothing else of the request side.
+nothing else of the front end (integration_tests/test_engine_core_layout.py checks it).
 
 A core that dies (killed, crashed) closes its pipe: the reader in the server sees the end of the
 pipe at once, fails every open stream and the health check, and kills the TP ranks the core started.
@@ -25,10 +28,9 @@ import signal
 from typing import Callable, Optional
 
 from ..config import EngineConfig
-from .llm_engine import LLMEngine
-from .messages import (AbortRequest, AddRequest, CoreFailed, CoreInfo, CoreReady, CoreStartFailed, StepOutputs,
-                       StopCore)
-from .outputs import OutputDelta
+from .core import EngineCore
+from .messages import (AbortRequest, AddRequest, CoreFailed, CoreInfo, CoreReady, CoreStartFailed,
+                       GrammarVocabulary, OutputDelta, StepOutputs, StopCore)
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +64,8 @@ def parent_logging() -> tuple[int, Optional[str]]:
 
 def run_core(cfg_json: str, requests, outputs, setup: Optional[Callable] = None, in_process: bool = True,
              logging_setup: Optional[tuple[int, Optional[str]]] = None) -> None:
-    """The core's loop: build the engine, then add / abort / step until told to stop or the server
-    goes away. `setup(engine)` runs once the engine is built (tests use it to inject faults)."""
+    """The core's loop: build the EngineCore, then add / abort / step until told to stop or the server
+    goes away. `setup(core)` runs once the core is built (tests use it to inject faults)."""
     if logging_setup is not None:
         level, fmt = logging_setup
         logging.basicConfig(level=level, **({"format": fmt} if fmt else {}))
@@ -75,14 +77,14 @@ def run_core(cfg_json: str, requests, outputs, setup: Optional[Callable] = None,
     eng = None
     try:
         try:
-            eng = LLMEngine(EngineConfig.model_validate_json(cfg_json))
+            eng = EngineCore(EngineConfig.model_validate_json(cfg_json))
             if setup is not None:
                 setup(eng)
         except BaseException as e:
             send(outputs, CoreStartFailed(f"{e}"))
             return
         send(outputs, CoreReady(CoreInfo(
-            max_model_len=eng.max_model_len, vocab_size=eng.mcfg.vocab_size, eos_ids=sorted(eng.eos_ids),
+            max_model_len=eng.max_model_len, vocab_size=eng.mcfg.vocab_size,
             num_blocks=eng.block_manager.num_blocks, block_size=eng.cfg.block_size,
             worker_pids=[p.pid for p in eng.workers.procs], stats=eng.stats())))
         _serve(eng, requests, outputs)
@@ -93,7 +95,7 @@ def run_core(cfg_json: str, requests, outputs, setup: Optional[Callable] = None,
             eng.shutdown()
 
 
-def _serve(eng: LLMEngine, requests, outputs) -> None:
+def _serve(eng: EngineCore, requests, outputs) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     # Grammars are compiled on a thread: a new JSON schema takes tens of ms, and xgrammar releases the
@@ -136,6 +138,8 @@ def _serve(eng: LLMEngine, requests, outputs) -> None:
                 out = eng.abort(rid)
                 if out is not None:
                     outs.append(out)
+            elif isinstance(msg, GrammarVocabulary):
+                eng.structured.receive_vocabulary(msg.tokenizer_info)
             elif isinstance(msg, StopCore):
                 if compiler is not None:
                     compiler.shutdown(wait=False, cancel_futures=True)
@@ -150,7 +154,7 @@ def _serve(eng: LLMEngine, requests, outputs) -> None:
         stepped = eng.has_unfinished()
         if stepped:
             try:
-                outs += eng.step_deltas()
+                outs += eng.step()
             except BaseException as e:   # a broken engine fails every open stream, never silently
                 send(outputs, CoreFailed(_portable(e)))
                 return

@@ -1,8 +1,8 @@
 """Input processing: every check of a request that needs no engine state, and its tokenization, once.
 
-The request side runs it (`LLMEngine.add_request`, `AsyncLLM.process_request` / `generate`, the HTTP
-server through `AsyncLLM`) and hands the `ProcessedRequest` on; the engine core trusts it. Bad input
-fails here, before a stream starts and before anything reaches the core process.
+The front end runs it (front_end.py: `LLMEngine.add_request`, `AsyncLLM.process_request` / `generate`,
+the HTTP server through `AsyncLLM`) and hands the `ProcessedRequest` on; the engine core trusts it. Bad
+input fails here, before a stream starts and before anything reaches the core process.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ def engine_tokenizer(cfg: EngineConfig, mcfg) -> tuple:
 class InputProcessor:
     """Turns (prompt, sampling params) into a ProcessedRequest, or an error that names the limit."""
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, structured: StructuredOutputs):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, structured: StructuredOutputs,
+                 eos_ids: set[int]):
         self.tokenizer = tokenizer
+        self.eos_ids = set(eos_ids)   # stamped on each request: the core has no tokenizer to ask
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.structured = structured
@@ -72,7 +74,7 @@ class InputProcessor:
         grammar = None
         if params.structured_output is not None:
             grammar = self.compile_grammar(params)
-        return ProcessedRequest(text, ids, params, grammar)
+        return ProcessedRequest(text, ids, params, frozenset(self.eos_ids), grammar)
 
     def check_context(self, n_prompt: int, max_tokens: Optional[int] = None, param: str = "max_tokens",
                       prompt_param: str = "prompt") -> None:

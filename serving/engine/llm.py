@@ -1,4 +1,4 @@
-"""`LLM`: the offline batch API over an `LLMEngine` in this process."""
+"""`LLM`: the offline batch API over an `LLMEngine` (front end and engine core) in this process."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class LLM:
         except BaseException:
             for rid in ids:
                 if rid not in final:
-                    self.engine.abort(rid)
+                    self.engine.abort_request(rid)
             raise
         return [final[rid] for rid in ids]
 

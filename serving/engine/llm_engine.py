@@ -1,439 +1,113 @@
-"""The LLM engine: scheduler, block manager and the ranks' runners, turning processed requests into
-per-step output deltas. `LLM` (llm.py) drives it in this process; under `AsyncLLM` the core process
-(core_process.py) does.
+"""`LLMEngine`: the front end (front_end.py) over an engine core (core.py) in this process, for `LLM`
+and for callers that step by hand.
 
-Two ways in, one way out:
-- `add_request(id, prompt, params)` processes the request (input_processor.py) then `add`s it;
-  `add(id, processed)` takes a request processed elsewhere and trusts it (the core process).
-- `step_deltas()` runs one step and returns an `OutputDelta` per request it advanced (outputs.py);
-  `step()` returns the same as RequestOutputs, through one `RequestStream` per request.
+- `add_request(id, prompt, params)` processes the request (input processing, once) then `add`s it;
+  `add(id, processed)` takes a request processed elsewhere and trusts it.
+- `step()` runs one core step and turns its token-id deltas into `RequestOutput`s through one
+  `RequestStream` per request (text, stop strings). A request that a stop string ended is aborted in
+  the core at once, as `AsyncLLM` aborts it in its core process.
 """
 
 from __future__ import annotations
 
-import atexit
 import itertools
-import logging
-import time
-import weakref
-from dataclasses import dataclass
 from typing import Optional, Union
 
-import torch
-
-from .block_manager import BlockManager
-from ..config import EngineConfig, SamplingParams, default_device
-from ..worker.layer_factory import require_triton_interpreter
-from ..worker.runner import SamplingBatch, StepResult
-from ..model.sampler import TokenState
-from .scheduler import NeedsPreemption, Scheduler, Sequence, Status
-from ..worker.step_message import StepInput
-from .step_trace import StepTrace
-from .structured import StructuredOutputs
-from ..model.tokenizer import IncrementalDetokenizer
-from ..worker.workers import Workers
-from .input_processor import InputProcessor, Prompt, engine_tokenizer
-from .messages import ProcessedRequest
-from .outputs import FinalOutput, OutputDelta, RequestOutput, RequestStream
-
-log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Launched:
-    """A step whose device work is queued; `_finalize` turns it into deltas once its draw is on the host."""
-    scheduled: list            # (seq, tokens computed)
-    sampled: list              # the sequences that sampled, in the order of the sampled tokens
-    prompt_logits: list        # (seq, device tensor [n, vocab])
-    result: StepResult         # the runner's: draw, ready event, error slot
+from ..config import EngineConfig, SamplingParams
+from .core import EngineCore
+from .front_end import FrontEnd
+from .input_processor import Prompt
+from .messages import OutputDelta, ProcessedRequest
+from .outputs import RequestOutput
+from .request_stream import RequestStream
 
 
 class LLMEngine:
-    """Single-threaded: add / abort / step. Not thread-safe; the core process serialises."""
+    """Single-threaded: add / abort / step. Not thread-safe."""
 
     def __init__(self, config: Optional[EngineConfig] = None, **kwargs):
         cfg = config if config is not None else EngineConfig(**kwargs)
         self.cfg = cfg
-        self.mcfg = cfg.load_model_config()
-        self.mcfg.check_tp(cfg.tensor_parallel_size)   # fail before any process is spawned
-        require_triton_interpreter(cfg, default_device(cfg), cfg.tensor_parallel_size)
-        self._closed = False
-        self._broken: Optional[BaseException] = None
-        self.workers = Workers(cfg)
-        self.runner = self.workers.runner
-        self.is_driver = self.workers.is_driver
-        if not self.is_driver:   # a torchrun rank > 0: serve rank 0's steps until it shuts down
-            self.runner.worker_loop()
-            self.shutdown()
+        self.core = EngineCore(cfg)   # under torchrun, ranks > 0 serve rank 0's steps in here
+        self.is_driver = self.core.is_driver
+        if not self.is_driver:
             return
-
-        self.device = self.runner.device
-        self.max_model_len = self.runner.max_model_len
-        self.tokenizer, self.eos_ids = engine_tokenizer(cfg, self.mcfg)
-        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   on_leave=self._release_state)
-        # Rows for the penalties and logit_bias: only running sequences sample, at most max_num_seqs.
-        self.token_state = TokenState(cfg.max_num_seqs, self.mcfg.vocab_size, self.device)
-        self.structured = StructuredOutputs(self.tokenizer, self.mcfg.vocab_size, self.eos_ids)
-        self.input_processor = InputProcessor(self.tokenizer, self.mcfg.vocab_size, self.max_model_len,
-                                              self.structured)
-        self._streams: dict[str, RequestStream] = {}   # step()'s view of each unfinished request
-        self._pending: Optional[_Launched] = None   # async scheduling: the step launched but not finalised
-        self.last_result: Optional[StepResult] = None   # the latest step's (whether it replayed graphs)
-        self._trace = StepTrace.from_env(self.device)   # None unless TP_OVERLAP_STEP_TRACE names a file
+        self.front = FrontEnd(*FrontEnd.load(cfg, self.core.mcfg), self.core.mcfg.vocab_size,
+                              self.core.max_model_len)
+        self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
-        # A weak reference, so that registering for exit does not keep every engine (and its KV cache) alive.
-        ref = weakref.ref(self)
-        atexit.register(lambda: ref() is not None and ref().shutdown())
+
+    # The core's state, for the tests and the bench scripts that look at it.
+    mcfg = property(lambda self: self.core.mcfg)
+    device = property(lambda self: self.core.device)
+    max_model_len = property(lambda self: self.core.max_model_len)
+    runner = property(lambda self: self.core.runner)
+    workers = property(lambda self: self.core.workers)
+    scheduler = property(lambda self: self.core.scheduler)
+    block_manager = property(lambda self: self.core.block_manager)
+    token_state = property(lambda self: self.core.token_state)
+    last_result = property(lambda self: self.core.last_result)
+    # The front end's.
+    tokenizer = property(lambda self: self.front.tokenizer)
+    input_processor = property(lambda self: self.front.input_processor)
+
+    @property
+    def eos_ids(self) -> set[int]:
+        return self.front.eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids) -> None:
+        self.front.eos_ids = ids
 
     def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if getattr(self, "_trace", None) is not None:
-            self._trace.close()
-        self.workers.shutdown(stop_workers=self._broken is None)
+        self.core.shutdown()
 
     # ---- requests ----------------------------------------------------------------------------
-    def _require_driver(self) -> None:
-        if not self.is_driver:
-            raise RuntimeError("this rank is a worker; only rank 0 accepts requests")
-        if self._closed:
-            raise RuntimeError("the engine has been shut down")
-        if self._broken is not None:
-            raise RuntimeError(f"the engine failed earlier and must be restarted: {self._broken}")
-
     def process_request(self, prompt: Prompt, params: Optional[Union[SamplingParams, dict]] = None
                         ) -> ProcessedRequest:
         """Validate and tokenize a request without touching engine state (safe from any thread)."""
-        self._require_driver()
-        return self.input_processor.process(prompt, params)
+        self.core._require_driver()
+        return self.front.process(prompt, params)
 
     def add_request(self, request_id: Optional[str], prompt: Prompt,
                     params: Optional[Union[SamplingParams, dict]] = None) -> str:
         return self.add(request_id, self.process_request(prompt, params))
 
     def add(self, request_id: Optional[str], request: ProcessedRequest) -> str:
-        """Schedule a processed request; nothing of it is checked again. Its grammar, when it has a
-        structured output, is compiled here unless the request carries it. Returns its id."""
-        self._require_driver()
+        """Schedule a processed request; nothing of it is checked again. Returns its id."""
         rid = str(next(self._ids)) if request_id is None else str(request_id)
-        params = request.params
-        seq = Sequence(rid, request.prompt, request.prompt_ids, params)
-        if params.structured_output is not None:
-            grammar = request.grammar if request.grammar is not None else self.structured.compile(
-                params.structured_output)
-            seq.grammar = self.structured.matcher(grammar)
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        if self.tokenizer is not None:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids)
-        self.scheduler.add(seq)
-        self._streams[rid] = RequestStream(rid, request)
+        if request.params.structured_output is not None and request.grammar is None:
+            # (a request that was pickled: the core here has no vocabulary of its own to compile against)
+            request.grammar = self.front.input_processor.compile_grammar(request.params)
+        self.core.add(rid, request)
+        self._streams[rid] = self.front.stream(rid, request)
         return rid
 
-    def _release_state(self, seq: Sequence) -> None:
-        """The scheduler's hook for a sequence that finishes or is preempted: its TokenState row is free
-        (a preempted one is rebuilt from its tokens when it samples again)."""
-        if seq.state_row >= 0:
-            self.token_state.release(seq.state_row)
-            seq.state_row = -1
-
-    def abort(self, request_id: str) -> Optional[OutputDelta]:
-        """Drop a request now; its KV blocks are free when this returns. Its last delta, or None if it
-        is not here (finished, or never added)."""
-        seq = self.scheduler.abort(str(request_id))
-        if seq is None:
-            return None
-        self._streams.pop(seq.request_id, None)
-        return delta_of(seq, "", [])
-
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
-        """`abort`, as the request's last RequestOutput."""
-        stream = self._streams.get(str(request_id))
-        d = self.abort(request_id)
+        """Drop a request now (its KV blocks are free when this returns): its last RequestOutput, or
+        None if it is not here (finished, or never added)."""
+        d = self.core.abort(str(request_id))
+        stream = self._streams.pop(str(request_id), None)
         return None if d is None or stream is None else stream.output(d)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.core.has_unfinished()
 
     def stats(self) -> dict:
-        """Scheduler and KV-pool state, and which path each TP op took on this rank (for /metrics)."""
-        from tp_overlap_plugin import stats as tp_stats
-
-        sched, bm = self.scheduler, self.block_manager
-        total, free = bm.num_blocks, bm.num_free
-        return {
-            "num_requests_running": len(sched.running),
-            "num_requests_waiting": len(sched.waiting),
-            "kv_cache_total_blocks": total,
-            "kv_cache_free_blocks": free,
-            "kv_cache_usage_perc": (total - free) / total if total else 0.0,
-            "num_preemptions": sched.num_preemptions,
-            "prefix_cache_hit_blocks": bm.num_cache_hits,
-            "tp_op_calls": tp_stats.snapshot(),
-        }
+        return self.core.stats()
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """`step_deltas`, as RequestOutputs."""
-        return [self._output(d) for d in self._step()]
+        """One core step, as a RequestOutput per request it advanced."""
+        return [out for d in self.core.step() if (out := self._output(d)) is not None]
 
-    def _output(self, d: OutputDelta) -> RequestOutput:
-        stream = self._streams.pop(d.request_id) if d.final is not None else self._streams[d.request_id]
-        return stream.output(d)
-
-    def step_deltas(self) -> list[OutputDelta]:
-        """One model step: a delta per request it advanced (and per request that ended meanwhile)."""
-        deltas = self._step()
-        for d in deltas:
-            if d.final is not None:
-                self._streams.pop(d.request_id, None)
-        return deltas
-
-    def _step(self) -> list[OutputDelta]:
-        """One model step. With async scheduling the step launched here is finalised (tokens appended,
-        stops checked, text detokenised) by the next call, after that call has launched its own step:
-        the host does this work while the device runs. A sequence that stops on a token it cannot
-        foresee (end of sequence, stop string) was already scheduled once more; that extra token is
-        computed and dropped, never emitted."""
-        self._require_driver()
-        if self._trace is not None:
-            self._trace.enter()
-        pending = self._pending
-        self._pending = None
-        try:
-            batch = self.scheduler.schedule(allow_preemption=pending is None)
-        except NeedsPreemption:
-            # Preemption recomputes a sequence from its tokens, so they must all be on the host first.
-            outputs = self._finalize(pending)
-            batch = self.scheduler.schedule()
-            return outputs + (self._finalize(self._launch(batch)[0]) if batch is not None else [])
-        if batch is None:
-            outputs = self._finalize(pending) if pending is not None else []
-        else:
-            launched, outputs = self._launch(batch, pending)
-            if outputs is None:
-                outputs = self._finalize(pending) if pending is not None else []
-            if self.cfg.async_scheduling and not launched.prompt_logits:
-                self._pending = launched
-            else:
-                outputs += self._finalize(launched)
-        return outputs
-
-    def _launch(self, batch, pending: Optional["_Launched"] = None) -> tuple["_Launched", Optional[list]]:
-        """Queue a step's forward and sampling. Returns it, and `pending`'s outputs if it had to finalise
-        `pending` itself (else None): a sequence with a structured output needs the token that the step
-        in flight sampled for it accepted by its grammar before its next mask is built. That wait comes
-        after this step's forward is queued, so the device still computes while the host waits and
-        fills the masks; only the sampling launch is delayed, and only while such sequences run."""
-        t_scheduled = time.perf_counter()
-        # Per sequence, never per token: positions and cache slots are derived from the sequences'
-        # lengths and block tables in whole-array ops by the runner (serving/worker/step_layout.py).
-        ids, rows = [], []
-        sample_at: list[tuple[Sequence, int]] = []
-        prompt_rows: list[tuple[Sequence, int, int]] = []   # seq, first row, count
-        t = 0
-        for seq, n in zip(batch.seqs, batch.num_new):
-            c = seq.num_computed
-            known = seq.tokens[c:c + n]
-            ids += known
-            if len(known) < n:   # the token sampled by the step in flight: still on the device
-                ids.append(-1 - seq.inflight_ref)
-            if seq.params.prompt_logits:
-                lo, hi = max(c, seq.num_prompt_logits), min(c + n, len(seq.prompt_ids))
-                if hi > lo:
-                    prompt_rows.append((seq, len(rows), hi - lo))
-                    rows += range(t + lo - c, t + hi - c)
-            if c + n == seq.num_tokens:
-                sample_at.append((seq, len(rows)))
-                rows.append(t + n - 1)
-            t += n
-        step = StepInput(ids, list(batch.num_new),
-                         [s.num_computed + n for s, n in zip(batch.seqs, batch.num_new)],
-                         [list(s.block_table) for s in batch.seqs], batch.num_decodes, rows,
-                         share_sampled=self.cfg.async_scheduling)
-        seqs = [s for s, _ in sample_at]
-        early = None
-        rec = self._trace.start(batch, t_scheduled) if self._trace is not None else None
-        try:
-            result = self.runner.execute(step)
-            prompt_logits = [(seq, result.logits[r0:r0 + cnt].float()) for seq, r0, cnt in prompt_rows]
-        except Exception as e:
-            self._fail(e)
-        if pending is not None and any(s.grammar is not None and s.inflight for s in seqs):
-            early = self._finalize(pending)
-        try:
-            sampling = None
-            if seqs:
-                sampling = SamplingBatch([r for _, r in sample_at], [s.params for s in seqs],
-                                         [s.generator for s in seqs], **self._sampling_state(seqs))
-            result = self.runner.sample(result, sampling)
-            if rec is not None:
-                self._trace.end(rec, result.graph)
-        except Exception as e:
-            self._fail(e)
-        for seq, n in zip(batch.seqs, batch.num_new):
-            seq.num_computed += n
-        for k, seq in enumerate(seqs):
-            seq.inflight += 1
-            seq.inflight_ref = k
-            p = seq.params
-            # Known now: this token ends the sequence whatever it is, so the next step leaves it out.
-            seq.last_inflight = (seq.num_output + seq.inflight >= p.max_tokens
-                                 or seq.num_tokens >= self.max_model_len)
-        self.last_result = result
-        return _Launched(list(zip(batch.seqs, batch.num_new)), seqs, prompt_logits, result), early
-
-    def _fail(self, e: Exception):
-        # Ranks may now disagree about what was computed; nothing after this can be trusted.
-        workers = self.workers.errors()
-        self._broken = e
-        raise RuntimeError(f"model step failed: {e}" + (f"; workers: {workers}" if workers else "")) from e
-
-    # How often a waiting host asks whether a step has finished. Under async scheduling the next step
-    # is already queued behind it, so finding out this much later leaves the GPU no less busy.
-    READY_POLL_S = 50e-6
-
-    def step_wait_bound_s(self) -> float:
-        """How long the host waits for a step before it calls the group broken. Every wait inside the
-        heap's kernels gives up after the heap's bound, so a step that has not finished twice that later
-        is stuck where nothing gives up: a collective (NCCL or RCCL) that a stopped peer never joins."""
-        heap = getattr(self.runner, "heap", None)
-        return 2 * heap.timeout_s + 5 if heap is not None else self.cfg.dist_timeout_s
-
-    def _wait_ready(self, ready: "torch.cuda.Event") -> None:
-        """ready.synchronize(), bounded: a blocking synchronize on a stuck collective never returns."""
-        if ready.query():
-            return
-        bound = self.step_wait_bound_s()
-        deadline = time.monotonic() + bound
-        while not ready.query():
-            if time.monotonic() > deadline:
-                workers = self.workers.errors()
-                e = TimeoutError(f"the step did not finish within {bound:g} s: a rank is stuck outside the heap's "
-                                 f"bounded waits, in a collective" + (f"; workers: {workers}" if workers else ""))
-                self._broken = e
-                raise RuntimeError(f"model step failed: {e}") from e
-            time.sleep(self.READY_POLL_S)
-
-    def _sampling_state(self, seqs: list[Sequence]) -> dict:
-        """SamplingBatch's per-sequence state for this step: TokenState rows (acquired on a sequence's
-        first sample) and the structured-output bitmask. A sequence that finished meanwhile (its extra
-        step) samples unconstrained; its token is dropped."""
-        live = [s.status is not Status.FINISHED for s in seqs]
-        for s, ok in zip(seqs, live):
-            if ok and s.state_row < 0 and s.params.needs_token_state:
-                # Its first sample since it was admitted: every token it has is on the host.
-                assert s.inflight == 0
-                s.state_row = self.token_state.acquire(s.prompt_ids, s.output_ids, s.params)
-        kw: dict = {}
-        if any(s.state_row >= 0 for s in seqs):
-            kw.update(state=self.token_state, state_rows=[s.state_row if ok else -1 for s, ok in zip(seqs, live)])
-        masked = [i for i, (s, ok) in enumerate(zip(seqs, live)) if ok and s.grammar is not None]
-        if masked:
-            assert all(seqs[i].inflight == 0 for i in masked)   # see _launch
-            kw.update(token_bitmask=self.structured.fill([seqs[i].grammar for i in masked], masked, len(seqs),
-                                                         self.device), masked=masked)
-        return kw
-
-    def _finalize(self, step: "_Launched") -> list[OutputDelta]:
-        bm = self.block_manager
-        caching, bs = bm.enable_prefix_caching, bm.block_size
-        for seq, _ in step.scheduled:
-            if seq.status is Status.FINISHED:   # stopped or aborted while this step ran: its blocks are gone
-                continue
-            known = min(seq.num_computed, len(seq.tokens))
-            if caching and known // bs > seq.num_registered:   # a block filled up (a decode: 1 step in 16)
-                seq.num_registered, seq.last_key = bm.register(seq.block_table, seq.tokens, known,
-                                                               seq.num_registered, seq.last_key)
-        for seq, chunk in step.prompt_logits:
-            seq.prompt_logits.append(chunk.cpu())
-            seq.num_prompt_logits += chunk.shape[0]
-        outputs = []
-        if step.sampled:
-            result = step.result
-            if result.ready is not None:
-                self._wait_ready(result.ready)
-            try:
-                self.runner.check_step(result.error_slot)   # no garbage tokens from a step that failed
-            except Exception as e:
-                self._broken = e
-                raise RuntimeError(f"model step failed: {e}") from e
-            d = result.draw
-            toks = d.tokens.tolist()
-            lps = d.logprobs.tolist() if d.logprobs is not None else [None] * len(toks)
-            top_ids = d.top_ids.tolist() if d.top_ids is not None else None
-            top_lps = d.top_logprobs.tolist() if d.top_logprobs is not None else None
-            for i, (seq, tok, lp) in enumerate(zip(step.sampled, toks, lps)):
-                seq.inflight -= 1
-                if seq.status is Status.FINISHED:
-                    continue   # the extra step after a stop, or an abort: computed, never emitted
-                k = seq.params.top_logprobs
-                top = list(zip(top_ids[i][:k], top_lps[i][:k])) if k else None
-                outputs.append(self._append_token(seq, tok, lp, top))
-        return outputs
-
-    def _append_token(self, seq: Sequence, tok: int, logprob: Optional[float],
-                      top: Optional[list[tuple[int, float]]] = None) -> OutputDelta:
-        if seq.grammar is not None and not seq.grammar.accept_token(tok):
-            # Its mask allowed the token, so the grammar cannot refuse it, unless the grammar library
-            # errs; then this request ends here, not the engine with every other request.
-            log.error("request %s: the grammar refused token %d that its own mask allowed; request aborted",
-                      seq.request_id, tok)
-            self.scheduler.finish(seq, "abort")
-            return delta_of(seq, "", [])
-        seq.tokens.append(tok)
-        if seq.params.logprobs:
-            seq.logprobs.append(logprob)
-            if top is not None:
-                seq.top_logprobs.append(top)
-        p = seq.params
-        delta = ""
-        reason = None
-        if not p.ignore_eos and tok in self.eos_ids:
-            reason = "stop"
-        elif tok in p.stop_token_ids:
-            reason = "stop"
-        elif seq.detok is not None:
-            delta = seq.detok.push(tok)
-        if reason is None and (seq.num_output >= p.max_tokens or len(seq.tokens) >= self.max_model_len):
-            reason = "length"
-        if reason is not None and seq.detok is not None:
-            # Text held back for a character that might continue (also when an end-of-sequence or
-            # stop token ends the output) is final now.
-            delta += seq.detok.flush()
-        if delta and p.stop:
-            # Only the new text and the longest stop string's worth before it can hold a new match.
-            tail = max(len(s) for s in p.stop) + len(delta)
-            start = max(0, len(seq.text) + len(delta) - tail)
-            full = seq.text + delta
-            hits = [(full.find(s, start), s) for s in p.stop]
-            hits = [(i, s) for i, s in hits if i >= 0]
-            if hits:
-                i, s = min(hits)
-                cut = i + len(s) if p.include_stop_str_in_output else i
-                delta = full[len(seq.text):cut] if cut > len(seq.text) else ""
-                full = full[:cut]
-                reason = "stop"
-            seq.text = full
-        else:
-            seq.text += delta
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-        return delta_of(seq, delta, [tok])
-
-
-def delta_of(seq: Sequence, text: str, token_ids: list[int]) -> OutputDelta:
-    """What this step added to `seq`: `text` and `token_ids`, their logprobs when asked for, and the
-    whole output once it finished."""
-    p, n = seq.params, len(token_ids)
-    final = None
-    if seq.status is Status.FINISHED:
-        pl = torch.cat(seq.prompt_logits) if p.prompt_logits and seq.prompt_logits else None
-        final = FinalOutput(seq.text, seq.output_ids, list(seq.logprobs) if p.logprobs else None,
-                            list(seq.top_logprobs) if p.top_logprobs else None, pl)
-    return OutputDelta(seq.request_id, text, token_ids, seq.logprobs[-n:] if p.logprobs and n else None,
-                       seq.top_logprobs[-n:] if p.top_logprobs and n else None, seq.finish_reason,
-                       seq.num_preemptions, final)
+    def _output(self, d: OutputDelta) -> Optional[RequestOutput]:
+        stream = self._streams.get(d.request_id)
+        if stream is None:   # a stop string ended it, and the core had computed a token more
+            return None
+        out = stream.output(d)
+        if out.finished:
+            del self._streams[d.request_id]
+            if not d.finished:   # a stop string: the core would go on
+                self.core.abort(d.request_id)
+        return out

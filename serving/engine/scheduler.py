@@ -46,8 +46,7 @@ class Sequence:
     prompt_logits: list[Any] = field(default_factory=list)  # tensors [n, vocab], in prompt order
     num_prompt_logits: int = 0
     generator: Any = None
-    detok: Any = None
-    text: str = ""
+    eos_ids: frozenset = frozenset()   # end-of-sequence ids (the front end's tokenizer's), unless ignore_eos
     num_preemptions: int = 0
     num_registered: int = 0     # leading blocks published to the prefix cache
     last_key: Any = None        # prefix-cache key of the last of them

@@ -3,7 +3,7 @@
 A request's `StructuredOutput` is compiled once (xgrammar caches compiled grammars) into a matcher
 that the sequence carries. Each step the engine asks `fill` for a bitmask [B, ceil(V/32)] of the
 constrained rows, which the sampler applies on the device in one op; the host accepts each sampled
-token into its matcher before the sequence's next mask is built (engine/llm_engine.py says how under async
+token into its matcher before the sequence's next mask is built (engine/core.py says how under async
 scheduling). Once the JSON is complete the grammar allows only the end-of-sequence tokens, so the
 output ends there.
 
@@ -125,12 +125,19 @@ def check_honoured(schema: Any, where: str = "schema") -> None:
 
 
 class StructuredOutputs:
-    """Grammar compiler and batch bitmask filler for one engine's tokenizer and vocabulary."""
+    """Grammar compiler and batch bitmask filler for one engine's vocabulary.
+
+    The front end builds it over its tokenizer: it compiles (to reject a bad schema before anything
+    runs) and describes the vocabulary for the core (`vocabulary_json`). The engine core has no
+    tokenizer (tokenizer=None): it compiles against the vocabulary the front end sent
+    (`receive_vocabulary`), keeps the matchers and fills the masks."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int]):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
+        self._vocabulary: Optional[str] = None   # TokenizerInfo.serialize_json(), the core's
+        self._info = None
         self._compiler = None
         self._batch = None
 
@@ -143,17 +150,26 @@ class StructuredOutputs:
 
     @property
     def compiler(self):
-        # Compiled on the server's thread, filled on the engine loop's: the filler exists before any
-        # caller can see the compiler (and so before any matcher exists).
         if self._compiler is None:
             xgr = self._xgr()
-            info = self._tokenizer_info(xgr)
-            self._batch = xgr.BatchGrammarMatcher()   # threads: half the cores
-            self._compiler = xgr.GrammarCompiler(info)
+            self._info = self._tokenizer_info(xgr)
+            self._compiler = xgr.GrammarCompiler(self._info)
         return self._compiler
+
+    def vocabulary_json(self) -> str:
+        """The vocabulary as xgrammar describes it (its stop ids included), for `receive_vocabulary`."""
+        self.compiler  # noqa: B018 (builds the info)
+        return self._info.serialize_json()
+
+    def receive_vocabulary(self, info_json: str) -> None:
+        """The front end's `vocabulary_json`: what a compiler without a tokenizer compiles against."""
+        self._vocabulary = info_json
 
     def _tokenizer_info(self, xgr):
         if self.tokenizer is None:
+            if self._vocabulary is not None:
+                return xgr.TokenizerInfo.deserialize_json(self._vocabulary)
+            # (the core's: the front end sends the vocabulary before the first grammar it needs)
             raise ValueError("structured output needs a tokenizer; this model has none")
         hf = getattr(self.tokenizer, "hf_tokenizer", None)
         if hf is not None:
@@ -183,7 +199,12 @@ class StructuredOutputs:
             raise ValueError(f"the JSON schema cannot be used: {_clean_error(e)}") from None
 
     def matcher(self, compiled) -> Any:
-        return self._xgr().GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids)
+        """A matcher of `compiled`; it ends on the stop ids of the vocabulary the grammar was compiled
+        against. Made where the masks are filled (the core's step loop), before any fill."""
+        xgr = self._xgr()
+        if self._batch is None:
+            self._batch = xgr.BatchGrammarMatcher()   # threads: half the cores
+        return xgr.GrammarMatcher(compiled)
 
     def fill(self, matchers: Sequence[Any], rows: Sequence[int], batch_size: int,
              device: torch.device) -> torch.Tensor:

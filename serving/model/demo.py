@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from .tokenizer import ByteTokenizer
-
 DEMO_SEED = 1234
+# The byte tokenizer's <|bos|> and <|eos|> (tokenizer.ByteTokenizer; a test checks they agree). Written
+# here, not read from it: the engine core reads this config and builds no tokenizer.
+BOS_ID, EOS_ID = 256, 257
 
 
 def demo_hf_config() -> dict:
-    tok = ByteTokenizer()
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -29,8 +29,8 @@ def demo_hf_config() -> dict:
         "rope_theta": 10000.0,
         "max_position_embeddings": 2048,
         "tie_word_embeddings": True,
-        "bos_token_id": tok.bos_token_id,
-        "eos_token_id": tok.eos_token_id,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
         "torch_dtype": "float32",
     }
 
