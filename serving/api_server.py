@@ -36,7 +36,7 @@ try:
                            TokenizeResponse, VersionResponse)
     from .server_errors import (ERROR_RESPONSES, ApiError, check_encodable, describe_validation_errors,
                                 error_response, internal_error_body, is_json_media_type)
-    from .server_middleware import ApiKeyGuard, ErrorBarrier, ResponseCounter
+    from .server_middleware import ApiKeyGuard, BodyCheck, ErrorBarrier, ResponseCounter
     from .server_shutdown import ABORT_GRACE_S, DrainGuard, DrainingServer, InFlight
     from .serving_chat import OpenAIServingChat
     from .serving_completion import OpenAIServingCompletion
@@ -167,7 +167,7 @@ class OpenAIServer:
         async def version_route():
             return VersionResponse(version=version)
 
-        inner = ApiKeyGuard(app, self.api_key) if self.api_key else app
+        inner = ApiKeyGuard(BodyCheck(app), self.api_key) if self.api_key else BodyCheck(app)
         wrapped = ResponseCounter(ErrorBarrier(DrainGuard(inner, self.in_flight)), server.metrics)
         # Route tables and the OpenAPI schema stay reachable on the FastAPI object.
         wrapped.fastapi = app

@@ -21,6 +21,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
                       model_validator)
 
 from .config import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
+from .protocol_vllm import REQUEST_CONFIG, PromptLogprobs, VllmExtensions
 
 # Stop strings are matched against the tail of the text after every token; a bound keeps that cheap.
 MAX_STOP_STRINGS = 16
@@ -29,7 +30,7 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = REQUEST_CONFIG
 
 
 class _Response(BaseModel):
@@ -51,6 +52,7 @@ class ErrorResponse(_Response):
 # ---- shared request pieces -------------------------------------------------------------------------
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, usage on every chunk too")
 
 
 class JsonSchemaFormat(_Request):
@@ -82,7 +84,7 @@ class ResponseFormat(_Request):
         return None
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(VllmExtensions):
     """The sampling knobs common to both endpoints (OpenAI's plus vLLM's extensions)."""
 
     model: Optional[str] = Field(None, description="the served model name; default: the one model served")
@@ -170,7 +172,15 @@ class _SamplingFields(_Request):
             kw["logit_bias"] = {int(k): b for k, b in self.logit_bias.items()}
         if self.response_format is not None and self.response_format.structured_output() is not None:
             kw["structured_output"] = self.response_format.structured_output()
+        if self.extension_structured_output() is not None:
+            kw["structured_output"] = self.extension_structured_output()
+        kw.update(min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens)
         return kw
+
+    def structured_param(self) -> str:
+        """The field a structured-output error names: the one the client used."""
+        kinds = self.structured_kinds()
+        return kinds[0] if kinds else "response_format"
 
 
 # ---- /v1/completions --------------------------------------------------------------------------------
@@ -184,7 +194,8 @@ class CompletionRequest(_SamplingFields):
                                     description="the sampled token's log-probability and this many most likely "
                                                 "tokens' at each position (raw model distribution)")
     echo: bool = False
-    best_of: Optional[int] = Field(None, ge=1, description="only equal to n is supported")
+    best_of: Optional[int] = Field(None, ge=1, le=128, description="generate this many per prompt and return the "
+                                   "n with the highest cumulative log-probability (not with stream)")
     suffix: Optional[str] = Field(None, description="not supported; only null is accepted")
 
     @field_validator("prompt", mode="wrap")
@@ -213,9 +224,12 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _best_of(self):
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of={self.best_of} differs from n={self.n}; ranking candidates is not "
-                             f"supported, so best_of must equal n or be omitted")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of={self.best_of} is less than n={self.n}; it must be at least n")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of greater than n cannot stream: the best are known once all are finished")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is only supported without streaming")
         if self.echo and self.logprobs is not None and self.stream:
             raise ValueError("echo with logprobs is only supported without streaming (the prompt's "
                              "log-probabilities are known once the request is finished)")
@@ -242,6 +256,7 @@ class CompletionChoice(_Response):
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class UsageInfo(_Response):
@@ -325,6 +340,12 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                         description="this many most likely tokens at each position (needs logprobs)")
     add_generation_prompt: bool = True
+    # vLLM's chat extensions
+    echo: bool = Field(False, description="the reply starts with the last message's content when that message "
+                                          "has the reply's role")
+    continue_final_message: bool = Field(False, description="the last message is left open and the reply "
+                                                            "continues it (needs add_generation_prompt=false)")
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description="extra variables for the chat template")
     # Fields that OpenAI's SDKs and agent frameworks send and that change nothing here: accepted, logged at
     # debug level (IGNORED), and otherwise ignored. A value that would ask for something this server does
     # not do (tools) is refused, naming the field.
@@ -367,7 +388,21 @@ class ChatCompletionRequest(_SamplingFields):
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_tokens and max_completion_tokens disagree; send one of them")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=false: a reply either starts "
+                             "a new message or continues the last one")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is only supported without streaming")
         return self
+
+    def reply_role(self) -> str:
+        """vLLM's rule: a new assistant message, or (no generation prompt) more of the last message's role."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].for_template()["role"]
+
+    def echoed(self) -> str:
+        """What `echo` puts before the reply: the last message's text when its role is the reply's."""
+        last = self.messages[-1].for_template()
+        return last["content"] if self.echo and last["role"] == self.reply_role() else ""
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -409,6 +444,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class DeltaMessage(_Response):
