@@ -164,13 +164,14 @@ class IncrementalDetokenizer:
 
     CONTEXT = 4
 
-    def __init__(self, tokenizer, prompt_ids: Sequence[int]):
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True):
         self.tok = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         # A few prompt tokens of context make sentencepiece-style leading spaces decode as they do
         # after the prompt. A context cut inside a character would merge with the output's first
         # bytes, so such a context is dropped.
         ctx = list(prompt_ids[-self.CONTEXT:])
-        ctx_text = self.tok.decode(ctx) if ctx else ""
+        ctx_text = self._decode(ctx) if ctx else ""
         if ctx_text.endswith("\ufffd"):
             ctx, ctx_text = [], ""
         self.context, self.context_text = len(ctx), ctx_text
@@ -180,9 +181,12 @@ class IncrementalDetokenizer:
         self.read_text = ctx_text         # decode(ids[prefix:read])
         self.text = ""                    # everything emitted so far
 
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        window = self.tok.decode(self.ids[self.prefix:])
+        window = self._decode(self.ids[self.prefix:])
         if window.endswith("\ufffd") or not window.startswith(self.read_text):
             return ""
         delta = window[len(self.read_text):]
@@ -191,17 +195,17 @@ class IncrementalDetokenizer:
             # leading space of a window's first token, which the next token would become.
             return ""
         self.prefix, self.read = self.read, len(self.ids)
-        self.read_text = self.tok.decode(self.ids[self.prefix:])
+        self.read_text = self._decode(self.ids[self.prefix:])
         self.text += delta
         return delta
 
     def final_text(self) -> str:
         """The decode of all output ids after the context: what `text` is once flushed."""
         if self.context:
-            full = self.tok.decode(self.ids)
+            full = self._decode(self.ids)
             if full.startswith(self.context_text):
                 return full[len(self.context_text):]
-        return self.tok.decode(self.ids[self.context:])
+        return self._decode(self.ids[self.context:])
 
     def flush(self) -> str:
         """What is still held back, once the output is over; afterwards `text == final_text()`."""
@@ -211,7 +215,7 @@ class IncrementalDetokenizer:
         else:
             # Only a tokenizer whose decode rewrites text across token boundaries (clean-up of
             # spaces before punctuation) gets here: what was streamed cannot be taken back.
-            window = self.tok.decode(self.ids[self.prefix:])
+            window = self._decode(self.ids[self.prefix:])
             delta = window[len(self.read_text):] if window.startswith(self.read_text) else ""
         self.prefix = self.read = len(self.ids)
         self.read_text = ""

@@ -128,7 +128,7 @@ class LLMEngine:
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if self.tokenizer is not None:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids)
+            seq.detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, params.skip_special_tokens)
         self.scheduler.add(seq)
         self._streams[rid] = RequestStream(rid, request)
         return rid
@@ -331,12 +331,23 @@ class LLMEngine:
         kw: dict = {}
         if any(s.state_row >= 0 for s in seqs):
             kw.update(state=self.token_state, state_rows=[s.state_row if ok else -1 for s, ok in zip(seqs, live)])
+        # (apiext) min_tokens: the token this step samples is output token num_output + inflight + 1 (async
+        # scheduling launches before the host has the previous ones); until min_tokens are out, the
+        # end-of-sequence and stop ids cannot be drawn.
+        banned = [(i, t) for i, (s, ok) in enumerate(zip(seqs, live))
+                  if ok and s.params.min_tokens and s.num_output + s.inflight < s.params.min_tokens
+                  for t in self._stop_ids(s.params)]
+        if banned:
+            kw.update(banned=torch.tensor(banned, dtype=torch.int64).T.to(self.device))
         masked = [i for i, (s, ok) in enumerate(zip(seqs, live)) if ok and s.grammar is not None]
         if masked:
             assert all(seqs[i].inflight == 0 for i in masked)   # see _launch
             kw.update(token_bitmask=self.structured.fill([seqs[i].grammar for i in masked], masked, len(seqs),
                                                          self.device), masked=masked)
         return kw
+
+    def _stop_ids(self, p: SamplingParams) -> list[int]:
+        return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids))
 
     def _finalize(self, step: "_Launched") -> list[OutputDelta]:
         bm = self.block_manager
@@ -404,7 +415,7 @@ class LLMEngine:
             # Text held back for a character that might continue (also when an end-of-sequence or
             # stop token ends the output) is final now.
             delta += seq.detok.flush()
-        if delta and p.stop:
+        if delta and p.stop and seq.num_output > p.min_tokens:   # (apiext) vLLM: no stop string before min_tokens
             # Only the new text and the longest stop string's worth before it can hold a new match.
             tail = max(len(s) for s in p.stop) + len(delta)
             start = max(0, len(seq.text) + len(delta) - tail)
