@@ -117,15 +117,15 @@ class OpenAIServer:
 
         @app.post("/v1/completions", response_model=CompletionResponse, responses={
             **ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when streaming"}})
-        async def completions(req: CompletionRequest, request: Request):
+        async def completions(req: CompletionRequest, request: Request, response: Response):
             check_encodable(req)
-            return await server.completion.create(req, request)
+            return _with_request_id(await server.completion.create(req, request), request, response)
 
         @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={
             **ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when streaming"}})
-        async def chat_completions(req: ChatCompletionRequest, request: Request):
+        async def chat_completions(req: ChatCompletionRequest, request: Request, response: Response):
             check_encodable(req)
-            return await server.chat.create(req, request)
+            return _with_request_id(await server.chat.create(req, request), request, response)
 
         @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
         async def tokenize(req: TokenizeRequest):
@@ -172,6 +172,15 @@ class OpenAIServer:
         # Route tables and the OpenAPI schema stay reachable on the FastAPI object.
         wrapped.fastapi = app
         return wrapped
+
+
+def _with_request_id(result, request: Request, response: Response):
+    """The request's id (the client's X-Request-Id or request_id, else the response id) in the X-Request-Id
+    header, as vLLM sends it: on a stream's own response, or on the one FastAPI renders the body into."""
+    rid = getattr(request.state, "request_id", None)
+    if rid is not None:
+        (result if isinstance(result, Response) else response).headers["X-Request-Id"] = rid
+    return result
 
 
 def build_app(engine, served_model_name: str, api_key: Optional[str] = None, model_root: Optional[str] = None):

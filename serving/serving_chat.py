@@ -9,8 +9,7 @@ import logging
 from fastapi import Request
 
 from .protocol import (ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
-                       ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatResponseMessage, DeltaMessage,
-                       new_id)
+                       ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatResponseMessage, DeltaMessage)
 from .server_errors import ApiError
 from .serving_base import OpenAIServing
 
@@ -24,7 +23,8 @@ class OpenAIServingChat(OpenAIServing):
         if ignored:
             logger.debug("chat request: ignoring %s (they change nothing on this server)",
                          ", ".join(f"{k}={v!r}" for k, v in ignored.items()))
-        ids = self._chat_ids([m.for_template() for m in req.messages], req.add_generation_prompt)
+        ids = self._chat_ids([m.for_template() for m in req.messages], req.add_generation_prompt,
+                             req.continue_final_message, req.chat_template_kwargs)
         requested = req.requested_max_tokens()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         if requested is None:
@@ -37,9 +37,10 @@ class OpenAIServingChat(OpenAIServing):
             self._check_context(len(ids), requested, param, "messages")
             max_tokens = requested
         kw = dict(req.sampling_kwargs(), max_tokens=max_tokens, logprobs=req.logprobs,
-                  top_logprobs=req.top_logprobs or 0)
-        base = new_id("chatcmpl")
-        choices = self._make_choices(base, [(None, ids)], req.n, kw, req.seed)
+                  top_logprobs=req.top_logprobs or 0, prompt_logits=req.prompt_logprobs is not None)
+        base = self._response_id("chatcmpl", req, request)
+        choices = self._make_choices(base, [(None, ids)], req.n, kw, req.seed, req.structured_param())
+        echoed = req.echoed()
 
         if req.stream:
             async def chunks():
@@ -50,6 +51,11 @@ class OpenAIServingChat(OpenAIServing):
                         yield ChatCompletionStreamResponse(id=base, model=self.model_name, choices=[
                             ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))
                         ]).model_dump()
+                        if echoed:
+                            chunk = ChatCompletionStreamResponse(id=base, model=self.model_name, choices=[
+                                ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage())]).model_dump()
+                            chunk["choices"][0]["delta"] = {"content": echoed}
+                            yield chunk
                     async for c, text in it:
                         new_ids = c.token_ids[sent[c.index]:]
                         finish = c.finish_reason
@@ -67,11 +73,14 @@ class OpenAIServingChat(OpenAIServing):
                         yield chunk
 
             return self._stream(base, chunks(), req.stream_options, lambda: ChatCompletionStreamResponse(
-                id=base, model=self.model_name, choices=[], usage=self._usage(choices)).model_dump())
+                id=base, model=self.model_name, choices=[], usage=self._usage(choices)).model_dump(), choices)
 
         await self._complete(choices, "chat", request)
-        out_choices = [ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+        out_choices = [ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=echoed + c.text),
                                             logprobs=(self.logprobs.chat(c.token_ids, c.logprobs, c.top_logprobs)
                                                       if req.logprobs else None),
                                             finish_reason=c.finish_reason) for c in choices]
-        return ChatCompletionResponse(id=base, model=self.model_name, choices=out_choices, usage=self._usage(choices))
+        plp = None if req.prompt_logprobs is None else \
+            self.logprobs.prompt(ids, choices[0].prompt_logits, req.prompt_logprobs)
+        return ChatCompletionResponse(id=base, model=self.model_name, choices=out_choices, usage=self._usage(choices),
+                                      prompt_logprobs=plp)

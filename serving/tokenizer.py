@@ -66,14 +66,18 @@ class ByteTokenizer:
         """Each id's bytes, "" for the specials (their text is not what they stand for)."""
         return [bytes([i]) for i in range(256)] + [""] * len(self.SPECIALS)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **template_kwargs) -> str:
+        """The demo's fixed template; like a Jinja template, it ignores variables it does not use."""
         parts = []
         for m in messages:
             role = m.get("role")
             if role not in ("system", "user", "assistant"):
                 raise ValueError(f"unknown chat role {role!r}")
             parts.append(f"<|{role}|>{m.get('content', '')}<|end|>")
-        if add_generation_prompt:
+        if continue_final_message:
+            parts[-1] = parts[-1].removesuffix("<|end|>")
+        elif add_generation_prompt:
             parts.append("<|assistant|>")
         return "".join(parts)
 
@@ -119,10 +123,12 @@ class HFTokenizer:
             return bytes([int(m.group(1), 16)])
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **template_kwargs) -> str:
         if not self._hf or not getattr(self._tok, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
-        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, **template_kwargs)
 
 
 def _byte_level_decoder(tok) -> Optional[dict[str, int]]:

@@ -83,14 +83,18 @@ class InputProcessor:
             raise ValueError("this model has no tokenizer; send the prompt as token ids")
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)) if text else []
 
-    def chat_text(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def chat_text(self, messages: list[dict], add_generation_prompt: bool = True,
+                  continue_final_message: bool = False, **template_kwargs) -> str:
         """The messages through the model's chat template; ValueError when the model has no tokenizer
-        (so no template) or the template rejects them (the message says which)."""
+        (so no template) or the template rejects them (the message says which). (apiext) vLLM's
+        continue_final_message leaves the last message open; template_kwargs are template variables."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template; send token ids to the "
                              "completions API")
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message,
+                                                      **template_kwargs)
         except ValueError as e:
             raise ValueError(f"the chat template rejected the messages: {e}") from None
 

@@ -416,8 +416,9 @@ class LLMEngine:
             # stop token ends the output) is final now.
             delta += seq.detok.flush()
         if delta and p.stop and seq.num_output > p.min_tokens:   # (apiext) vLLM: no stop string before min_tokens
-            # Only the new text and the longest stop string's worth before it can hold a new match.
-            tail = max(len(s) for s in p.stop) + len(delta)
+            # Only the new text and the longest stop string's worth before it, less one, can hold a new
+            # match (one that ends in the new text); (apiext) a wider window finds text that min_tokens let pass.
+            tail = max(len(s) for s in p.stop) - 1 + len(delta)
             start = max(0, len(seq.text) + len(delta) - tail)
             full = seq.text + delta
             hits = [(full.find(s, start), s) for s in p.stop]
