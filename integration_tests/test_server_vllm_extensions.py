@@ -185,6 +185,7 @@ def test_vllm_named_metrics(server, client):
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
                  "vllm:time_to_first_token_seconds_count", "vllm:time_per_output_token_seconds_count",
+                 "vllm:request_time_per_output_token_seconds_count",
                  "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_count"):
         assert any(line.startswith(name + lab) for line in text.splitlines()), name
     assert "vllm:generation_tokens_total_total" not in text and "vllm:prompt_tokens_created" not in text

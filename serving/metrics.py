@@ -9,8 +9,8 @@ Each server owns its own registry, so several servers (or tests) in one process 
 
 Beside ours, the series vLLM's Grafana dashboard and alerts read, under vLLM's names (`vllm:` prefix) and
 labels (`model_name`, `engine`; one engine here, "0"): requests running and waiting, KV-cache usage,
-preemptions, prompt and generation tokens, finished requests, and the TTFT, TPOT, inter-token and
-end-to-end latency histograms. Counters are declared without `_total`, which prometheus_client appends,
+preemptions, prompt and generation tokens, finished requests, and the TTFT, inter-token (also under its
+older name, time_per_output_token), per-request TPOT and end-to-end latency histograms. Counters are declared without `_total`, which prometheus_client appends,
 so the exposed names are exactly vLLM's (`vllm:generation_tokens_total`).
 """
 
@@ -108,8 +108,10 @@ class ServerMetrics:
 
     def observe_tokens(self, gap_s: float, num_tokens: int) -> None:
         """`num_tokens` output tokens of one sequence that arrived `gap_s` after its previous ones."""
+        # vLLM observes both per token; its per-request mean is request_time_per_output_token_seconds.
         for _ in range(num_tokens):
             self.vllm.itl.observe(gap_s / num_tokens)
+            self.vllm.tpot.observe(gap_s / num_tokens)
 
     def observe_sequence(self, endpoint: str, finish_reason: Optional[str], arrival: float,
                          first_token: Optional[float], last_token: Optional[float], num_generated: int) -> None:
@@ -127,7 +129,7 @@ class ServerMetrics:
                 v.e2e.observe(last_token - arrival)
                 if num_generated > 1:
                     self.tpot.labels(name).observe((last_token - first_token) / (num_generated - 1))
-                    v.tpot.observe((last_token - first_token) / (num_generated - 1))
+                    v.request_tpot.observe((last_token - first_token) / (num_generated - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -150,8 +152,10 @@ class _VllmSeries:
                           VLLM_LABELS + ["finished_reason"], registry=r)
         self.request_success = lambda reason: success.labels(*lv, reason)
         self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first token", _TTFT_BUCKETS)
-        self.tpot = hist("time_per_output_token_seconds", "Mean time between output tokens of one sequence after the first",
-                         _TPOT_BUCKETS)
+        self.tpot = hist("time_per_output_token_seconds", "Time between consecutive output tokens of a sequence "
+                         "(vLLM's older name of inter_token_latency_seconds)", _TPOT_BUCKETS)
+        self.request_tpot = hist("request_time_per_output_token_seconds",
+                                 "Mean time between output tokens of one sequence after the first", _TPOT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens of a sequence", _TPOT_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last token",
                         _E2E_BUCKETS)
