@@ -131,6 +131,15 @@ def test_request_id_names_the_response_and_the_header(server, client):
     assert r.headers["x-request-id"] == "from-header" and r.json()["id"] == "cmpl-from-header"
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
     assert r.headers["x-request-id"] == r.json()["id"]
+    # A client may repeat an id, also while a request with it runs: the engine's ids stay distinct.
+    body = {"prompt": "Hi", "max_tokens": 100, "n": 4, "request_id": "dup", "ignore_eos": True, "temperature": 0}
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=30) as first:
+        lines = first.iter_lines()
+        next(lines)
+        again = httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()
+        streamed = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert again["id"] == "cmpl-dup" and {c["finish_reason"] for c in again["choices"]} == {"length"}
+    assert [c["choices"][0]["finish_reason"] for c in streamed if c["choices"][0]["finish_reason"]] == ["length"] * 4
 
 
 def test_continuous_usage_stats_on_every_chunk(client):

@@ -156,9 +156,11 @@ class OpenAIServing:
                                 f"{n_prompt + max_tokens}: {n_prompt} prompt tokens + {param}={max_tokens}; "
                                 f"shorten the prompt or lower {param}", param=param, code="context_length_exceeded")
 
-    def _response_id(self, prefix: str, req, request: Request) -> str:
-        """`<prefix>-<id>`: the X-Request-Id header's id, else the body's request_id (vLLM's order), else a
-        fresh one. A client's id must not be in flight already: it names the engine requests too."""
+    def _response_id(self, prefix: str, req, request: Request) -> tuple[str, str]:
+        """(response id, prefix of its engine request ids). The response id is `<prefix>-<id>` with the
+        X-Request-Id header's id, else the body's request_id (vLLM's order), else a fresh one. A client's
+        id may repeat (also while a request with it runs), so its engine requests get a fresh suffix, as
+        vLLM's internal ids do: the engine never sees an id twice."""
         rid = request.headers.get("x-request-id")
         if rid is not None and not (0 < len(rid) <= MAX_REQUEST_ID_CHARS and all("!" <= ch <= "~" for ch in rid)):
             raise ApiError(400, f"the X-Request-Id header must be 1-{MAX_REQUEST_ID_CHARS} printable ASCII "
@@ -166,16 +168,12 @@ class OpenAIServing:
         rid = rid or req.request_id
         if rid is None:
             base = new_id(prefix)
-        else:
-            base = f"{prefix}-{rid}"
-            streams = getattr(self.engine, "_streams", {})
-            if any(k.startswith(base + "-") for k in streams):
-                raise ApiError(400, f"request id {rid!r} is in use by a request still running; send a unique "
-                                    f"request_id (or X-Request-Id)", param="request_id")
-        request.state.request_id = rid or base
-        return base
+            request.state.request_id = base
+            return base, base
+        request.state.request_id = rid
+        return f"{prefix}-{rid}", new_id(f"{prefix}-{rid}")
 
-    def _make_choices(self, base_id: str, prompts: list[tuple[Optional[str], list[int]]], n: int,
+    def _make_choices(self, engine_id: str, prompts: list[tuple[Optional[str], list[int]]], n: int,
                       params_kw: dict, seed: Optional[int], structured_param: str = "response_format") -> list[Choice]:
         if len(prompts) * n > MAX_CHOICES_PER_REQUEST:
             raise ApiError(400, f"the request asks for {len(prompts)} prompts x n={n} = {len(prompts) * n} "
@@ -194,7 +192,7 @@ class OpenAIServing:
                     msg, param = describe_validation_errors(e.errors())
                     raise ApiError(400, msg, param=param) from None
                 idx = pi * n + j
-                choices.append(Choice(idx, f"{base_id}-{idx}", pi, ids, text, sp, now))
+                choices.append(Choice(idx, f"{engine_id}-{idx}", pi, ids, text, sp, now))
         for c in choices:
             # The engine's own checks (vocabulary, length, tokenizer needs, grammar) here, before any
             # stream starts and before anything reaches the engine-core process, so that a bad request
@@ -326,7 +324,8 @@ class OpenAIServing:
         """The SSE envelope both streaming endpoints share: chunks, the optional usage chunk, `[DONE]`.
         The status line goes out before the first chunk, so a failure mid-stream becomes an error event and
         `[DONE]`, here rather than in _ErrorBarrier, which knows no request. Every stream that ends early
-        says so in the log with its response id (its choices' engine request ids are `<response id>-<i>`)."""
+        says so in the log with its response id (its choices' engine request ids are `<response id>-<i>`, or
+        `<response id>-<suffix>-<i>` when the client chose the id)."""
         include_usage = bool(stream_options and stream_options.include_usage)
         # vLLM's continuous_usage_stats: every chunk carries the usage so far.
         continuous = include_usage and stream_options.continuous_usage_stats

@@ -38,8 +38,8 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = requested
         kw = dict(req.sampling_kwargs(), max_tokens=max_tokens, logprobs=req.logprobs,
                   top_logprobs=req.top_logprobs or 0, prompt_logits=req.prompt_logprobs is not None)
-        base = self._response_id("chatcmpl", req, request)
-        choices = self._make_choices(base, [(None, ids)], req.n, kw, req.seed, req.structured_param())
+        base, engine_id = self._response_id("chatcmpl", req, request)
+        choices = self._make_choices(engine_id, [(None, ids)], req.n, kw, req.seed, req.structured_param())
         echoed = req.echoed()
 
         if req.stream:

@@ -30,8 +30,8 @@ class OpenAIServingCompletion(OpenAIServing):
         kw = dict(req.sampling_kwargs(), max_tokens=req.max_tokens, logprobs=want_lp or n_gen > req.n,
                   top_logprobs=req.logprobs or 0,
                   prompt_logits=(req.echo and want_lp) or req.prompt_logprobs is not None)
-        base = self._response_id("cmpl", req, request)
-        choices = self._make_choices(base, prompts, n_gen, kw, req.seed, req.structured_param())
+        base, engine_id = self._response_id("cmpl", req, request)
+        choices = self._make_choices(engine_id, prompts, n_gen, kw, req.seed, req.structured_param())
 
         def echo_text(c: Choice) -> str:
             if c.prompt_text is not None:
