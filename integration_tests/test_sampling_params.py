@@ -291,3 +291,37 @@ def test_a_grammar_that_refuses_its_own_token_ends_only_that_request(llm, caplog
     assert done["bad"].finish_reason == "abort" and "refused token" in caplog.text
     assert done["ok"].token_ids == ref and done["ok"].finish_reason == "length"
     assert eng.token_state.num_free == eng.token_state.num_rows
+
+
+def test_min_tokens_and_skip_special_tokens_in_a_mixed_batch(llm):
+    # The bias makes the end-of-sequence token (257) the likeliest at every step; min_tokens holds it back
+    # for its own request only (async scheduling launches a step before the host has the last token).
+    eos = {257: 100.0}
+    params = [SamplingParams(temperature=0, max_tokens=20, logit_bias=eos, min_tokens=m) for m in (0, 1, 7)]
+    params.append(SamplingParams(temperature=0.9, seed=4, max_tokens=20, logit_bias=eos, min_tokens=3))
+    outs = llm.generate(["Hi"] * len(params), params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 8, 4]
+    assert all(o.outputs[0].token_ids[-1] == 257 and o.outputs[0].finish_reason == "stop" for o in outs)
+    with pytest.raises(ValueError, match="min_tokens=5 is more than max_tokens=4"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    special = {260: 100.0}   # <|assistant|>
+    kept, skipped = llm.generate(["Hi", "Hi"], [SamplingParams(temperature=0, max_tokens=2, logit_bias=special,
+                                                               skip_special_tokens=s) for s in (False, True)])
+    assert kept.outputs[0].text == "<|assistant|>" * 2 and skipped.outputs[0].text == ""
+
+
+@needs_xgrammar
+def test_regex_choice_and_grammar_constraints(llm):
+    import re
+
+    cases = [({"regex": "[0-9]{2}-[a-c]"}, lambda t: re.fullmatch("[0-9]{2}-[a-c]", t)),
+             ({"choice": ["red", "green", 'say "hi"']}, lambda t: t in ("red", "green", 'say "hi"')),
+             ({"grammar": 'root ::= "x" [0-9] ("!" | "?")'}, lambda t: re.fullmatch(r"x[0-9][!?]", t))]
+    for so, ok in cases:
+        outs = llm.generate(PROMPTS, [SamplingParams(temperature=1.0, seed=s, max_tokens=16, structured_output=so)
+                                      for s in range(len(PROMPTS))])
+        for o in outs:
+            assert o.outputs[0].finish_reason == "stop" and ok(o.outputs[0].text), (so, o.outputs[0].text)
+    with pytest.raises(RequestError, match="the regex cannot be used") as e:
+        llm.generate("x", SamplingParams(structured_output={"regex": "(a"}))
+    assert e.value.param == "structured_output"

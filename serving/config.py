@@ -288,18 +288,26 @@ class ContextLengthError(RequestError):
 
 
 class StructuredOutput(BaseModel):
-    """A grammar the output must follow: any JSON object, or JSON that validates against a schema
-    (serving/engine/structured.py compiles it). Exactly one of the two."""
+    """A grammar the output must follow (serving/engine/structured.py compiles it), exactly one of: any JSON
+    object, JSON that validates against a schema, text that fully matches a regular expression, one of a
+    list of strings, or an EBNF grammar (xgrammar's dialect, root rule `root`)."""
 
     model_config = ConfigDict(extra="forbid")
 
     json_object: bool = False
     json_schema: Optional[dict[str, Any]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = Field(None, min_length=1)
+    grammar: Optional[str] = None
 
     @model_validator(mode="after")
     def _one(self) -> "StructuredOutput":
-        if self.json_object == (self.json_schema is not None):
-            raise ValueError("a structured output is either json_object=True or a json_schema, exactly one")
+        kinds = [k for k in ("json_schema", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            kinds.append("json_object")
+        if len(kinds) != 1:
+            raise ValueError("a structured output is exactly one of json_object=True, json_schema, regex, choice "
+                             f"and grammar; got {', '.join(kinds) or 'none'}")
         return self
 
 
@@ -334,6 +342,9 @@ class SamplingParams(BaseModel):
     structured_output: Optional[StructuredOutput] = None
     prompt_logits: bool = Field(False, description="return the raw logits at every prompt position")
     include_stop_str_in_output: bool = False
+    min_tokens: int = Field(0, ge=0, description="the end-of-sequence and stop_token_ids cannot be sampled, and "
+                            "stop strings are not matched, until this many tokens were generated (vLLM's)")
+    skip_special_tokens: bool = Field(True, description="leave special tokens out of the text")
 
     @model_validator(mode="before")
     @classmethod
@@ -361,6 +372,11 @@ class SamplingParams(BaseModel):
         if self.structured_output is not None and self.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with a structured output: the grammar ends the "
                              "output with the end-of-sequence token once the JSON is complete")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} is more than max_tokens={self.max_tokens}")
+        if self.structured_output is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with a structured output: the grammar ends the "
+                             "output with the end-of-sequence token once it is complete")
         return self
 
     @property

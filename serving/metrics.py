@@ -6,6 +6,12 @@ requests, KV-cache blocks, TP op paths), so a scrape shows the engine's state af
 rather than the last value someone remembered to set.
 
 Each server owns its own registry, so several servers (or tests) in one process do not collide.
+
+Beside ours, the series vLLM's Grafana dashboard and alerts read, under vLLM's names (`vllm:` prefix) and
+labels (`model_name`, `engine`; one engine here, "0"): requests running and waiting, KV-cache usage,
+preemptions, prompt and generation tokens, finished requests, and the TTFT, inter-token (also under its
+older name, time_per_output_token), per-request TPOT and end-to-end latency histograms. Counters are declared without `_total`, which prometheus_client appends,
+so the exposed names are exactly vLLM's (`vllm:generation_tokens_total`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, dis
 from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily
 
 PREFIX = "tp_overlap"
+VLLM = "vllm:"
+VLLM_LABELS = ["model_name", "engine"]
+ENGINE_INDEX = "0"
 
 # Latency buckets in seconds: sub-millisecond decode steps on a GPU up to minutes-long CPU requests.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -46,11 +55,18 @@ class _EngineCollector:
             g = GaugeMetricFamily(f"{PREFIX}_{key}", doc, labels=["model_name"])
             g.add_metric([self._model], float(s[key]))
             yield g
+            if key in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+                g = GaugeMetricFamily(f"{VLLM}{key}", doc, labels=VLLM_LABELS)
+                g.add_metric([self._model, ENGINE_INDEX], float(s[key]))
+                yield g
         for key, doc in (("num_preemptions", "Sequences preempted (recomputed later) because the KV cache ran out"),
                          ("prefix_cache_hit_blocks", "KV blocks reused from the prefix cache")):
             c = CounterMetricFamily(f"{PREFIX}_{key}", doc, labels=["model_name"])
             c.add_metric([self._model], float(s[key]))
             yield c
+        c = CounterMetricFamily(f"{VLLM}num_preemptions", "Sequences preempted (recomputed later) because the KV cache ran out", labels=VLLM_LABELS)
+        c.add_metric([self._model, ENGINE_INDEX], float(s["num_preemptions"]))
+        yield c
         # Which path each TP op took on this rank (rank 0 serves HTTP): with --tp-overlap this is how an
         # operator sees that the overlapped kernels run rather than a silent fallback.
         c = CounterMetricFamily(f"{PREFIX}_tp_op_calls", "TP ops by path (kernel, fallback, sequential, ...)",
@@ -84,19 +100,62 @@ class ServerMetrics:
                                "HTTP generation requests being served (includes tokenization and streaming)",
                                m, registry=r)
         r.register(_EngineCollector(stats, model_name))
+        self.vllm = _VllmSeries(r, model_name)
+
+    def observe_prompt(self, num_tokens: int) -> None:
+        self.prompt_tokens.labels(self.model_name).inc(num_tokens)
+        self.vllm.prompt_tokens.inc(num_tokens)
+
+    def observe_tokens(self, gap_s: float, num_tokens: int) -> None:
+        """`num_tokens` output tokens of one sequence that arrived `gap_s` after its previous ones."""
+        # vLLM observes both per token; its per-request mean is request_time_per_output_token_seconds.
+        for _ in range(num_tokens):
+            self.vllm.itl.observe(gap_s / num_tokens)
+            self.vllm.tpot.observe(gap_s / num_tokens)
 
     def observe_sequence(self, endpoint: str, finish_reason: Optional[str], arrival: float,
                          first_token: Optional[float], last_token: Optional[float], num_generated: int) -> None:
         """One finished (or aborted) choice of a request."""
-        name = self.model_name
+        name, v = self.model_name, self.vllm
         self.requests.labels(name, endpoint, finish_reason or "error").inc()
+        v.request_success(finish_reason or "error").inc()
         self.generation_tokens.labels(name).inc(num_generated)
+        v.generation_tokens.inc(num_generated)
         if first_token is not None:
             self.ttft.labels(name).observe(first_token - arrival)
+            v.ttft.observe(first_token - arrival)
             if last_token is not None:
                 self.e2e.labels(name).observe(last_token - arrival)
+                v.e2e.observe(last_token - arrival)
                 if num_generated > 1:
                     self.tpot.labels(name).observe((last_token - first_token) / (num_generated - 1))
+                    v.request_tpot.observe((last_token - first_token) / (num_generated - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _VllmSeries:
+    """The request-level series under vLLM's names, each bound to this server's labels."""
+
+    def __init__(self, r: CollectorRegistry, model_name: str):
+        lv = (model_name, ENGINE_INDEX)
+
+        def hist(name, doc, buckets):
+            return Histogram(VLLM + name, doc, VLLM_LABELS, buckets=buckets, registry=r).labels(*lv)
+
+        self.prompt_tokens = Counter(f"{VLLM}prompt_tokens", "Prompt tokens of admitted requests", VLLM_LABELS,
+                                     registry=r).labels(*lv)
+        self.generation_tokens = Counter(f"{VLLM}generation_tokens", "Generated tokens",
+                                         VLLM_LABELS, registry=r).labels(*lv)
+        success = Counter(f"{VLLM}request_success", "Finished sequences by finish reason",
+                          VLLM_LABELS + ["finished_reason"], registry=r)
+        self.request_success = lambda reason: success.labels(*lv, reason)
+        self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first token", _TTFT_BUCKETS)
+        self.tpot = hist("time_per_output_token_seconds", "Time between consecutive output tokens of a sequence "
+                         "(vLLM's older name of inter_token_latency_seconds)", _TPOT_BUCKETS)
+        self.request_tpot = hist("request_time_per_output_token_seconds",
+                                 "Mean time between output tokens of one sequence after the first", _TPOT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens of a sequence", _TPOT_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last token",
+                        _E2E_BUCKETS)

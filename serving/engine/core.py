@@ -282,6 +282,14 @@ class EngineCore:
         kw: dict = {}
         if any(s.state_row >= 0 for s in seqs):
             kw.update(state=self.token_state, state_rows=[s.state_row if ok else -1 for s, ok in zip(seqs, live)])
+        # (apiext) min_tokens: the token this step samples is output token num_output + inflight + 1 (async
+        # scheduling launches before the host has the previous ones); until min_tokens are out, the
+        # end-of-sequence and stop ids cannot be drawn.
+        banned = [(i, t) for i, (s, ok) in enumerate(zip(seqs, live))
+                  if ok and s.params.min_tokens and s.num_output + s.inflight < s.params.min_tokens
+                  for t in _stop_ids(s)]
+        if banned:
+            kw.update(banned=torch.tensor(banned, dtype=torch.int64).T.to(self.device))
         masked = [i for i, (s, ok) in enumerate(zip(seqs, live)) if ok and s.grammar is not None]
         if masked:
             assert all(seqs[i].inflight == 0 for i in masked)   # see _launch
@@ -347,15 +355,22 @@ class EngineCore:
 
     def _finish_reason(self, seq: Sequence, tok: int) -> Optional[str]:
         """Whether `tok`, just appended, ends `seq`: the one place the core decides a stop. "stop" means
-        the token is an end-of-sequence or stop token id (the front end shows no text for it)."""
+        the token is an end-of-sequence or stop token id (the front end shows no text for it); (apiext)
+        not before min_tokens are out (the sampler cannot draw those ids until then)."""
         p = seq.params
-        if (not p.ignore_eos and tok in seq.eos_ids) or tok in p.stop_token_ids:
+        if ((not p.ignore_eos and tok in seq.eos_ids) or tok in p.stop_token_ids) and seq.num_output > p.min_tokens:
             return "stop"
         return "length" if self._reaches_length(seq, 0) else None
 
     def _reaches_length(self, seq: Sequence, ahead: int) -> bool:
         """With `ahead` more tokens, `seq` has all it may have: max_tokens, or max_model_len in all."""
         return seq.num_output + ahead >= seq.params.max_tokens or len(seq.tokens) + ahead >= self.max_model_len
+
+
+def _stop_ids(seq: Sequence) -> list[int]:
+    """The ids that end `seq` when drawn: its stop token ids, and the end-of-sequence ids unless ignored."""
+    p = seq.params
+    return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(seq.eos_ids)))
 
 
 def delta_of(seq: Sequence, token_ids: list[int]) -> OutputDelta:

@@ -103,9 +103,12 @@ class InputProcessor:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)) if text else []
 
     def chat_text(self, messages: list[dict], add_generation_prompt: bool = True,
-                  tools: Optional[list[dict]] = None) -> str:
+                  tools: Optional[list[dict]] = None, continue_final_message: bool = False,
+                  **template_kwargs) -> str:
         """The messages (and the tools offered, if any) through the model's chat template; ValueError when
-        the model has no tokenizer (so no template) or the template rejects them (the message says which)."""
+        the model has no tokenizer (so no template) or the template rejects them (the message says which).
+        (apiext) vLLM's continue_final_message leaves the last message open; template_kwargs are template
+        variables."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template; send token ids to the "
                              "completions API")
@@ -115,7 +118,8 @@ class InputProcessor:
             TemplateError = ValueError
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      tools=tools)
+                                                      tools=tools, continue_final_message=continue_final_message,
+                                                      **template_kwargs)
         except (ValueError, TypeError, TemplateError) as e:
             # (A template's own `raise_exception`, e.g. "only one tool call at a time", is a TemplateError.)
             raise ValueError(f"the chat template rejected the messages: {e}") from None

@@ -29,7 +29,8 @@ class RequestStream:
     def __init__(self, request_id: str, request: ProcessedRequest, tokenizer):
         self.request_id = request_id
         self.prompt, self.prompt_ids, self.params = request.prompt, request.prompt_ids, request.params
-        self.detok = IncrementalDetokenizer(tokenizer, request.prompt_ids) if tokenizer is not None else None
+        self.detok = (IncrementalDetokenizer(tokenizer, request.prompt_ids, self.params.skip_special_tokens)
+                      if tokenizer is not None else None)
         self.stops = list(self.params.stop)
         self.longest_stop = max(map(len, self.stops), default=0)
         # With the stop string in the output, a match only ends the text: nothing before it is cut.
@@ -63,7 +64,8 @@ class RequestStream:
             if last and reason in ("stop", "length") and self.detok is not None:
                 # Bytes held back for a character that might continue are final now.
                 piece += self.detok.flush()
-            if self._add_text(piece):
+            # (apiext) vLLM's min_tokens: no stop string ends the output before that many tokens are out.
+            if self._add_text(piece, match=len(self.token_ids) + k + 1 > self.params.min_tokens):
                 taken, reason = k + 1, "stop"
                 break
         new_ids = list(ids[:taken])
@@ -84,18 +86,19 @@ class RequestStream:
                              delta_text, new_ids, self.prompt_logits if self.finished else None,
                              d.num_preemptions)
 
-    def _add_text(self, piece: str) -> bool:
-        """Append `piece`; True when that completes a stop string, the text then cut there."""
+    def _add_text(self, piece: str, match: bool = True) -> bool:
+        """Append `piece`; True when that completes a stop string (only looked for when `match`), the
+        text then cut there."""
         if not piece:
             return False
-        if not self.stops:
+        if not self.stops or not match:
             self.text += piece
             return False
-        # A match that ends in `piece` starts at most longest_stop - 1 characters before it (an earlier
-        # one would have ended the text already).
-        start = max(0, len(self.text) - self.longest_stop + 1)
+        # Only a match that ends in `piece` is new: it starts at most len(stop) - 1 characters before it.
+        # (Per stop string, so that a shorter one that min_tokens let pass earlier is not found now.)
+        before = len(self.text)
         self.text += piece
-        hits = [(i, s) for s in self.stops if (i := self.text.find(s, start)) >= 0]
+        hits = [(i, s) for s in self.stops if (i := self.text.find(s, max(0, before - len(s) + 1))) >= 0]
         if not hits:
             return False
         i, s = min(hits)

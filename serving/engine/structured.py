@@ -186,6 +186,22 @@ class StructuredOutputs:
     def compile(self, so: StructuredOutput) -> Any:
         """The compiled grammar; ValueError naming the problem when the schema is not usable."""
         compiler = self.compiler
+        if so.json_object or so.json_schema is not None:
+            return self._compile_json(compiler, so)
+        # vLLM's other kinds (guided_regex, guided_choice, guided_grammar): the text, not JSON.
+        try:
+            if so.regex is not None:
+                return compiler.compile_regex(so.regex)
+            if so.choice is not None:
+                # One string literal per choice; JSON's escapes are also EBNF's.
+                return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                                          for c in so.choice))
+            return compiler.compile_grammar(so.grammar)
+        except (RuntimeError, ValueError, TypeError) as e:
+            kind = "regex" if so.regex is not None else "choice" if so.choice is not None else "grammar"
+            raise ValueError(f"the {kind} cannot be used: {_clean_error(e)}") from None
+
+    def _compile_json(self, compiler, so: StructuredOutput) -> Any:
         try:
             if so.json_object:
                 return compiler.compile_json_schema({"type": "object"}, any_whitespace=False)

@@ -122,19 +122,20 @@ def sample_on_device(logits: torch.Tensor, params: Sequence[SamplingParams],
                      generators: Sequence[Optional[torch.Generator]], default_gen: torch.Generator,
                      state: Optional[TokenState] = None, state_rows: Optional[Sequence[int]] = None,
                      token_bitmask: Optional[torch.Tensor] = None,
-                     masked: Optional[Sequence[int]] = None) -> Sampled:
+                     masked: Optional[Sequence[int]] = None, banned: Optional[torch.Tensor] = None) -> Sampled:
     """Process and sample logits [B, V] without reading anything back, so that the next step can be
     launched before the host sees the tokens.
 
     state, state_rows: the TokenState row of each batch row (-1: none), for bias and penalties.
     token_bitmask, masked: an int32 [B, ceil(V/32)] bitmask on the logits' device (bit j of a row set:
-    token j allowed) and the batch rows it constrains (structured output)."""
+    token j allowed) and the batch rows it constrains (structured output).
+    banned: int64 [2, n], (batch row, token id) pairs that cannot be drawn this step (min_tokens)."""
     want_lp = any(p.logprobs for p in params)
     k = min(max((p.top_logprobs for p in params), default=0), logits.shape[-1])
     # Raw model distribution: taken before any processing.
     logp = torch.log_softmax(logits.float(), dim=-1) if want_lp else None
     with_state = [i for i, r in enumerate(state_rows or ()) if r >= 0] if state is not None else []
-    processed = bool(with_state) or bool(masked)
+    processed = bool(with_state) or bool(masked) or banned is not None
     x = logits
     if processed:
         # A copy: the step's logits may also be a request's prompt logits.
@@ -142,6 +143,8 @@ def sample_on_device(logits: torch.Tensor, params: Sequence[SamplingParams],
         dev = x.device
         if masked:
             _apply_bitmask(x, token_bitmask, masked)
+        if banned is not None:
+            x[banned[0].to(dev), banned[1].to(dev)] = float("-inf")
         if with_state:
             batch_rows = torch.tensor(with_state, dtype=torch.int64, device=dev)
             rows = torch.tensor([state_rows[i] for i in with_state], dtype=torch.int64, device=dev)

@@ -68,11 +68,13 @@ class ByteTokenizer:
         return [bytes([i]) for i in range(256)] + [""] * len(self.SPECIALS)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: Optional[list[dict]] = None) -> str:
+                            tools: Optional[list[dict]] = None, continue_final_message: bool = False,
+                            **template_kwargs) -> str:
         """`<|role|>content<|end|>` per message. Tools, when offered, are a system turn of their own first;
         an assistant's tool calls follow its content as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
         blocks, and a tool's result is a user turn in `<tool_response>` tags, as Qwen2.5's template writes
-        them: so the demo pairs with `--tool-call-parser hermes`."""
+        them: so the demo pairs with `--tool-call-parser hermes`. continue_final_message leaves the last turn
+        open; like a Jinja template, it ignores variables it does not use."""
         parts = []
         if tools:
             listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
@@ -91,7 +93,9 @@ class ByteTokenizer:
                 text += "<tool_call>" + json.dumps({"name": fn.get("name"), "arguments": fn.get("arguments", {})},
                                                    ensure_ascii=False) + "</tool_call>"
             parts.append(f"<|{role}|>{text}<|end|>")
-        if add_generation_prompt:
+        if continue_final_message:
+            parts[-1] = parts[-1].removesuffix("<|end|>")
+        elif add_generation_prompt:
             parts.append("<|assistant|>")
         return "".join(parts)
 
@@ -138,12 +142,14 @@ class HFTokenizer:
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: Optional[list[dict]] = None) -> str:
+                            tools: Optional[list[dict]] = None, continue_final_message: bool = False,
+                            **template_kwargs) -> str:
         if not self._hf or not getattr(self._tok, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
         # tools=None, not [], without tools: some templates write a tools section for any list.
         return self._tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, **template_kwargs)
 
 
 def _byte_level_decoder(tok) -> Optional[dict[str, int]]:
@@ -185,13 +191,14 @@ class IncrementalDetokenizer:
 
     CONTEXT = 4
 
-    def __init__(self, tokenizer, prompt_ids: Sequence[int]):
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True):
         self.tok = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         # A few prompt tokens of context make sentencepiece-style leading spaces decode as they do
         # after the prompt. A context cut inside a character would merge with the output's first
         # bytes, so such a context is dropped.
         ctx = list(prompt_ids[-self.CONTEXT:])
-        ctx_text = self.tok.decode(ctx) if ctx else ""
+        ctx_text = self._decode(ctx) if ctx else ""
         if ctx_text.endswith("\ufffd"):
             ctx, ctx_text = [], ""
         self.context, self.context_text = len(ctx), ctx_text
@@ -201,9 +208,12 @@ class IncrementalDetokenizer:
         self.read_text = ctx_text         # decode(ids[prefix:read])
         self.text = ""                    # everything emitted so far
 
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        window = self.tok.decode(self.ids[self.prefix:])
+        window = self._decode(self.ids[self.prefix:])
         if window.endswith("\ufffd") or not window.startswith(self.read_text):
             return ""
         delta = window[len(self.read_text):]
@@ -212,17 +222,17 @@ class IncrementalDetokenizer:
             # leading space of a window's first token, which the next token would become.
             return ""
         self.prefix, self.read = self.read, len(self.ids)
-        self.read_text = self.tok.decode(self.ids[self.prefix:])
+        self.read_text = self._decode(self.ids[self.prefix:])
         self.text += delta
         return delta
 
     def final_text(self) -> str:
         """The decode of all output ids after the context: what `text` is once flushed."""
         if self.context:
-            full = self.tok.decode(self.ids)
+            full = self._decode(self.ids)
             if full.startswith(self.context_text):
                 return full[len(self.context_text):]
-        return self.tok.decode(self.ids[self.context:])
+        return self._decode(self.ids[self.context:])
 
     def flush(self) -> str:
         """What is still held back, once the output is over; afterwards `text == final_text()`."""
@@ -232,7 +242,7 @@ class IncrementalDetokenizer:
         else:
             # Only a tokenizer whose decode rewrites text across token boundaries (clean-up of
             # spaces before punctuation) gets here: what was streamed cannot be taken back.
-            window = self.tok.decode(self.ids[self.prefix:])
+            window = self._decode(self.ids[self.prefix:])
             delta = window[len(self.read_text):] if window.startswith(self.read_text) else ""
         self.prefix = self.read = len(self.ids)
         self.read_text = ""

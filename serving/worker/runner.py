@@ -50,6 +50,7 @@ class SamplingBatch:
     state_rows: Optional[list[int]] = None
     token_bitmask: Optional[torch.Tensor] = None  # structured output
     masked: Optional[list[int]] = None
+    banned: Optional[torch.Tensor] = None        # min_tokens: [2, n] (batch row, token id) pairs
 
 
 @dataclass
@@ -301,7 +302,7 @@ class ModelRunner:
                 logits[torch.tensor(batch.rows, device=logits.device)]
             draw = sample_on_device(sel, batch.params, batch.generators, self.generator, state=batch.state,
                                     state_rows=batch.state_rows, token_bitmask=batch.token_bitmask,
-                                    masked=batch.masked)
+                                    masked=batch.masked, banned=batch.banned)
         if result.share_sampled:
             self.sampled.share(draw.tokens if draw is not None else torch.empty(0, dtype=torch.int64,
                                                                                 device=self.device))

@@ -38,7 +38,7 @@ try:
                            TokenizeResponse, VersionResponse)
     from .server_errors import (ERROR_RESPONSES, ApiError, check_encodable, describe_validation_errors,
                                 error_response, internal_error_body, is_json_media_type)
-    from .server_middleware import ApiKeyGuard, ErrorBarrier, ResponseCounter
+    from .server_middleware import ApiKeyGuard, BodyCheck, ErrorBarrier, ResponseCounter
     from .server_shutdown import ABORT_GRACE_S, DrainGuard, DrainingServer, InFlight
     from .serving_chat import OpenAIServingChat
     from .serving_completion import OpenAIServingCompletion
@@ -119,15 +119,15 @@ class OpenAIServer:
 
         @app.post("/v1/completions", response_model=CompletionResponse, responses={
             **ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when streaming"}})
-        async def completions(req: CompletionRequest, request: Request):
+        async def completions(req: CompletionRequest, request: Request, response: Response):
             check_encodable(req)
-            return await server.completion.create(req, request)
+            return _with_request_id(await server.completion.create(req, request), request, response)
 
         @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={
             **ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when streaming"}})
-        async def chat_completions(req: ChatCompletionRequest, request: Request):
+        async def chat_completions(req: ChatCompletionRequest, request: Request, response: Response):
             check_encodable(req)
-            return await server.chat.create(req, request)
+            return _with_request_id(await server.chat.create(req, request), request, response)
 
         @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
         async def tokenize(req: TokenizeRequest):
@@ -169,11 +169,20 @@ class OpenAIServer:
         async def version_route():
             return VersionResponse(version=version)
 
-        inner = ApiKeyGuard(app, self.api_key) if self.api_key else app
+        inner = ApiKeyGuard(BodyCheck(app), self.api_key) if self.api_key else BodyCheck(app)
         wrapped = ResponseCounter(ErrorBarrier(DrainGuard(inner, self.in_flight)), server.metrics)
         # Route tables and the OpenAPI schema stay reachable on the FastAPI object.
         wrapped.fastapi = app
         return wrapped
+
+
+def _with_request_id(result, request: Request, response: Response):
+    """The request's id (the client's X-Request-Id or request_id, else the response id) in the X-Request-Id
+    header, as vLLM sends it: on a stream's own response, or on the one FastAPI renders the body into."""
+    rid = getattr(request.state, "request_id", None)
+    if rid is not None:
+        (result if isinstance(result, Response) else response).headers["X-Request-Id"] = rid
+    return result
 
 
 def build_app(engine, served_model_name: str, api_key: Optional[str] = None, model_root: Optional[str] = None,

@@ -81,6 +81,9 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: Optional[str]) -> ToolPl
     if req.response_format is not None and req.response_format.type != "text":
         raise ApiError(400, f"response_format {req.response_format.type!r} cannot be combined with tool_choice "
                             f"{_choice_name(choice)}: the forced call's JSON is the reply", param="response_format")
+    for kind in req.structured_kinds():   # vLLM's guided_* / structured_outputs: the grammar is the call's
+        raise ApiError(400, f"{kind} cannot be combined with tool_choice {_choice_name(choice)}: the forced "
+                            f"call's JSON is the reply", param=kind)
     if req.stop_list():
         raise ApiError(400, f"stop strings cannot be combined with tool_choice {_choice_name(choice)}: they "
                             f"would cut the forced call's JSON", param="stop")

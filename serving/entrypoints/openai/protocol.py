@@ -3,9 +3,11 @@
 The request models list exactly the fields the engine can honour and forbid everything else: a client
 that sends `functions` or asks for `audio` gets a 400 that names the field, instead of an answer that
 quietly differs from what it asked for. Fields that OpenAI clients send with their neutral defaults
-(`best_of == n`, `suffix: null`, `audio: null`, ...) are accepted at those values only; fields that SDKs and agent
+(`suffix: null`, `audio: null`, ...) are accepted at those values only; fields that SDKs and agent
 frameworks send and that change nothing here (`store`, `metadata`, `reasoning_effort`, ...) are accepted
-and ignored (ChatCompletionRequest.IGNORED).
+and ignored (ChatCompletionRequest.IGNORED). vLLM's request extensions are honoured: guided decoding,
+min_tokens, request_id, ... (protocol_vllm.py), `best_of` of n or more (the n likeliest of best_of are
+returned), chat's echo / continue_final_message / chat_template_kwargs.
 
 Strict mode: `"max_tokens": "10"` or `"prompt": [true]` are type errors, as in the OpenAI API.
 """
@@ -25,6 +27,7 @@ from .chat_messages import (MAX_TOOLS, ChatMessage, ChatTool, DeltaToolCall, Too
                             TextContentPart, null_only)
 from .protocol_base import RequestModel as _Request
 from .protocol_base import ResponseModel as _Response
+from .protocol_vllm import PromptLogprobs, VllmExtensions
 
 # Stop strings are matched against the tail of the text after every token; a bound keeps that cheap.
 MAX_STOP_STRINGS = 16
@@ -48,6 +51,7 @@ class ErrorResponse(_Response):
 class StreamOptions(_Request):
     include_usage: bool = False
     include_obfuscation: Optional[bool] = Field(None, description="accepted and ignored: chunks carry no padding")
+    continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, usage on every chunk too")
 
 
 class JsonSchemaFormat(_Request):
@@ -79,7 +83,7 @@ class ResponseFormat(_Request):
         return None
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(VllmExtensions):
     """The sampling knobs common to both endpoints (OpenAI's plus vLLM's extensions)."""
 
     model: Optional[str] = Field(None, description="the served model name; default: the one model served")
@@ -173,7 +177,15 @@ class _SamplingFields(_Request):
             kw["logit_bias"] = {int(k): b for k, b in self.logit_bias.items()}
         if self.response_format is not None and self.response_format.structured_output() is not None:
             kw["structured_output"] = self.response_format.structured_output()
+        if self.extension_structured_output() is not None:
+            kw["structured_output"] = self.extension_structured_output()
+        kw.update(min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens)
         return kw
+
+    def structured_param(self) -> str:
+        """The field a structured-output error names: the one the client used."""
+        kinds = self.structured_kinds()
+        return kinds[0] if kinds else "response_format"
 
 
 # ---- /v1/completions --------------------------------------------------------------------------------
@@ -186,7 +198,8 @@ class CompletionRequest(_SamplingFields):
     logprobs: Optional[TopLogprobs] = Field(None, description="the sampled token's log-probability and this many "
                                             "most likely tokens' at each position (raw model distribution)")
     echo: bool = False
-    best_of: Optional[int] = Field(None, ge=1, description="only equal to n is supported")
+    best_of: Optional[int] = Field(None, ge=1, le=128, description="generate this many per prompt and return the "
+                                   "n with the highest cumulative log-probability (not with stream)")
     suffix: Optional[str] = Field(None, description="not supported; only null is accepted")
 
     @field_validator("prompt", mode="wrap")
@@ -215,9 +228,12 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _best_of(self):
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of={self.best_of} differs from n={self.n}; ranking candidates is not "
-                             f"supported, so best_of must equal n or be omitted")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of={self.best_of} is less than n={self.n}; it must be at least n")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of greater than n cannot stream: the best are known once all are finished")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is only supported without streaming")
         if self.echo and self.logprobs is not None and self.stream:
             raise ValueError("echo with logprobs is only supported without streaming (the prompt's "
                              "log-probabilities are known once the request is finished)")
@@ -244,6 +260,7 @@ class CompletionChoice(_Response):
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class UsageInfo(_Response):
@@ -318,6 +335,12 @@ class ChatCompletionRequest(_SamplingFields):
         None, description="'none', 'auto' (needs --enable-auto-tool-choice), 'required', a named function, or "
                           "allowed_tools; default: 'auto' when tools are given, else 'none'")
     parallel_tool_calls: Optional[bool] = Field(None, description="false: at most one tool call per reply")
+    # ---- vLLM's chat extensions ----
+    echo: bool = Field(False, description="the reply starts with the last message's content when that message "
+                                          "has the reply's role")
+    continue_final_message: bool = Field(False, description="the last message is left open and the reply "
+                                                            "continues it (needs add_generation_prompt=false)")
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description="extra variables for the chat template")
     # ---- fields that OpenAI's SDKs and agent frameworks send and that change nothing here: accepted,
     # logged at debug level (IGNORED), and otherwise ignored ----
     store: Optional[bool] = Field(None, description="ignored: this server keeps no completions")
@@ -387,7 +410,21 @@ class ChatCompletionRequest(_SamplingFields):
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_tokens and max_completion_tokens disagree; send one of them")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=false: a reply either starts "
+                             "a new message or continues the last one")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is only supported without streaming")
         return self
+
+    def reply_role(self) -> str:
+        """vLLM's rule: a new assistant message, or (no generation prompt) more of the last message's role."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].for_template()["role"]
+
+    def echoed(self) -> str:
+        """What `echo` puts before the reply: the last message's text when its role is the reply's."""
+        last = self.messages[-1].for_template()
+        return last["content"] if self.echo and last["role"] == self.reply_role() else ""
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -430,6 +467,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class DeltaMessage(_Response):

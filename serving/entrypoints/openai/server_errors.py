@@ -105,6 +105,8 @@ def describe_validation_errors(errors) -> tuple[str, Optional[str]]:
             msg = f"missing required parameter '{param}'"
         elif kind == "model_attributes_type" and param is None:
             msg = "the request body must be a JSON object"
+        elif kind == "finite_number":
+            msg = f"{param} must be a finite number, not {e.get('input')!r}"
         else:
             msg = e.get("msg", "invalid value").removeprefix("Value error, ")
             if param:

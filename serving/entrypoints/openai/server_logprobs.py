@@ -1,6 +1,6 @@
 """Log-probabilities in the two APIs' shapes: the legacy completions' (token strings, {text: logprob} of the
 alternatives, text offsets) and chat's (per token its text, bytes and top alternatives); and the prompt's
-log-probabilities from its logits, for completions with `echo`."""
+log-probabilities from its logits, for completions with `echo` and for vLLM's `prompt_logprobs`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import codecs
 from typing import Optional
 
 from .protocol import ChatChoiceLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs
+from .protocol_vllm import PromptLogprob, PromptLogprobs
 
 
 class LogprobFormatter:
@@ -66,6 +67,29 @@ class LogprobFormatter:
             content.append(ChatTokenLogprob(token=self.token_str(t), logprob=lp, bytes=self.token_bytes(t),
                                             top_logprobs=alts))
         return ChatChoiceLogprobs(content=content)
+
+
+    def prompt(self, ids: list[int], prompt_logits, k: int) -> PromptLogprobs:
+        """vLLM's `prompt_logprobs`: None for the first token, then per token {token id: its logprob,
+        rank, text} for the prompt's token and the k most likely ones (rank 1: the likeliest)."""
+        import torch
+
+        out: PromptLogprobs = [None]
+        if prompt_logits is None or len(ids) < 2:
+            return out + [None] * (len(ids) - 1)
+        lp = torch.log_softmax(prompt_logits[:len(ids) - 1].float(), dim=-1)
+        actual = torch.tensor(ids[1:])[:, None]
+        chosen = lp.gather(1, actual)
+        ranks = (lp > chosen).sum(dim=-1) + 1
+        tops = lp.topk(k, dim=-1) if k else None
+        for i, t in enumerate(ids[1:]):
+            entry = {str(t): PromptLogprob(logprob=chosen[i, 0].item(), rank=int(ranks[i]),
+                                           decoded_token=self.token_str(t))}
+            if tops is not None:
+                for r, (alt, alp) in enumerate(zip(tops.indices[i].tolist(), tops.values[i].tolist()), 1):
+                    entry.setdefault(str(alt), PromptLogprob(logprob=alp, rank=r, decoded_token=self.token_str(alt)))
+            out.append(entry)
+        return out
 
 
 class TextOffsets:

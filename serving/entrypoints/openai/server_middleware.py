@@ -1,18 +1,22 @@
 """ASGI middlewares of the server, outermost first: `ResponseCounter` (responses by route and status for
 /metrics), `ErrorBarrier` (an exception no handler answered becomes OpenAI's 500, or an error event in a
-stream), `DrainGuard` (503 while the server shuts down), `ApiKeyGuard` (the bearer token)."""
+stream), `DrainGuard` (503 while the server shuts down), `ApiKeyGuard` (the bearer token), `BodyCheck`
+(a JSON body that is not UTF-8 or nests too deep, named before the JSON parser gives up on it)."""
 
 from __future__ import annotations
 
 import contextlib
 import hmac
 import logging
+import re
+
+from typing import Optional
 
 from fastapi.responses import JSONResponse
 
 from ...metrics import ServerMetrics
 from .protocol import sse
-from .server_errors import error_response, internal_error_body
+from .server_errors import error_response, internal_error_body, is_json_media_type
 
 logger = logging.getLogger("tp_overlap.server")
 
@@ -58,6 +62,72 @@ class ErrorBarrier:
                                 "more_body": False})
                 else:
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+# Deeper than any request this API defines (a JSON schema in response_format included); far below the
+# recursion limit at which Python's JSON parser fails with a bare "error parsing the body".
+MAX_JSON_DEPTH = 100
+# Strings (whose brackets are text) and everything that is no bracket, dropped before depth is counted.
+_JSON_STRING = re.compile(r'"(?:[^"\\]+|\\.)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def json_body_problem(body: bytes) -> Optional[str]:
+    """What makes `body` unreadable before JSON parsing proper: not UTF-8 (where), or nested deeper than
+    MAX_JSON_DEPTH. None when neither (the parser still judges the rest)."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return (f"the request body is not valid UTF-8 at byte {e.start} (0x{body[e.start]:02x}: {e.reason}); "
+                f"send JSON encoded as UTF-8")
+    depth = 0
+    for ch in _NOT_BRACKET.sub("", _JSON_STRING.sub("", text)):
+        depth += 1 if ch in "[{" else -1
+        if depth > MAX_JSON_DEPTH:
+            return f"JSON nesting deeper than {MAX_JSON_DEPTH} levels (MAX_JSON_DEPTH) in the request body"
+    return None
+
+
+class BodyCheck:
+    """ASGI middleware: a POST with a JSON body is read whole (as FastAPI would) and checked by
+    json_body_problem; a problem is a 400 that says what and where, else the body is handed on."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        ctype = dict(scope.get("headers") or []).get(b"content-type", b"").decode("latin-1")
+        if not is_json_media_type(ctype):
+            await self.app(scope, receive, send)
+            return
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":   # the client left: let the app see it
+                await self.app(scope, _replay([message], receive), send)
+                return
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        problem = json_body_problem(body)
+        if problem is not None:
+            await error_response(400, problem)(scope, receive, send)
+            return
+        await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send)
+
+
+def _replay(messages: list, receive):
+    pending = list(messages)
+
+    async def replayed():
+        if pending:
+            return pending.pop(0)
+        return await receive()   # (after the body: a disconnect)
+
+    return replayed
 
 
 class ApiKeyGuard:

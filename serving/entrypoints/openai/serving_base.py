@@ -20,7 +20,8 @@ from pydantic import ValidationError
 
 from ...config import ContextLengthError, RequestError, SamplingParams
 from ...metrics import ServerMetrics
-from .protocol import UsageInfo, sse
+from .protocol import UsageInfo, new_id, sse
+from .protocol_vllm import MAX_REQUEST_ID_CHARS
 from .server_errors import API_PARAM, ApiError, describe_validation_errors, error_body, internal_error_body
 from .server_logprobs import LogprobFormatter
 from .server_shutdown import InFlight
@@ -30,6 +31,17 @@ logger = logging.getLogger("tp_overlap.server")
 # One request may not occupy more than this many engine sequences (prompts x n), so a single client
 # cannot queue an unbounded amount of work.
 MAX_CHOICES_PER_REQUEST = 256
+try:
+    from jinja2 import TemplateError as _JinjaError
+except ImportError:   # no transformers, so no Jinja template either
+    _JinjaError = TypeError
+# What a template raises on the variables or messages a client sent.
+_TEMPLATE_ERRORS = (TypeError, LookupError, ArithmeticError, _JinjaError)
+# chat_template_kwargs keys that are the template call's own arguments, not template variables.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tokenize", "return_dict", "return_tensors",
+                                      "add_generation_prompt", "continue_final_message", "chat_template",
+                                      "padding", "truncation", "max_length", "tokenizer_kwargs",
+                                      "return_assistant_tokens_mask", "tools"})
 # Queued in place of an output: the choice was aborted by a server shutting down.
 _ABORTED = object()
 
@@ -106,16 +118,28 @@ class OpenAIServing:
         except ValueError as e:
             raise ApiError(400, str(e), param="prompt") from None
 
-    def _chat_ids(self, messages: list[dict], add_generation_prompt: bool,
-                  tools: Optional[list[dict]] = None) -> list[int]:
+    def _chat_ids(self, messages: list[dict], add_generation_prompt: bool, tools: Optional[list[dict]] = None,
+                  continue_final_message: bool = False, template_kwargs: Optional[dict] = None) -> list[int]:
         """The ids /v1/chat/completions feeds the model for these messages (and tools)."""
-        return self.engine.input_processor.encode_chat(self._chat_text(messages, add_generation_prompt, tools))
+        return self.engine.input_processor.encode_chat(
+            self._chat_text(messages, add_generation_prompt, tools, continue_final_message, template_kwargs))
 
-    def _chat_text(self, messages: list[dict], add_generation_prompt: bool, tools: Optional[list[dict]] = None) -> str:
+    def _chat_text(self, messages: list[dict], add_generation_prompt: bool, tools: Optional[list[dict]] = None,
+                   continue_final_message: bool = False, template_kwargs: Optional[dict] = None) -> str:
+        reserved = sorted(set(template_kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets "
+                                f"{'it' if len(reserved) == 1 else 'them'} (add_generation_prompt, "
+                                f"continue_final_message and tools are request fields)", param="chat_template_kwargs")
         try:
-            return self.engine.input_processor.chat_text(messages, add_generation_prompt, tools)
+            return self.engine.input_processor.chat_text(messages, add_generation_prompt, tools,
+                                                         continue_final_message, **(template_kwargs or {}))
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
+        except _TEMPLATE_ERRORS as e:
+            # A template that fails on a client's variable (chat_template_kwargs) is the request's fault.
+            raise ApiError(400, f"the chat template failed: {type(e).__name__}: {e}",
+                           param="chat_template_kwargs" if template_kwargs else "messages") from None
 
     def _check_context(self, n_prompt: int, max_tokens: Optional[int], param: str, prompt_param: str) -> None:
         """A 400 naming what to change when the prompt and `param`=max_tokens (None: the rest of the
@@ -125,8 +149,25 @@ class OpenAIServing:
         except ContextLengthError as e:
             raise ApiError(400, str(e), param=e.param, code="context_length_exceeded") from None
 
-    def _make_choices(self, base_id: str, prompts: list[tuple[Optional[str], list[int]]], n: int,
-                      params_kw: dict, seed: Optional[int]) -> list[Choice]:
+    def _response_id(self, prefix: str, req, request: Request) -> tuple[str, str]:
+        """(response id, prefix of its engine request ids). The response id is `<prefix>-<id>` with the
+        X-Request-Id header's id, else the body's request_id (vLLM's order), else a fresh one. A client's
+        id may repeat (also while a request with it runs), so its engine requests get a fresh suffix, as
+        vLLM's internal ids do: the engine never sees an id twice."""
+        rid = request.headers.get("x-request-id")
+        if rid is not None and not (0 < len(rid) <= MAX_REQUEST_ID_CHARS and all("!" <= ch <= "~" for ch in rid)):
+            raise ApiError(400, f"the X-Request-Id header must be 1-{MAX_REQUEST_ID_CHARS} printable ASCII "
+                                f"characters without spaces")
+        rid = rid or req.request_id
+        if rid is None:
+            base = new_id(prefix)
+            request.state.request_id = base
+            return base, base
+        request.state.request_id = rid
+        return f"{prefix}-{rid}", new_id(f"{prefix}-{rid}")
+
+    def _make_choices(self, engine_id: str, prompts: list[tuple[Optional[str], list[int]]], n: int,
+                      params_kw: dict, seed: Optional[int], structured_param: str = "response_format") -> list[Choice]:
         if len(prompts) * n > MAX_CHOICES_PER_REQUEST:
             raise ApiError(400, f"the request asks for {len(prompts)} prompts x n={n} = {len(prompts) * n} "
                                 f"completions; at most {MAX_CHOICES_PER_REQUEST} per request", param="n")
@@ -144,7 +185,7 @@ class OpenAIServing:
                     msg, param = describe_validation_errors(e.errors())
                     raise ApiError(400, msg, param=param) from None
                 idx = pi * n + j
-                choices.append(Choice(idx, f"{base_id}-{idx}", pi, ids, text, sp, now))
+                choices.append(Choice(idx, f"{engine_id}-{idx}", pi, ids, text, sp, now))
         for c in choices:
             # The engine's own checks (vocabulary, length, tokenizer needs, grammar) here, before any
             # stream starts and before anything reaches the engine-core process, so that a bad request
@@ -152,7 +193,8 @@ class OpenAIServing:
             try:
                 c.request = self.engine.process_request(c.prompt_ids, c.params)
             except RequestError as e:   # a sampling parameter, the same for every choice
-                raise ApiError(400, str(e), param=API_PARAM.get(e.param, e.param)) from None
+                param = structured_param if e.param == "structured_output" else API_PARAM.get(e.param, e.param)
+                raise ApiError(400, str(e), param=param) from None
             except (ValueError, TypeError) as e:
                 where = f"prompt {c.prompt_index}: " if len(prompts) > 1 else ""
                 raise ApiError(400, f"{where}{e}", param="prompt") from None
@@ -174,8 +216,7 @@ class OpenAIServing:
         `finish_reason` set. Closing or cancelling this iterator aborts what is left. A server shutting
         down (`InFlight.abort_all`) ends the unfinished choices with finish_reason "abort"."""
         q: asyncio.Queue = asyncio.Queue()
-        self.metrics.prompt_tokens.labels(self.model_name).inc(
-            sum(len(ids) for ids in {c.prompt_index: c.prompt_ids for c in choices}.values()))
+        self.metrics.observe_prompt(sum(len(ids) for ids in {c.prompt_index: c.prompt_ids for c in choices}.values()))
         tasks = [asyncio.create_task(self._pump(c, q)) for c in choices]
 
         def abort():
@@ -206,6 +247,8 @@ class OpenAIServing:
                 if out.delta_token_ids:
                     if c.first_token is None:
                         c.first_token = now
+                    else:
+                        self.metrics.observe_tokens(now - c.last_token, len(out.delta_token_ids))
                     c.last_token = now
                 comp = out.outputs[0]
                 c.token_ids = list(comp.token_ids)
@@ -269,12 +312,16 @@ class OpenAIServing:
         done = sum(len(c.token_ids) for c in choices)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
 
-    def _stream(self, response_id: str, chunks, stream_options, usage_chunk) -> "SSEResponse":
+    def _stream(self, response_id: str, chunks, stream_options, usage_chunk, choices: list[Choice] = ()
+                ) -> "SSEResponse":
         """The SSE envelope both streaming endpoints share: chunks, the optional usage chunk, `[DONE]`.
         The status line goes out before the first chunk, so a failure mid-stream becomes an error event and
         `[DONE]`, here rather than in _ErrorBarrier, which knows no request. Every stream that ends early
-        says so in the log with its response id (its choices' engine request ids are `<response id>-<i>`)."""
+        says so in the log with its response id (its choices' engine request ids are `<response id>-<i>`, or
+        `<response id>-<suffix>-<i>` when the client chose the id)."""
         include_usage = bool(stream_options and stream_options.include_usage)
+        # vLLM's continuous_usage_stats: every chunk carries the usage so far.
+        continuous = include_usage and stream_options.continuous_usage_stats
 
         async def events():
             self.metrics.in_flight.labels(self.model_name).inc()
@@ -282,6 +329,8 @@ class OpenAIServing:
             try:
                 async with contextlib.aclosing(chunks) as it:
                     async for chunk in it:
+                        if continuous:
+                            chunk["usage"] = self._usage(choices).model_dump()
                         yield sse(chunk)
                         sent += 1
                 if include_usage:

@@ -11,7 +11,7 @@ from fastapi import Request
 
 from .chat_tools import finish_reason, plan_tools, reply_message
 from .protocol import (ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
-                       ChatCompletionStreamChoice, ChatCompletionStreamResponse, DeltaMessage, new_id)
+                       ChatCompletionStreamChoice, ChatCompletionStreamResponse, DeltaMessage)
 from .server_errors import ApiError
 from .serving_base import OpenAIServing
 from .tool_parsers import ToolCallStream
@@ -33,22 +33,23 @@ class OpenAIServingChat(OpenAIServing):
                          ", ".join(f"{k}={v!r}" for k, v in ignored.items()))
         plan = plan_tools(req, self.tool_parser)
         ids = self._chat_ids([m.for_template() for m in req.messages], req.add_generation_prompt,
-                             plan.template_tools)
+                             plan.template_tools, req.continue_final_message, req.chat_template_kwargs)
         requested = req.requested_max_tokens()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         self._check_context(len(ids), requested, param, "messages")
         max_tokens = self.max_model_len - len(ids) if requested is None else requested
         kw = dict(req.sampling_kwargs(), max_tokens=max_tokens, logprobs=bool(req.logprobs),
-                  top_logprobs=req.top_logprobs or 0)
+                  top_logprobs=req.top_logprobs or 0, prompt_logits=req.prompt_logprobs is not None)
         if plan.forced:
             kw["structured_output"] = plan.structured_output
-        base = new_id("chatcmpl")
+        base, engine_id = self._response_id("chatcmpl", req, request)
         try:
-            choices = self._make_choices(base, [(None, ids)], req.n, kw, req.seed)
+            choices = self._make_choices(engine_id, [(None, ids)], req.n, kw, req.seed, req.structured_param())
         except ApiError as e:
             if plan.forced and e.param == "response_format":   # the grammar made of the tools' parameters
                 raise ApiError(400, f"the tools' parameters cannot be forced: {e.message}", param="tools") from None
             raise
+        echoed = req.echoed()
 
         if req.stream:
             async def chunks():
@@ -61,6 +62,11 @@ class OpenAIServingChat(OpenAIServing):
                         yield ChatCompletionStreamResponse(id=base, model=self.model_name, choices=[
                             ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))
                         ]).model_dump()
+                        if echoed:
+                            chunk = ChatCompletionStreamResponse(id=base, model=self.model_name, choices=[
+                                ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage())]).model_dump()
+                            chunk["choices"][0]["delta"] = {"content": echoed}
+                            yield chunk
                     async for c, text in it:
                         new_ids = c.token_ids[sent[c.index]:]
                         finish = c.finish_reason
@@ -83,13 +89,18 @@ class OpenAIServingChat(OpenAIServing):
                         yield chunk
 
             return self._stream(base, chunks(), req.stream_options, lambda: ChatCompletionStreamResponse(
-                id=base, model=self.model_name, choices=[], usage=self._usage(choices)).model_dump())
+                id=base, model=self.model_name, choices=[], usage=self._usage(choices)).model_dump(), choices)
 
         await self._complete(choices, "chat", request)
         out_choices = []
         for c in choices:
             message, called = reply_message(plan, c.text)
+            if echoed:   # (as the stream sends it: the echo first, whatever follows)
+                message.content = echoed + (message.content or "")
             out_choices.append(ChatCompletionChoice(
                 index=c.index, message=message, finish_reason=finish_reason(plan, called, c.text, c.finish_reason),
                 logprobs=self.logprobs.chat(c.token_ids, c.logprobs, c.top_logprobs) if req.logprobs else None))
-        return ChatCompletionResponse(id=base, model=self.model_name, choices=out_choices, usage=self._usage(choices))
+        plp = None if req.prompt_logprobs is None else \
+            self.logprobs.prompt(ids, choices[0].prompt_logits, req.prompt_logprobs)
+        return ChatCompletionResponse(id=base, model=self.model_name, choices=out_choices, usage=self._usage(choices),
+                                      prompt_logprobs=plp)

@@ -8,7 +8,7 @@ from typing import Optional
 from fastapi import Request
 
 from .protocol import (CompletionChoice, CompletionRequest, CompletionResponse, CompletionStreamChoice,
-                       CompletionStreamResponse, new_id)
+                       CompletionStreamResponse)
 from .server_errors import ApiError
 from .server_logprobs import prompt_logprobs
 from .serving_base import Choice, OpenAIServing
@@ -25,10 +25,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 raise ApiError(400, f"prompt {i} is empty; at least one token is required", param="prompt")
             self._check_context(len(ids), req.max_tokens, "max_tokens", "prompt")
         want_lp = req.logprobs is not None
-        kw = dict(req.sampling_kwargs(), max_tokens=req.max_tokens, logprobs=want_lp,
-                  top_logprobs=req.logprobs or 0, prompt_logits=req.echo and want_lp)
-        base = new_id("cmpl")
-        choices = self._make_choices(base, prompts, req.n, kw, req.seed)
+        # best_of > n: best_of candidates per prompt, the n with the highest cumulative logprob returned.
+        n_gen = max(req.n, req.best_of or 0)
+        kw = dict(req.sampling_kwargs(), max_tokens=req.max_tokens, logprobs=want_lp or n_gen > req.n,
+                  top_logprobs=req.logprobs or 0,
+                  prompt_logits=(req.echo and want_lp) or req.prompt_logprobs is not None)
+        base, engine_id = self._response_id("cmpl", req, request)
+        choices = self._make_choices(engine_id, prompts, n_gen, kw, req.seed, req.structured_param())
 
         def echo_text(c: Choice) -> str:
             if c.prompt_text is not None:
@@ -61,11 +64,11 @@ class OpenAIServingCompletion(OpenAIServing):
                                                    finish_reason=finish)]).model_dump()
 
             return self._stream(base, chunks(), req.stream_options, lambda: CompletionStreamResponse(
-                id=base, model=self.model_name, choices=[], usage=self._usage(choices)).model_dump())
+                id=base, model=self.model_name, choices=[], usage=self._usage(choices)).model_dump(), choices)
 
         await self._complete(choices, "completions", request)
         out_choices = []
-        for c in choices:
+        for index, c in enumerate(_best(choices, len(prompts), n_gen, req.n)):
             text, lp = c.text, None
             if req.echo:
                 text = echo_text(c) + c.text
@@ -76,6 +79,20 @@ class OpenAIServingCompletion(OpenAIServing):
                                                    p_tops + c.top_logprobs, self.logprobs.offsets())
                 else:
                     lp = self.logprobs.completion(c.token_ids, c.logprobs, c.top_logprobs, self.logprobs.offsets())
-            out_choices.append(CompletionChoice(index=c.index, text=text, logprobs=lp,
-                                                finish_reason=c.finish_reason))
+            plp = None if req.prompt_logprobs is None else \
+                self.logprobs.prompt(c.prompt_ids, c.prompt_logits, req.prompt_logprobs)
+            out_choices.append(CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=c.finish_reason,
+                                                prompt_logprobs=plp))
         return CompletionResponse(id=base, model=self.model_name, choices=out_choices, usage=self._usage(choices))
+
+
+def _best(choices: list[Choice], n_prompts: int, n_gen: int, n: int) -> list[Choice]:
+    """Per prompt, the n of its n_gen candidates with the highest cumulative log-probability (vLLM's
+    best_of), best first; all of them, in order, when n_gen == n."""
+    if n_gen == n:
+        return choices
+    out = []
+    for pi in range(n_prompts):
+        group = choices[pi * n_gen:(pi + 1) * n_gen]
+        out += sorted(group, key=lambda c: sum(c.logprobs), reverse=True)[:n]
+    return out
