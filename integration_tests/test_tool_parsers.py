@@ -299,7 +299,7 @@ def test_hf_templates_get_tools_and_call_arguments_as_objects(tmp_path):
     bpe.train_from_iterator(["tools and calls"] * 4, vocab_size=260, min_frequency=1, special_tokens=["<|eos|>"])
     PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|eos|>",
                             chat_template=QWEN_LIKE).save_pretrained(str(tmp_path))
-    proc = InputProcessor(HFTokenizer(tmp_path), 300, 128, structured=None)
+    proc = InputProcessor(HFTokenizer(tmp_path), 300, 128, structured=None, eos_ids=set())
     call = {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"city": "P"}'}}
     req = _req(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
                          {"role": "tool", "tool_call_id": "c1", "content": "sunny"}], tools=TOOLS)
