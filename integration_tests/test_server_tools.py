@@ -165,6 +165,13 @@ def test_auto_needs_the_server_flag(urls):
     with pytest.raises(openai.BadRequestError) as e:
         _chat(urls["off"], tools=bad, tool_choice="required")
     assert e.value.body["param"] == "tools", e.value.body
+    # vLLM's guided decoding beside a forced call: the call's grammar would silently replace it.
+    for extra in ({"guided_json": T}, {"structured_outputs": {"regex": "[a-z]+"}}, {"guided_choice": ["a"]}):
+        for choice in ("required", NAMED_W):
+            with pytest.raises(openai.BadRequestError) as e:
+                _chat(urls["off"], tool_choice=choice, extra_body=extra)
+            assert e.value.body["param"] == next(iter(extra)), e.value.body
+            assert "cannot be combined with tool_choice" in e.value.body["message"]
 
 
 def test_a_replys_model_dump_and_the_tool_result_are_accepted_and_rendered(urls):

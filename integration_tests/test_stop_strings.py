@@ -95,6 +95,37 @@ def test_the_issues_case_streams_nothing(engine):
     assert streamed == comp.text == "nnn"
 
 
+def _first_match_after(text: str, stops: list[str], m: int) -> str:
+    """`text` (one character per token) cut at the first stop string that ends after its m-th character."""
+    for end in range(m + 1, len(text) + 1):
+        starts = [end - len(s) for s in stops if end >= len(s) and text[end - len(s):end] == s]
+        if starts:
+            return text[:min(starts)]
+    return text
+
+
+def test_min_tokens_lets_stop_strings_pass_and_no_later_window_finds_them(engine):
+    """No stop string before min_tokens (vLLM's); a short one that passed then is not found afterwards just
+    because a longer stop string widens the window the next text is searched in."""
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    full = {p: o[1] for p, o in _run(engine, {p: (p, greedy) for p in PROMPTS}).items()}
+    requests, expected = {}, {}
+    for p in PROMPTS:
+        text = full[p].text
+        if not (text.isascii() and len(text) == len(full[p].token_ids)):   # one character per token
+            continue
+        for m in (3, 6, 10):
+            stops = [text[1:3], text[m - 2:m], "zzzzzzzz-never"]
+            rid = f"{p}|{m}"
+            requests[rid] = (p, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=stops,
+                                               min_tokens=m))
+            expected[rid] = _first_match_after(text, stops, m)
+    assert len(requests) >= 3
+    for rid, (streamed, comp) in _run(engine, requests).items():
+        assert streamed == comp.text == expected[rid], (rid, streamed, comp.text, expected[rid])
+        assert len(comp.token_ids) > int(rid.rsplit("|", 1)[1]), rid   # the match ended after min_tokens
+
+
 def test_async_llm_streams_the_same_and_frees_the_request_in_its_core(engine):
     """The same front end under AsyncLLM (core loop on a thread, same pipes): the streamed text equals
     the offline one, and the request a stop string ended is aborted in the core (its blocks freed)."""
