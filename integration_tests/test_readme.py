@@ -252,9 +252,12 @@ def servers(workdir, request):
     """Every unmarked `tp-overlap serve` line, started at once: {(doc, line): Served}; none when no
     test selected in this run needs one (`-k` on the other blocks)."""
     started = {}
+    # this module's items only: another file's tests may take a parameter of the same name
+    # (test_overlap_layers' `block`), which a whole-suite run, one xdist worker a file at a time, sees too
+    mine = [item for item in request.session.items if item.module is request.module]
     wanted = any(item.name == "test_the_servers_stop_on_sigint"
                  or (hasattr(item, "callspec") and _needs_a_server(item.callspec.params.get("block")))
-                 for item in request.session.items)
+                 for item in mine)
     try:
         for block in BLOCKS if wanted else []:
             for line, argv in _serve_lines(block):
