@@ -53,14 +53,23 @@ def _modules() -> dict[str, Path]:
     return mods
 
 
-def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
-    """The package modules `name` imports: at module level, inside functions and under TYPE_CHECKING."""
+def _imports(name: str, path: Path, mods: dict[str, Path], type_checking: bool = True,
+             third_party: set[str] | None = None) -> set[str]:
+    """The package modules `name` imports: at module level, inside functions and, with
+    `type_checking`, under TYPE_CHECKING. Other top-level names it imports go into `third_party`
+    where one is given (test_engine_core_layout.py walks the core process's imports with both)."""
     is_pkg = path.name == "__init__.py"
     found: set[str] = set()
+    theirs = third_party if third_party is not None else set()
 
     def visit(node: ast.AST) -> None:
+        if not type_checking and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for other in node.orelse:
+                visit(other)
+            return
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name in mods)
+            theirs.update(a.name.split(".")[0] for a in node.names if a.name not in mods)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = name.split(".") if is_pkg else name.split(".")[:-1]
@@ -68,6 +77,8 @@ def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
+                if not mod.startswith("tp_overlap_plugin"):
+                    theirs.add(mod.split(".")[0])
             for a in node.names:
                 target = f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else mod
                 if target in mods:

@@ -8,10 +8,7 @@ them fails the test, as does a third-party tokenizer or web library.
 
 from __future__ import annotations
 
-import ast
-import functools
-import importlib.util
-from pathlib import Path
+from test_code_layout import _imports, _modules
 
 PACKAGE = "tp_overlap_plugin"
 CORE = "tp_overlap_plugin.serving.engine.core_process"
@@ -22,61 +19,14 @@ FRONT_END_PREFIXES = ("serving_", "server_")
 THIRD_PARTY = {"transformers", "tokenizers", "fastapi", "starlette", "uvicorn", "httpx", "openai", "jinja2"}
 
 
-@functools.lru_cache(maxsize=1)
-def _modules() -> dict[str, Path]:
-    """Module name -> source file; pyproject.toml maps serving/ and kernels/ into the package."""
-    mods: dict[str, Path] = {}
-    for pkg in (PACKAGE, f"{PACKAGE}.serving", f"{PACKAGE}.kernels"):
-        top = Path(importlib.util.find_spec(pkg).origin).parent   # imports the parents only
-        for f in top.rglob("*.py"):
-            parts = list(f.relative_to(top).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            mods.setdefault(".".join([pkg, *parts]), f)
-    return mods
-
-
-def _imports(name: str, path: Path, mods: dict[str, Path]) -> tuple[set[str], set[str]]:
-    """(package modules, third-party top-level names) that `name` imports, TYPE_CHECKING blocks aside."""
-    is_pkg = path.name == "__init__.py"
-    ours, theirs = set(), set()
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for other in node.orelse:
-                visit(other)
-            return
-        if isinstance(node, ast.Import):
-            for a in node.names:
-                (ours if a.name in mods else theirs).add(a.name if a.name in mods else a.name.split(".")[0])
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = name.split(".") if is_pkg else name.split(".")[:-1]
-                base = base[:len(base) - (node.level - 1)]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
-            if not node.level and not mod.startswith(PACKAGE):
-                theirs.add(mod.split(".")[0])
-            for a in node.names:
-                target = f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else mod
-                if target in mods:
-                    ours.add(target)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(ast.parse(path.read_text(), str(path)))
-    ours.discard(name)
-    return ours, theirs
-
-
 def _closure(start: str) -> tuple[dict[str, str], dict[str, str]]:
     """Every package module `start` reaches, and every third-party name, each with who imports it."""
     mods = _modules()
     seen, third, todo = {start: start}, {}, [start]
     while todo:
         name = todo.pop()
-        ours, theirs = _imports(name, mods[name], mods)
+        theirs: set[str] = set()
+        ours = _imports(name, mods[name], mods, type_checking=False, third_party=theirs)
         for m in ours - seen.keys():
             seen[m] = name
             todo.append(m)
