@@ -62,7 +62,7 @@ def measure_shape(ctx, op, m, k, n, gname, row: dict, calls, torch_fused=False, 
             b = weight_t(n, k, dev, gen)
             a_full = torch.empty(m, k, device=dev, dtype=torch.bfloat16)
             fused = AllGatherGemm(h, rows, k)
-            chunked = ChunkedAllGatherGemm(h, rows, k) if "chunked" in variants else None
+            chunked = ChunkedAllGatherGemm(h, rows, k) if "chunked" in variants and not torch_fused else None
 
             def gather():
                 if gpu:
@@ -87,7 +87,7 @@ def measure_shape(ctx, op, m, k, n, gname, row: dict, calls, torch_fused=False, 
             full = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
             shard = torch.empty(rows, n, device=dev, dtype=torch.bfloat16)
             fused = GemmReduceScatter(h, rows, n)
-            chunked = ChunkedGemmReduceScatter(h, rows, n) if "chunked" in variants else None
+            chunked = ChunkedGemmReduceScatter(h, rows, n) if "chunked" in variants and not torch_fused else None
 
             def scatter():
                 if gpu:

@@ -453,11 +453,15 @@ class ChatChoiceLogprobs(_Response):
     content: Optional[list[ChatTokenLogprob]] = None
 
 
+# why a chat reply ended: a completion's reasons, and a reply that is tool calls
+ChatFinishReason = Literal["stop", "length", "tool_calls", "abort"]
+
+
 class ChatCompletionChoice(_Response):
     index: int
     message: ChatResponseMessage
     logprobs: Optional[ChatChoiceLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length", "tool_calls", "abort"]] = None
+    finish_reason: Optional[ChatFinishReason] = None
 
 
 class ChatCompletionResponse(_Response):
@@ -480,7 +484,7 @@ class ChatCompletionStreamChoice(_Response):
     index: int
     delta: DeltaMessage
     logprobs: Optional[ChatChoiceLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length", "tool_calls", "abort"]] = None
+    finish_reason: Optional[ChatFinishReason] = None
 
 
 class ChatCompletionStreamResponse(_Response):
