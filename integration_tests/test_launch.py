@@ -1,6 +1,6 @@
 """tp_overlap_plugin/launch.py without a GPU: the direct launches get every parameter in signature
-order (the fixed ones and this call's), a call whose arguments Triton would specialise differently
-goes through Triton again, and a launch hook sends every call through Triton; on a GPU, the direct
+order (the fixed ones and this call's), a call whose arguments Triton would specialise or type
+differently goes through Triton again, and a launch hook sends every call through Triton; on a GPU, the direct
 launches compute what Triton's do."""
 
 import pytest
@@ -52,6 +52,12 @@ def test_direct_launch_passes_every_parameter_in_signature_order(monkeypatch):
     L(7, x, out, 1, 2.0)  # n == 1: another one again
     L(7, x[1:], out, 32, 2.0)  # x no longer 16-byte aligned
     assert len(fake.compiles) == 4 and len(fake.direct) == 1
+    # n past 2**31: Triton types it i64, and a kernel compiled for an i32 n would truncate it
+    L(7, x, out, (1 << 31) + 32, 2.0)
+    L(7, x, out, (1 << 63) + 32, 2.0)  # u64 from 2**63
+    assert len(fake.compiles) == 6 and len(fake.direct) == 1
+    L(7, x, out, -(1 << 31) - 16, 2.0)  # another i64 multiple of 16: the kernel of 2**31 + 32
+    assert len(fake.compiles) == 6 and len(fake.direct) == 2
     monkeypatch.setattr(triton_compat, "launch_hooks_active", lambda: True)  # a profiler's hook: Triton's path
     L(7, x, out, 32, 2.0)
     assert len(fake.compiles) == 5 and len(fake.direct) == 1

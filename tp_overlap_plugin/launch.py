@@ -10,7 +10,7 @@ A `Launcher` belongs to one op instance. The op names at construction the argume
 (heap buffers, strides of its own slots, constexprs, num_warps) and the ones that vary per call.
 Per call it computes what of the varying ones can change the compiled kernel (Triton specialises a
 pointer on 16-byte alignment, an integer on being 1 or a multiple of 16, and compiles one kernel
-per constexpr value and dtype); the first call with a new such key goes through Triton
+per constexpr value and dtype, and types an integer i32, i64 or u64 by its value); the first call with a new such key goes through Triton
 (compiling if needed) and keeps the compiled kernel, later ones launch it directly
 (kernels/triton_compat.direct_launch). The key is conservative: it also splits on integers that
 the kernel does not specialise (do_not_specialize), which costs at most an extra lookup.
@@ -31,14 +31,17 @@ def _spec_source(name: str, value, constexpr: bool) -> str:
     """Python source of what of a varying argument the compiled kernel depends on, for the kind of
     `value` (the argument's first value): a constexpr's value (one kernel per value: BLOCK_M 16 and
     32 are two kernels, though both are multiples of 16); a tensor's dtype and 16-byte alignment; an
-    integer's being 1 or a multiple of 16, and its type (a later float or bool there is another
-    kernel); a float's type; anything else (a bool, None) by value."""
+    integer's being 1 or a multiple of 16, the width Triton gives it (i32 within [-2**31, 2**31),
+    else i64, u64 from 2**63: a kernel compiled for an i32 truncates a larger value) and its type (a
+    later float or bool there is another kernel); a float's type; anything else (a bool, None) by
+    value."""
     if constexpr:
         return name
     if isinstance(value, torch.Tensor):
         return f"{name}.dtype, {name}.data_ptr() & 15 == 0"
     if isinstance(value, int) and not isinstance(value, bool):
-        return f"type({name}), {name} == 1, {name} & 15 == 0"
+        return (f"type({name}), {name} == 1, {name} & 15 == 0, -0x80000000 <= {name} <= 0x7fffffff, "
+                f"{name} >= 0x8000000000000000")
     if isinstance(value, float):
         return f"type({name})"
     return name
