@@ -17,7 +17,7 @@ from tp_overlap_plugin.multirank import RankExited, run_ranks
 DEAD = 1                                        # not rank 0, whose number an unset error word would give
 EXIT_CODE = 17
 TIMEOUT_S = {"cpu": 2.0, "cuda": 1.0}
-OPS = ("all_reduce", "ag_gemm", "gemm_rs", "gemm_all_reduce")
+OPS = ("all_reduce", "ag_gemm", "gemm_rs", "gemm_all_reduce", "chunked_ag", "chunked_rs")
 LATER_BOUND_S = 90  # the wait bound while the later calls run
 LATER = OPS + ("all_reduce_norm",)  # run after the first failure too (they give up at once)
 # ops whose output is checked: those that take `out` everywhere; on a GPU (where an op returns
@@ -30,6 +30,7 @@ def _build(ctx):
     from tp_overlap_plugin.ops.all_reduce import HeapAllReduce
     from tp_overlap_plugin.ops.all_reduce_norm import HeapAllReduceNorm
     from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm
+    from tp_overlap_plugin.ops.chunked import ChunkedAllGatherGemm, ChunkedGemmReduceScatter
     from tp_overlap_plugin.ops.gemm_ar import GemmAllReduce
     from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter
 
@@ -40,6 +41,8 @@ def _build(ctx):
     rs = GemmReduceScatter(h, max_rows=8, n=16, dtype=dtype)
     gar = GemmAllReduce(h, max_rows=8, n=48, dtype=dtype)
     norm = HeapAllReduceNorm(h, hidden=48, max_rows=8, dtype=dtype)
+    chunked_ag = ChunkedAllGatherGemm(h, max_rows=8, k=32, dtype=dtype)
+    chunked_rs = ChunkedGemmReduceScatter(h, max_rows=8, n=16, dtype=dtype)
     gen = torch.Generator().manual_seed(r)
     # 80 KB: ten 8 KB chunks, more than the CPU grid's four programs, so programs own several
     x = torch.randn(20_480, generator=gen).to(dev)
@@ -78,8 +81,15 @@ def _build(ctx):
         c = _last_out["gemm_rs"] = rs(a_rs, b)
         return c
 
+    def chunked(name, op, x):
+        def run():
+            c = _last_out[name] = op(x, b)
+            return c
+        return run
+
     return {"all_reduce": all_reduce, "ag_gemm": ag_gemm, "gemm_rs": gemm_rs, "gemm_all_reduce": gemm_all_reduce,
-            "all_reduce_norm": all_reduce_norm}
+            "all_reduce_norm": all_reduce_norm, "chunked_ag": chunked("chunked_ag", chunked_ag, a),
+            "chunked_rs": chunked("chunked_rs", chunked_rs, a_rs)}
 
 
 _last_out = {}  # the ops' latest outputs
@@ -88,7 +98,7 @@ _last_out = {}  # the ops' latest outputs
 def _all_poisoned(ctx, name) -> bool:
     """Whether every element the op could not produce without the dead peer is NaN."""
     y = _last_out[name]
-    if name == "ag_gemm":
+    if name in ("ag_gemm", "chunked_ag"):
         rows = y.shape[0] // ctx.world_size
         y = torch.cat([y[:ctx.rank * rows], y[(ctx.rank + 1) * rows:]])
     return bool(torch.isnan(y).all().item())

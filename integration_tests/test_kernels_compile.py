@@ -19,8 +19,8 @@ from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel
 from tp_overlap_plugin.kernels.gemm_ar import gemm_all_reduce_kernel
 from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel
 from tp_overlap_plugin.kernels.gemv import gemv_kernel
-from tp_overlap_plugin.kernels.vendor_comm import (push_rows_kernel, reduce_rows_kernel, signal_free_kernel,
-                                                   wait_rows_kernel)
+from tp_overlap_plugin.kernels.vendor_comm import (begin_call_kernel, reduce_rows_kernel, signal_kernel,
+                                                   wait_ready_kernel)
 from tp_overlap_plugin.kernels.layer_ops import rmsnorm_kernel, rope_cache_kernel, silu_mul_kernel
 from tp_overlap_plugin.ops.all_reduce_norm import NORM_THREADS, norm_num_warps
 from tp_overlap_plugin.ops.ag_gemm import AG_SEGMENTS
@@ -140,24 +140,19 @@ KERNELS = {
     "barrier": (barrier_kernel, _sig("flags_ptr:*i64 epoch_ptr:*i64 rank:i32 heap_bases:*i64 error_ptr:*i64", None,
                                      ["WORLD"]), {"WORLD": 4}),
     "clock": (clock_kernel, {"out_ptr": "*i64"}, {}),
-    # the chunked fused ops' communication (kernels/vendor_comm.py) at 4 ranks, as ops/chunked.py launches
-    # it: AG's row-chunk pushes of K = 4096 (pieces of 32 rows, 512-column steps), the wait, the free signal,
-    # RS's reduction
-    "chunked_push": (push_rows_kernel, _sig("src_ptr:*bf16 slots_ptr:*bf16 counts_ptr:*i64 free_ptr:*i64 calls_ptr:*i64 "
-                                            "rows:i32 src_stride:i32 src_peer_stride:i32 cols:i32 col0:i32 slot_cols:i32 "
-                                            "slot_stride:i32 seg:i32 seg_rows:i32 " + _FUSED_COMM, None,
-                                            ["WORLD", "SEGMENTS", "PIECE_ROWS", "PUSH_COLS"]),
-                     {"WORLD": 4, "SEGMENTS": 2, "PIECE_ROWS": 32, "PUSH_COLS": 512}),
-    "chunked_wait": (wait_rows_kernel, _sig("slots_ptr:*bf16 counts_ptr:*i64 " + _FUSED_COMM + " row0:i32 rows:i32 "
-                                            "cols:i32 slot_stride:i32 pieces:i32 seg_lo:i32 seg_hi:i32", None,
-                                            ["WORLD", "SEGMENTS", "BLOCK"]), {"WORLD": 4, "SEGMENTS": 2, "BLOCK": 1024}),
-    "chunked_free": (signal_free_kernel, _sig("counts_ptr:*i64 free_ptr:*i64 calls_ptr:*i64 rank:i32 heap_bases:*i64",
-                                              None, ["WORLD", "SEGMENTS"]), {"WORLD": 4, "SEGMENTS": 2}),
-    "chunked_reduce": (reduce_rows_kernel, _sig("own_ptr:*bf16 own_seg_stride:i32 slots_ptr:*bf16 counts_ptr:*i64 "
-                                                "free_ptr:*i64 calls_ptr:*i64 out_ptr:*bf16 rows:i32 N:i32 seg_cols:i32 "
-                                                "slot_stride:i32 pieces:i32 " + _FUSED_COMM + " used:i32", None,
-                                                ["WORLD", "SEGMENTS", "BLOCK_M", "BLOCK_N"]),
-                       {"WORLD": 4, "SEGMENTS": 2, "BLOCK_M": 32, "BLOCK_N": 128}),
+    # the chunked fused ops' signals (kernels/vendor_comm.py) at 4 ranks, as ops/chunked.py launches them
+    # (every argument fixed per op, so integers are compiled as the first call's: dst -1, src 1), and
+    # RS's sum
+    "chunked_begin": (begin_call_kernel, _sig("pulled_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM, None, ["WORLD"]),
+                      {"WORLD": 4}),
+    "chunked_signal": (signal_kernel, _sig("flags_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM + " dst:i32", None,
+                                           ["WORLD"]), {"WORLD": 4}),
+    "chunked_wait": (wait_ready_kernel, _sig("ready_ptr:*i64 calls_ptr:*i64 src:i32 slot_ptr:*bf16 slot_numel:i32 "
+                                             + _FUSED_COMM, None, ["BLOCK"]), {"BLOCK": 1024}),
+    "chunked_reduce": (reduce_rows_kernel, _sig("own_ptr:*bf16 landed_ptr:*bf16 out_ptr:*bf16 rows:i32 N:i32 "
+                                                "slot_stride:i32 rank:i32 error_ptr:*i64", None,
+                                                ["WORLD", "BLOCK_M", "BLOCK_N"]),
+                       {"WORLD": 4, "BLOCK_M": 32, "BLOCK_N": 128}),
 }
 # The all-reduces (kernels/allreduce.py, allreduce_norm.py): arrival marked in the data, 16-byte
 # vectors to and from peers; checked at 2 and 8 ranks (receive tiles of 1 and 8 peers).

@@ -58,7 +58,7 @@ def _generated(values: tuple, slots: list[int], constexprs: list[bool]):
     body = ", ".join(_spec_source(n, v, c) for n, v, c in zip(names, values, constexprs))
     puts = "".join(f"    t[{slot}] = {n}\n" for slot, n in zip(slots, names))
     scope: dict = {}
-    exec(f"def key({params}):\n    return ({body},)\n"  # noqa: S102 - our own source, from names
+    exec(f"def key({params}):\n    return ({body + ',' if body else ''})\n"  # noqa: S102 - our own source
          f"def fill(template, {params}):\n    t = template.copy()\n{puts}    return t\n", scope)
     return scope["key"], scope["fill"]
 
