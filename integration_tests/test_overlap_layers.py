@@ -81,8 +81,10 @@ def _compare(ctx, seed, dispatch, block_name="_Block"):
     stock = block(TPLayers(tp, DTYPE, ctx.device))
     dispatch = dict(dispatch)
     capacity = dispatch.pop("all_reduce_capacity", None)
+    fused_ops = dispatch.pop("fused_ops", "kernel")
     dispatcher = Dispatcher(**dispatch)
-    layers = OverlapTPLayers(tp, DTYPE, ctx.device, ctx.heap, max_tokens=16, dispatcher=dispatcher)
+    layers = OverlapTPLayers(tp, DTYPE, ctx.device, ctx.heap, max_tokens=16, dispatcher=dispatcher,
+                             fused_ops=fused_ops)
     if capacity is not None:  # as if the steps' messages outgrew the all-reduce's heap slots
         layers.all_reduce.max_bytes = capacity
     overlap = block(layers)
@@ -122,11 +124,13 @@ GEMV_SILU_SHARDED = dict(IPC_ALL_REDUCE, gemv_rows=[
           {"op": "rs", "M": 8, "K": I // 2, "N": H, "sequential_ms": 10.0, "ours_ms": 1.0, "winner": "overlap"}])
 
 
-@pytest.mark.parametrize("dispatch, block", [(dict(mode="overlap"), _Block), (IPC_ALL_REDUCE, _Block),
+@pytest.mark.parametrize("dispatch, block", [(dict(mode="overlap"), _Block),
+                                             (dict(mode="overlap", fused_ops="chunked"), _NormBlock),
+                                             (IPC_ALL_REDUCE, _Block),
                                              (IPC_ALL_REDUCE, _NormBlock), (dict(mode="stock"), _NormBlock),
                                              (GEMM_AR, _Block), (GEMM_AR, _NormBlock),
                                              (GEMV_SILU_SHARDED, _Block), (IPC_CAPPED, _Block)],
-                         ids=["sequence_parallel", "replicated_ipc_all_reduce", "replicated_fused_norm",
+                         ids=["sequence_parallel", "sequence_parallel_chunked", "replicated_ipc_all_reduce", "replicated_fused_norm",
                               "stock_norm", "replicated_gemm_all_reduce", "replicated_gemm_all_reduce_norm",
                               "gemv_gemm_silu_mul", "replicated_over_capacity"])
 def test_overlap_layers_match_stock(dispatch, block):
@@ -139,7 +143,9 @@ def test_overlap_layers_match_stock(dispatch, block):
             assert err < 2e-3, (t, err)  # fp16 rounding alone: ~3e-4 here
         if dispatch["mode"] == "overlap":
             assert counts["layers.sequence_parallel_steps"] == len(TOKENS)
-            assert counts["ag_gemm.kernel"] == len(TOKENS) and counts["gemm_rs.kernel"] == len(TOKENS)
+            op = "chunked_" if dispatch.get("fused_ops") == "chunked" else ""
+            assert counts[f"{op}ag.kernel" if op else "ag_gemm.kernel"] == len(TOKENS), counts
+            assert counts[f"{op}rs.kernel" if op else "gemm_rs.kernel"] == len(TOKENS), counts
         elif dispatch["mode"] == "stock":
             assert not any(k.startswith(("all_reduce", "ag_gemm", "gemm_rs")) for k in counts), counts
         elif "silu_mul_rows" in dispatch:  # GEMV_SILU_SHARDED's paths, step by step (see there)
