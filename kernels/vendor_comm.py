@@ -20,6 +20,18 @@ slot with the copy engine, and a kernel after the copies raises `pulled`. One se
 by call parity: the slot's address is in the copies a CUDA graph captures, so the parity would be
 the capture's, not the replay's. The wait for `pulled` is normally met long before it runs (a
 peer pulls right after my signal, one or more ops before my next call of the pool).
+**Launch order is part of the protocol.** A wait here spins in its own kernel while the host goes on
+launching others, and CUDA loads a kernel lazily at its first launch (torch sets
+CUDA_MODULE_LOADING=LAZY); a load may wait for every running kernel of the context, the spinning
+wait included. So a rank whose host launched a wait and then a first-time cuBLAS kernel stops
+launching until the wait ends; if the signal that wait needs is launched by a peer after the same
+kind of load, both wait for the bound (H200x4, 2026-11-27: GEMM-RS signalled after each block's GEMM,
+with the pulls' waits launched first, gave up on its first call at every rank). The rule that
+avoids it: every signal of a call is launched before any wait of that call, and a signal's kernel
+depends only on work launched before it. Then each wait's signal was launched, and loaded, before
+the wait began, and a load behind a wait only delays the host. The one-launch fused ops have no such
+rule to keep: their waits and pushes are one kernel.
+
 Waits are bounded (rma.signal_wait). A wait that gives up records rank, peer and flag in the error
 slot (the host raises it) and writes NaN over the peer's slot it was going to pull, so the copy
 after it brings NaN, never a stale call's data; the RS sum writes NaN for a rank whose wait gave up.

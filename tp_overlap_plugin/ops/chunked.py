@@ -138,7 +138,7 @@ class ChunkedAllGatherGemm(_ChunkedOp):
         c = torch.empty((W * rows, n), dtype=a_shard.dtype, device=h.device)
         self._begin(1)
         self.send[0, :rows].copy_(a_shard)
-        self._signal_ready[ALL_PEERS](1)
+        self._signal_ready[ALL_PEERS](1)  # launched before the waits (kernels/vendor_comm.py)
         with self._fork():
             for j, src in enumerate(self.srcs):
                 self._waits[j](1)
@@ -204,14 +204,13 @@ class ChunkedGemmReduceScatter(_ChunkedOp):
         self.stream_order.before_call(h.device)
         stats.record("chunked_rs.kernel")
         self._begin(1)
-        if self.side is not None:  # the pulls' waits queued first, so they start as the peers' blocks land
-            self._pull(rows)
+        # every signal of the call is launched before any wait of it (kernels/vendor_comm.py: a kernel
+        # loaded lazily while a wait spins waits for that wait to end)
         for j, dst in enumerate(self.dsts):
             torch.mm(a[dst * rows:(dst + 1) * rows], b, out=self.send[j, :rows])
             self._signal_ready[dst](1)
         own = torch.mm(a[me * rows:(me + 1) * rows], b)
-        if self.side is None:  # one stream (the CPU): every rank computes and signals before it waits
-            self._pull(rows)
+        self._pull(rows)
         self._join()
         c = torch.empty((rows, n), dtype=a.dtype, device=h.device)
         tiles = -(-rows // REDUCE_TILE[0]) * -(-n // REDUCE_TILE[1])
