@@ -75,11 +75,14 @@ def signal_kernel(flags_ptr, calls_ptr, rank, heap_bases, error_ptr, dst, WORLD:
 def wait_ready_kernel(ready_ptr, calls_ptr, src, slot_ptr, slot_numel, rank, heap_bases, error_ptr,
                       BLOCK: tl.constexpr):
     """One program: wait until `src` has raised my ready word to this call's number. If the wait gives
-    up, NaN over `slot_numel` elements at `slot_ptr` (an address in my heap; src's copy of it is
-    what my stream pulls next)."""
+    up, or a wait of this rank gave up before (its outputs are NaN from then on, as the one-launch
+    ops' are), NaN over `slot_numel` elements at `slot_ptr` (an address in my heap; src's copy of it
+    is what my stream pulls next)."""
     e = tl.load(calls_ptr)
     ok = True
-    ok = ok & rma.signal_wait(ready_ptr + src, e, rank, src, heap_bases, error_ptr)
+    ok = ok & rma.no_error(error_ptr)
+    if ok:
+        ok = ok & rma.signal_wait(ready_ptr + src, e, rank, src, heap_bases, error_ptr)
     if not ok:
         there = rma.translate(slot_ptr, rank, src, heap_bases)
         offs = tl.arange(0, BLOCK)

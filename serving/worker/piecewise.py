@@ -44,17 +44,32 @@ from ..model.attention import AttnMeta
 DEFAULT_MAX_GRAPH_TOKENS = 2048
 
 
-def default_token_counts(max_tokens: int) -> list[int]:
-    """Buckets up to min(max_tokens, DEFAULT_MAX_GRAPH_TOKENS): powers of two to 64, then multiples
-    of 64 to 1024 and of 128 beyond, and the limit itself. Padding a step to a power of two would
-    waste up to half its GEMM time; these keep it under 12.5% above 64 tokens (30 buckets). Below 64
-    tokens a step is launch-bound, and padding costs little."""
-    limit = min(max_tokens, DEFAULT_MAX_GRAPH_TOKENS)
+# Above DEFAULT_MAX_GRAPH_TOKENS, where a graph is asked for (the chunked fused ops: ~20 host operations a
+# call), buckets every 512 tokens: at most 25% padding at 2049 tokens, under 7% from 8192.
+LARGE_BUCKET_STEP = 512
+
+
+def default_token_counts(max_tokens: int, limit: int = DEFAULT_MAX_GRAPH_TOKENS) -> list[int]:
+    """Buckets up to min(max_tokens, limit): powers of two to 64, then multiples of 64 to 1024, of 128
+    to 2048 and of LARGE_BUCKET_STEP beyond, and the limit itself. Padding a step to a power of two
+    would waste up to half its GEMM time; these keep it under 12.5% from 64 to 2048 tokens (30 buckets).
+    Below 64 tokens a step is launch-bound, and padding costs little."""
+    limit = min(max_tokens, limit)
     counts = {c for c in (1, 2, 4, 8, 16, 32, 64) if c <= limit}
-    for lo, hi, step in ((64, 1024, 64), (1024, limit, 128)):
+    for lo, hi, step in ((64, 1024, 64), (1024, 2048, 128), (2048, limit, LARGE_BUCKET_STEP)):
         counts.update(range(lo + step, min(hi, limit) + 1, step))
     counts.add(limit)
     return sorted(counts)
+
+
+def graph_token_limit(tp_overlap) -> int:
+    """The largest step the default buckets put in graphs: DEFAULT_MAX_GRAPH_TOKENS, or every step the
+    budget allows where the flag runs the chunked fused ops, whose calls cost ~20 host operations each
+    (an eager 8192-token step of Llama-3-8B at TP=4 was host-bound with them: bench/notes/prefill.md
+    section 4)."""
+    if tp_overlap is not None and tp_overlap.enabled and tp_overlap.fused_ops == "chunked":
+        return 1 << 62
+    return DEFAULT_MAX_GRAPH_TOKENS
 
 
 def check_token_counts(counts: list[int], max_tokens: int) -> None:

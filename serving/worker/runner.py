@@ -28,7 +28,7 @@ from .cuda_graphs import DecodeGraphs, graph_batch_sizes
 from .error_watch import ErrorWatch
 from .layer_factory import make_layers
 from ..model.model import CausalLM
-from .piecewise import PiecewiseGraphs, default_token_counts
+from .piecewise import PiecewiseGraphs, default_token_counts, graph_token_limit
 from .sampled_ids import SampledIds
 from ..model.sampler import Sampled, TokenState, sample_on_device
 from .step_layout import Staging, layout
@@ -258,7 +258,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden, rows)
 
     def _piecewise(self, capture: bool) -> PiecewiseGraphs:
-        counts = self.cfg.piecewise_graph_token_counts or default_token_counts(self.cfg.max_num_batched_tokens)
+        counts = self.cfg.piecewise_graph_token_counts or default_token_counts(
+            self.cfg.max_num_batched_tokens, graph_token_limit(self.cfg.tp_overlap))
         pw = PiecewiseGraphs(self.model, self.kv_caches, counts,
                              self.scratch_block * self.block_size, self.sampled.resolve, capture, self.graph_pool)
         if capture:

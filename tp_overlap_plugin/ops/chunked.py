@@ -60,6 +60,7 @@ class _ChunkedOp:
         self.calls = torch.zeros(1, dtype=torch.int64, device=dev)
         self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self.events = [torch.cuda.Event() for _ in range(peers)] if self.side is not None else None
+        self.begun = torch.cuda.Event() if self.side is not None else None
         self.stream_order = runtime.StreamOrder()
         comm = dict(calls_ptr=self.calls, rank=me, heap_bases=heap.heap_bases, error_ptr=heap.error, num_warps=1)
         self._begin = Launcher(begin_call_kernel, dev, (), pulled_ptr=self.pulled, WORLD=W, **comm)
@@ -87,12 +88,18 @@ class _ChunkedOp:
             self._views[key] = self.heap.peer_view(self.send[block], src)
         return self._views[key]
 
+    def _mark_begun(self) -> None:
+        """Record where the side stream may start: after this call's begin and the last call's reads of
+        the landed blocks (both on the caller's stream, before this point)."""
+        if self.side is not None:
+            self.begun.record()
+
     def _fork(self):
-        """The side stream, after everything the caller's stream has queued (this call's begin, and the
-        last call's reads of the landed blocks); a no-op context on the CPU."""
+        """The side stream, after `_mark_begun`'s point of the caller's stream (not after the GEMMs the
+        host queued since); a no-op context on the CPU."""
         if self.side is None:
             return _Serial()
-        self.side.wait_stream(torch.cuda.current_stream(self.heap.device))
+        self.side.wait_event(self.begun)
         return torch.cuda.stream(self.side)
 
     def _join(self) -> None:
@@ -139,6 +146,7 @@ class ChunkedAllGatherGemm(_ChunkedOp):
         self._begin(1)
         self.send[0, :rows].copy_(a_shard)
         self._signal_ready[ALL_PEERS](1)  # launched before the waits (kernels/vendor_comm.py)
+        self._mark_begun()
         with self._fork():
             for j, src in enumerate(self.srcs):
                 self._waits[j](1)
@@ -204,6 +212,7 @@ class ChunkedGemmReduceScatter(_ChunkedOp):
         self.stream_order.before_call(h.device)
         stats.record("chunked_rs.kernel")
         self._begin(1)
+        self._mark_begun()
         # every signal of the call is launched before any wait of it (kernels/vendor_comm.py: a kernel
         # loaded lazily while a wait spins waits for that wait to end)
         for j, dst in enumerate(self.dsts):
@@ -213,7 +222,8 @@ class ChunkedGemmReduceScatter(_ChunkedOp):
         self._pull(rows)
         self._join()
         c = torch.empty((rows, n), dtype=a.dtype, device=h.device)
+        # no waits in the sum: a program per tile (the interpreter's few programs walk them all)
         tiles = -(-rows // REDUCE_TILE[0]) * -(-n // REDUCE_TILE[1])
-        self._reduce(min(tiles, resident_programs(h.device)), own, c, rows)
+        self._reduce(tiles if h.device.type == "cuda" else min(tiles, resident_programs(h.device)), own, c, rows)
         h.check_if_free()
         return c
