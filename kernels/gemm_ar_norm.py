@@ -112,7 +112,9 @@ def gemm_all_reduce_rmsnorm_kernel(a_ptr, b_ptr, bias_ptr, res_ptr, w_ptr, out_p
                     hf = tl.where(mask, h.to(tl.float32), 0.0)
                     part = tl.sum(tl.reshape(hf * hf, (SUB_M, BLOCK_N)), axis=1)
                     srows = pid_m * BLOCK_M + r0 + sub_rows
-                    tl.store(squares + srows * squares_row_stride + pid_n, sendable(bits(part)), mask=srows < M)
+                    # written through on CDNA: the programs that poll it may sit on another XCD's L2
+                    tl.store(squares + srows * squares_row_stride + pid_n, sendable(bits(part)), mask=srows < M,
+                             cache_modifier=PEER_STORE)
     # the new residual stored above is read back below by other threads of this program
     tl.debug_barrier()
 
