@@ -8,6 +8,7 @@ rank, in CUDA graphs and eager, every kernel warm on every rank before timing:
   and with the residual add + RMSNorm that follows these layers in the decoder:
     linear_nccl_norm   F.linear + NCCL + layer_ops.rmsnorm (the stock path)
     linear_fused_norm  F.linear + our fused all-reduce + add + norm (HeapAllReduceNorm)
+    gemv_fused_norm    our GEMV (ops.gemv) + the same: the flag's decode path where the GEMV rows pick it
     gemm_ar_norm       GemmAllReduce + layer_ops.rmsnorm
     gemm_ar_fused_norm the layer and the norm as one kernel (GemmAllReduceNorm)
 
@@ -30,6 +31,7 @@ from tp_overlap_plugin.gemm_config import gemm_all_reduce_config
 from tp_overlap_plugin.kernels import layer_ops
 from tp_overlap_plugin.ops.gemm_ar import GemmAllReduce
 from tp_overlap_plugin.ops.gemm_ar_norm import GemmAllReduceNorm
+from tp_overlap_plugin.ops.gemv import gemv, gemv_applies
 from tp_overlap_plugin.tuning.results import md_table
 from tp_overlap_plugin.tuning.timing import cycle, record, repeats_us
 
@@ -39,7 +41,7 @@ LINK_BYTES_PER_S = 345e9   # Triton remote store, per GPU (DESIGN.md §9)
 ONE_WAY_US = 0.7
 L2_FLUSH_BYTES = 160 << 20  # weight copies per op: enough to overflow H200's 50 MB L2 three times
 EPS = 1e-5
-NORMED = ("linear_nccl_norm", "linear_fused_norm", "gemm_ar_norm", "gemm_ar_fused_norm")
+NORMED = ("linear_nccl_norm", "linear_fused_norm", "gemv_fused_norm", "gemm_ar_norm", "gemm_ar_fused_norm")
 PLAIN = ("linear", "linear_nccl", "linear_ours", "gemm_ar")
 
 
@@ -112,11 +114,14 @@ def measure(ctx, shapes, rows, repeats: int = 1, samples: int = 10, on_row=None)
                 "gemm_ar": lambda: gemm_ar[n](x, w_next["gemm_ar"]()),
                 "linear_nccl_norm": lambda: layer_ops.rmsnorm(linear_nccl("linear_nccl_norm"), norm_w, EPS, residual),
                 "linear_fused_norm": lambda: fused[n](F.linear(x, w_next["linear_fused_norm"]()), residual, norm_w, EPS),
+                "gemv_fused_norm": lambda: fused[n](gemv(x, w_next["gemv_fused_norm"]()), residual, norm_w, EPS),
                 "gemm_ar_norm": lambda: layer_ops.rmsnorm(gemm_ar[n](x, w_next["gemm_ar_norm"]()), norm_w, EPS,
                                                           residual),
                 "gemm_ar_fused_norm": lambda: gemm_ar_fused_norm[n](x, w_next["gemm_ar_fused_norm"](), residual,
                                                                     norm_w, EPS),
             }
+            if not gemv_applies(x, weights[0]):
+                del ops["gemv_fused_norm"]
             for op in ops.values():  # every kernel compiled and run on every rank before any timing
                 op()
             if gpu:
@@ -152,7 +157,8 @@ def markdown(res: dict) -> str:
     for r in res["rows"]:
         best = min(_get(r, "linear_nccl", mode), _get(r, "linear_ours", mode))
         best_norm = min(_get(r, "linear_nccl_norm", mode), _get(r, "linear_fused_norm", mode))
-        unfused = min(best_norm, _get(r, "gemm_ar_norm", mode))
+        unfused = min((t for t in (best_norm, _get(r, "gemv_fused_norm", mode), _get(r, "gemm_ar_norm", mode))
+                       if t == t), default=float("nan"))  # (NaN: not measured, e.g. no GEMV past its rows)
         rows.append([r["shape"], r["K"], r["N"], r["M"], r["floor_us"], *[_get(r, op, mode) for op in PLAIN],
                      _get(r, "gemm_ar", mode) / best, *[_get(r, op, mode) for op in NORMED],
                      _get(r, "gemm_ar_norm", mode) / best_norm, _get(r, "gemm_ar_fused_norm", mode) / unfused,
