@@ -337,3 +337,29 @@ def test_the_verdict_rule_and_its_lookup_per_step_size():
     assert d.step_runs(1, (("rs", 8, 16),)) == "flag" and d.step_runs(3, (("rs", 4, 4),)) == "stock"
     assert d.step_runs(2048, (("ag", 1, 1),)) == "flag"            # a model never checked: the per-op rows
     assert Dispatcher(mode="overlap", engine_rows=rows).step_runs(2048, ops) == "flag"
+
+
+def test_the_fused_norm_rule_keeps_the_unfused_path_where_it_measured_faster():
+    """GEMM + all-reduce + norm as one kernel is chosen where it beat the fastest unfused path with the
+    norm (GEMM + all-reduce + norm included) by the margin in every repeat, in graphs only (eager rows
+    are launch-bound noise: rules.gemm_all_reduce_rows); rows measured before it have no such column."""
+    from tp_overlap_plugin.tuning import rules
+
+    def row(m, fused):
+        times = {"linear_nccl": 20, "linear_ours": 15, "gemm_ar": 12, "linear_nccl_norm": 25, "linear_fused_norm": 16,
+                 "gemm_ar_norm": 14, "gemm_ar_fused_norm": fused}
+        r = {"M": m, "K": 1024, "N": 4096, "shape": "llama o_proj"}
+        for mode in ("graph", "eager"):
+            r.update({f"{op}_{mode}_us": t for op, t in times.items()})
+            r.update({f"{op}_{mode}_us_repeats": [t, t] for op, t in times.items()})
+        r["gemm_ar_fused_norm_graph_us_repeats"] = [fused, 14 / 1.01] if m == 64 else [fused, fused]
+        return r
+    measured = {"1": row(1, 10), "16": row(16, 13.9), "64": row(64, 10)}
+    got = {r["M"]: (r["fused_norm_graph_winner"], r["fused_norm_eager_winner"], r["fused_norm_graph_best_stock_us"])
+           for r in rules.gemm_all_reduce_rows(measured)}
+    # 16 rows: 14 / 13.9 is under the margin; 64 rows: one repeat under it
+    assert got == {1: ("fused", "stock", 14), 16: ("stock", "stock", 14), 64: ("stock", "stock", 14)}, got
+    old = {k: {f: v for f, v in r.items() if not f.startswith("gemm_ar_fused_norm")} for k, r in measured.items()}
+    assert not any(k.startswith("fused_norm") for r in rules.gemm_all_reduce_rows(old) for k in r)
+    d = Dispatcher(gemm_all_reduce_rows=rules.gemm_all_reduce_rows(measured))
+    assert [d.gemm_all_reduce_norm(m, 1024, 4096, True) for m in (1, 8, 16)] == [True, False, False]
