@@ -363,3 +363,44 @@ def test_the_fused_norm_rule_keeps_the_unfused_path_where_it_measured_faster():
     assert not any(k.startswith("fused_norm") for r in rules.gemm_all_reduce_rows(old) for k in r)
     d = Dispatcher(gemm_all_reduce_rows=rules.gemm_all_reduce_rows(measured))
     assert [d.gemm_all_reduce_norm(m, 1024, 4096, True) for m in (1, 8, 16)] == [True, False, False]
+
+
+def test_the_table_holds_one_fused_op_design_and_an_engine_of_the_other_leaves_its_rows_out():
+    """The chunked design's rows (keyed apart) are compared in CUDA graphs, where the engine runs them;
+    the one-launch design's eagerly; a table says which design it measured, and an engine that runs
+    the other one drops those rows and the verdict (replicated layout) with a warning naming the
+    command that measures its design, keeping the rest of the table."""
+    from tp_overlap_plugin.shapes import ModelDims
+    from tp_overlap_plugin.serving.config import EngineConfig
+    from tp_overlap_plugin.tuning import rules
+    from tp_overlap_plugin.tuning.plan import make_plan
+
+    shape = {"op": "ag", "M": 8192, "K": 4096, "N": 1536}
+    measured = {  # eager: the one-launch op wins, the chunked loses; in graphs the chunked wins
+        "ag/8192x4096x1536": {**shape, "design": "kernel", "sequential": 0.34, "ours": 0.29,
+                              "sequential_graph": 0.33, "ours_graph": 0.27},
+        "ag/8192x4096x1536@chunked": {**shape, "design": "chunked", "sequential": 0.34, "ours": 0.41,
+                                      "sequential_graph": 0.33, "ours_graph": 0.26},
+    }
+    env = {"device": "X", "tp": 4, "date": "2026-11-27", "torch": "t", "triton": "3"}
+    kernel = rules.build({"fused_ops": measured}, env, command="c")
+    chunked = rules.build({"fused_ops": measured}, env, command="c", fused_ops="chunked")
+    assert kernel["fused_ops"] == "kernel" and chunked["fused_ops"] == "chunked"
+    assert [(r["key"], r["ours_ms"], r["winner"]) for r in kernel["gemm"]] == [("ag/8192x4096x1536", 0.29, "overlap")]
+    assert [(r["key"], r["ours_ms"], r["winner"]) for r in chunked["gemm"]] == [
+        ("ag/8192x4096x1536@chunked", 0.26, "overlap")]
+    # an eager-only chunked row has no graph columns: no row, not an eager verdict
+    eager_only = {"k": {**shape, "design": "chunked", "sequential": 0.34, "ours": 0.30}}
+    assert rules.gemm_rows(eager_only, design="chunked") == []
+
+    plan = make_plan("demo", ModelDims.of(EngineConfig(model="demo").load_model_config()), 2, "cpu", True, 1.02,
+                     1.02, fused_ops="chunked")
+    assert plan.fused_ops == "chunked" and all(it["key"].endswith("@chunked") for it in plan.items["fused_ops"])
+
+    table = Dispatcher(gemm=kernel["gemm"], all_reduce=[{"bytes": 1, "graph_winner": "ipc", "eager_winner": "ipc"}],
+                       engine_rows=[{"M": 8192, "shapes": [], "runs": "flag"}], fused_ops="kernel")
+    assert table.for_design("kernel") is table
+    other = table.for_design("chunked")
+    assert other.gemm == [] and other.engine_rows == [] and other.all_reduce == table.all_reduce
+    assert other.fused_ops == "chunked" and "--fused-ops chunked" in other.warnings[-1]
+    assert not other.fused_gemm("ag", 8192, 4096, 1536) and table.fused_gemm("ag", 8192, 4096, 1536)

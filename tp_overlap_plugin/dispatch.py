@@ -16,6 +16,7 @@ Without any table for the device and world size, "table" means stock everywhere;
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass, field
@@ -59,6 +60,8 @@ class Dispatcher:
     # {M, shapes, runs}: the engine's verdict per step size of a model (its linear ops: [op, K, N]);
     # runs in STEP_RUNS
     engine_rows: list[dict] = field(default_factory=list)
+    # the AG-GEMM / GEMM-RS design the gemm rows and the verdict were measured with (tp_overlap.fused_ops)
+    fused_ops: str = "kernel"
     source: str = "none"
     margin: float = 1.02  # a layout change must win by this much (the table's own margin when loaded)
     missing: str | None = None  # the table file that was looked for and not found
@@ -89,6 +92,20 @@ class Dispatcher:
             return cls(mode=mode, source=f"no table ({looked} nor the shipped one): stock everywhere",
                        missing=looked.name, warnings=found.warnings)
         return cls(mode=mode, **fields, source=found.describe(), warnings=found.warnings)
+
+    def for_design(self, fused_ops: str) -> "Dispatcher":
+        """This dispatcher for an engine whose sequence-parallel layout runs the `fused_ops` design: the
+        same, or, where the table measured the other design, one without its AG-GEMM / GEMM-RS rows and
+        its verdict (both were timed on ops this engine does not run), so the layout stays replicated
+        and the rest of the table (all-reduces, decode matmuls) still applies; with a warning that
+        names the tune command that measures this design."""
+        if self.mode != "table" or self.fused_ops == fused_ops or not (self.gemm or self.engine_rows):
+            return self
+        warning = (f"the dispatch table measured the {self.fused_ops!r} fused ops, and this engine runs "
+                   f"tp_overlap.fused_ops={fused_ops!r}: AG-GEMM / GEMM-RS and the engine's verdict are left out "
+                   f"(replicated layout); `{tables.tune_command(None, None, fused_ops)}` measures them")
+        return dataclasses.replace(self, gemm=[], engine_rows=[], fused_ops=fused_ops,
+                                   warnings=[*self.warnings, warning], _layouts={}, _answers={})
 
     @property
     def may_use_kernels(self) -> bool:
@@ -265,6 +282,9 @@ def _fields_of(data: dict) -> dict:
             raise TypeError(f"{key!r} must be a list of rows (objects)")
         fields[name] = rows
     fields["one_shot_max_bytes"] = data.get("one_shot_max_bytes")
+    fields["fused_ops"] = data.get("fused_ops", "kernel")
+    if fields["fused_ops"] not in ("kernel", "chunked"):
+        raise TypeError(f"'fused_ops' must be 'kernel' or 'chunked', got {fields['fused_ops']!r}")
     fields["margin"] = float(data.get("margin", Dispatcher.margin))
     return fields
 

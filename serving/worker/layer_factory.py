@@ -54,7 +54,7 @@ def make_layers(cfg: EngineConfig, mcfg: ModelConfig, tp: TPGroup, ctrl_group, d
     oc = cfg.tp_overlap
     max_tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    dispatcher = Dispatcher.load(oc.dispatch, name, world, oc.dispatch_table, model=cfg.model)
+    dispatcher = Dispatcher.load(oc.dispatch, name, world, oc.dispatch_table, model=cfg.model).for_design(oc.fused_ops)
     if world == 1:
         # nothing to communicate, so no heap: the flag's layers run the local matmuls alone (the
         # decode matmul where the table's gemv rows pick it, F.linear elsewhere)

@@ -46,7 +46,7 @@ def run_tune(args: argparse.Namespace) -> int:
     label = os.path.basename(os.path.normpath(args.model))
     return run(label, dims, args.tp, device, quick=args.quick, budget_min=args.budget_min, force=args.force,
                margin=args.margin, engine_margin=args.engine_margin, model_spec=args.model,
-               step_budget=args.max_num_batched_tokens, only=args.only)
+               step_budget=args.max_num_batched_tokens, only=args.only, fused_ops=args.fused_ops)
 
 
 def _phases(text: str) -> tuple[str, ...]:
@@ -85,6 +85,9 @@ def add_tune_subcommand(sub) -> argparse.ArgumentParser:
     t.add_argument("--only", type=_phases, default=None, metavar="PHASE[,PHASE]",
                    help=f"measure these phases only ({', '.join(ONLY_CHOICES)}); the tables are built from every "
                         f"row stored before too")
+    t.add_argument("--fused-ops", choices=["kernel", "chunked"], default="kernel",
+                   help="the AG-GEMM / GEMM-RS design to measure, as the engine's tp_overlap.fused_ops runs it "
+                        "(the table holds one design; an engine running the other leaves those rows out)")
     t.set_defaults(func=run_tune)
     return t
 

@@ -162,15 +162,20 @@ def _runner(ctx, plan, table_path: str | None):
     """The engine's model runner on this rank (the stock layers, or the flag's on `table_path`), which
     every rank drives with the same steps: no step messages between them."""
     from tp_overlap_plugin.serving.config import EngineConfig
-    from tp_overlap_plugin.serving.worker.piecewise import DEFAULT_MAX_GRAPH_TOKENS
+    from tp_overlap_plugin.options import TPOverlapOptions
+    from tp_overlap_plugin.serving.worker.piecewise import DEFAULT_MAX_GRAPH_TOKENS, graph_token_limit
     from tp_overlap_plugin.serving.worker.runner import ModelRunner
     max_len = _max_len(plan)
     items = _fitted(plan.items["engine"], max_len)
     budget = items[0]["budget"]
     decode = [it for it in items if it["kind"] == "decode"]
     blocks = max(max(sum(map(len, _step(it, 2).block_tables)) for it in items), -(-max_len // BLOCK)) + 1
-    graphs = [t for t in (it["tokens"] for it in items if it["kind"] == "prefill")
-              if t <= min(budget, DEFAULT_MAX_GRAPH_TOKENS)]
+    # each engine as served: the flag with its fused-op design and the step sizes it runs in graphs (all
+    # of them with the chunked ops), stock with the default graph sizes
+    overlap = {"fused_ops": plan.fused_ops, **({"dispatch_table": table_path} if table_path is not None else {})}
+    limit = (graph_token_limit(TPOverlapOptions(fused_ops=plan.fused_ops)) if table_path is not None
+             else DEFAULT_MAX_GRAPH_TOKENS)
+    graphs = [t for t in (it["tokens"] for it in items if it["kind"] == "prefill") if t <= min(budget, limit)]
     cfg = EngineConfig(model=plan.model_spec, load_format="dummy", tensor_parallel_size=plan.world,
                        device=plan.device, dtype="auto" if plan.device == "cuda" else "float16",
                        max_model_len=max_len, max_num_seqs=max(it["tokens"] for it in decode),
@@ -178,7 +183,7 @@ def _runner(ctx, plan, table_path: str | None):
                        enable_prefix_caching=False, cuda_graph_batch_sizes=[it["tokens"] for it in decode],
                        piecewise_graph_token_counts=graphs or None, piecewise_cuda_graphs=bool(graphs),
                        show_progress=False,
-                       tp_overlap={"dispatch_table": table_path} if table_path is not None else None)
+                       tp_overlap=overlap if table_path is not None else None)
     runner = ModelRunner(cfg, ctx.rank, plan.world, ctx.device_group, ctx.group, ctx.device)
     runner.messages = None
     return runner

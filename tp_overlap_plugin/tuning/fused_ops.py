@@ -43,16 +43,17 @@ def weight_t(n, k, dev, gen):
 
 
 def measure_shape(ctx, op, m, k, n, gname, row: dict, calls, torch_fused=False, variants=ALL, repeats=1,
-                  samples=7, log=True):
+                  samples=7, log=True, design="kernel"):
     """Times the variants of one (op, M, K, N) on this rank into `row`. torch's fused ops run in a
     separate pass (torch_fused=True) so that a failure there cannot cost our numbers. With
     `repeats` > 1 the variants take turns, repeat by repeat, and each repeat's time is kept
-    (`<variant>_repeats`), the median as `<variant>`."""
+    (`<variant>_repeats`), the median as `<variant>`. `design`: the op "ours" stands for (the
+    table's): "kernel" (the one-launch fused op) or "chunked" (ops/chunked.py); `row["design"]`."""
     W, dev, h = ctx.world_size, ctx.device, ctx.heap
     gpu = dev.type == "cuda"
     rows = m // W
     gen = torch.Generator(device=dev).manual_seed(1234 + ctx.rank)
-    row.update({"op": op, "M": m, "K": k, "N": n})
+    row.update({"op": op, "M": m, "K": k, "N": n, "design": design})
     t0 = time.perf_counter()
     if ctx.rank == 0 and log:
         print(f"[bench] {op} M={m} K={k} N={n} {'torch_fused' if torch_fused else ''}", file=sys.stderr, flush=True)
@@ -61,8 +62,9 @@ def measure_shape(ctx, op, m, k, n, gname, row: dict, calls, torch_fused=False, 
             a_shard = torch.randn(rows, k, device=dev, dtype=torch.bfloat16, generator=gen)
             b = weight_t(n, k, dev, gen)
             a_full = torch.empty(m, k, device=dev, dtype=torch.bfloat16)
-            fused = AllGatherGemm(h, rows, k)
-            chunked = ChunkedAllGatherGemm(h, rows, k) if "chunked" in variants and not torch_fused else None
+            chunked = (ChunkedAllGatherGemm(h, rows, k) if ("chunked" in variants or design == "chunked")
+                       and not torch_fused else None)
+            fused = chunked if design == "chunked" else AllGatherGemm(h, rows, k)
 
             def gather():
                 if gpu:
@@ -86,8 +88,9 @@ def measure_shape(ctx, op, m, k, n, gname, row: dict, calls, torch_fused=False, 
             b = weight_t(n, k, dev, gen)
             full = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
             shard = torch.empty(rows, n, device=dev, dtype=torch.bfloat16)
-            fused = GemmReduceScatter(h, rows, n)
-            chunked = ChunkedGemmReduceScatter(h, rows, n) if "chunked" in variants and not torch_fused else None
+            chunked = (ChunkedGemmReduceScatter(h, rows, n) if ("chunked" in variants or design == "chunked")
+                       and not torch_fused else None)
+            fused = chunked if design == "chunked" else GemmReduceScatter(h, rows, n)
 
             def scatter():
                 if gpu:

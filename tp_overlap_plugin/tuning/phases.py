@@ -251,7 +251,7 @@ def _fused_ops(ctx, plan, todo, keep, go, crashed):
         calls = (10 if it["M"] <= 1024 else 5) if gpu else 1
         fused_ops.measure_shape(ctx, it["op"], it["M"], it["K"], it["N"], None, row, calls,
                                 variants=fused_ops.TABLE + (("ours_graph", "sequential_graph") if gpu else ()),
-                                repeats=plan.repeats, samples=7 if gpu else 1, log=False)
+                                repeats=plan.repeats, samples=7 if gpu else 1, log=False, design=plan.fused_ops)
         keep({it["key"]: row})
 
 

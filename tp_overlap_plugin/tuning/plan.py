@@ -48,6 +48,9 @@ class Plan:
     margin: float
     engine_margin: float
     items: dict = field(default_factory=dict)
+    # the sequence-parallel layout's AG-GEMM / GEMM-RS design the fused_ops phase and the engine's verdict
+    # measure (tp_overlap.fused_ops): the table holds one design's rows, and says which
+    fused_ops: str = "kernel"
 
     def estimate_s(self) -> float:
         return sum(self.phase_estimates_s().values())
@@ -73,9 +76,11 @@ def _by_shape(model: str, world: int, layers: list, ms) -> list[dict]:
 
 
 def make_plan(model: str, dims: ModelDims, world: int, device: str, quick: bool, margin: float,
-              engine_margin: float, model_spec: str | None = None, step_budget: int | None = None) -> Plan:
+              engine_margin: float, model_spec: str | None = None, step_budget: int | None = None,
+              fused_ops: str = "kernel") -> Plan:
     """`step_budget`: the engine's step token budget the engine check runs prefill steps of (default
-    engine_check.DEFAULT_BUDGET)."""
+    engine_check.DEFAULT_BUDGET). `fused_ops`: the AG-GEMM / GEMM-RS design measured ("kernel",
+    "chunked"); its rows are stored apart (a key suffix), so switching designs keeps both."""
     from tp_overlap_plugin.tuning import engine_check, gemm_ar, gemm_configs, gemv
     dims.check_tp(world)
     gpu = device == "cuda"
@@ -106,7 +111,8 @@ def make_plan(model: str, dims: ModelDims, world: int, device: str, quick: bool,
     if world > 1:
         items["all_reduce"] = ([{"key": f"ar/{b}", "bytes": b} for b in sizes]
                                + [{"key": f"norm/{dims.hidden}x{t}", "hidden": dims.hidden, "tokens": t} for t in tokens])
-        items["fused_ops"] = [{"key": f"{LAYER_OPS[layer]}/{m}x{k}x{n}", "layer": layer, "op": LAYER_OPS[layer],
+        design = "" if fused_ops == "kernel" else f"@{fused_ops}"
+        items["fused_ops"] = [{"key": f"{LAYER_OPS[layer]}/{m}x{k}x{n}{design}", "layer": layer, "op": LAYER_OPS[layer],
                                "M": m, "K": k, "N": n} for layer, k, n in layers for m in fused_ms]
         # the interpreter: one row layer shows the pipeline (and eagerly the rule says stock anyway)
         row_layers = [x for x in layers if LAYER_OPS[x[0]] == "rs"][:None if gpu else 1]
@@ -114,7 +120,7 @@ def make_plan(model: str, dims: ModelDims, world: int, device: str, quick: bool,
                             for layer, k, n in row_layers for m in ar_rows]
     items["engine"] = engine_check.plan_items(model, world, device, step_budget)
     return Plan(model, model_spec or model, dims, world, device, quick, GPU_REPEATS if gpu else 1, margin,
-                engine_margin, items)
+                engine_margin, items, fused_ops)
 
 
 

@@ -29,8 +29,9 @@ def build_tables(device_name: str, world: int, plan: Plan, summary: dict | None 
     models = sorted({r.get("shape", "").split(" ")[0] for p in ("gemv", "gemm_ar") if p in stored
                      for r in stored[p]["rows"].values()} - {""})
     table = rules.build({p: d["rows"] for p, d in stored.items()}, env, margin=plan.margin,
-                        engine_margin=plan.engine_margin, command=tables.tune_command(world, plan.model),
-                        extra={"models": models, "tuned_by": "tp-overlap tune"})
+                        engine_margin=plan.engine_margin,
+                        command=tables.tune_command(world, plan.model, plan.fused_ops),
+                        extra={"models": models, "tuned_by": "tp-overlap tune"}, fused_ops=plan.fused_ops)
     path = tables.cached_path("dispatch", device_name, world)
     with tables.locked(path):
         tables.write_atomic(path, json.dumps(table, indent=1))

@@ -146,15 +146,25 @@ def gemm_silu_mul_rows(measured: dict, margin: float = MARGIN) -> list[dict]:
                          margin)
 
 
-def gemm_rows(measured: dict, margin: float = MARGIN) -> list[dict]:
-    """Per measured (op, M, K, N): our AG-GEMM / GEMM-RS against the sequential collective + GEMM."""
+# the columns a design's rows compare: the one-launch ops as the engine calls them above its graph
+# sizes (eager); the chunked ops in CUDA graphs, where the engine runs every step size they take
+# (serving/worker/piecewise.graph_token_limit: eager, their ~20 host operations a call lose)
+DESIGN_COLUMNS = {"kernel": ("sequential", "ours"), "chunked": ("sequential_graph", "ours_graph")}
+
+
+def gemm_rows(measured: dict, margin: float = MARGIN, design: str = "kernel") -> list[dict]:
+    """Per measured (op, M, K, N) of `design` (rows of the other design are left out): our AG-GEMM /
+    GEMM-RS against the sequential collective + GEMM, in the design's columns (DESIGN_COLUMNS)."""
+    stock, ours = DESIGN_COLUMNS[design]
     gemm = []
     for key, r in measured.items():
-        if not isinstance(r.get("ours"), float) or not isinstance(r.get("sequential"), float):
+        if r.get("design", "kernel") != design:
             continue
-        rs = ratios(_repeats(r, "sequential"), _repeats(r, "ours"))
-        row = {"op": r["op"], "M": r["M"], "K": r["K"], "N": r["N"], "sequential_ms": r["sequential"],
-               "ours_ms": r["ours"], "speedup": r["sequential"] / r["ours"],
+        if not isinstance(r.get(ours), float) or not isinstance(r.get(stock), float):
+            continue
+        rs = ratios(_repeats(r, stock), _repeats(r, ours))
+        row = {"op": r["op"], "M": r["M"], "K": r["K"], "N": r["N"], "sequential_ms": r[stock],
+               "ours_ms": r[ours], "speedup": r[stock] / r[ours],
                "winner": "overlap" if wins(rs, margin) else "stock", "key": key}
         _spread(row, "ratio", rs)
         gemm.append(row)
@@ -191,7 +201,7 @@ SECTIONS = (("fused_ops", "gemm", gemm_rows), ("all_reduce", "all_reduce", all_r
 
 
 def build(phases: dict, env: dict, *, command: str, margin: float = MARGIN, engine_margin: float = ENGINE_MARGIN,
-          extra: dict | None = None) -> dict:
+          extra: dict | None = None, fused_ops: str = "kernel") -> dict:
     """The table from the measurements there are, per phase as tune's store holds them ({phase: {key:
     row}}; TP=1 has no collectives: its table has the local matmuls' rows only). "gemm" and
     "all_reduce" are always there (empty where unmeasured); the other sections where their phase is,
@@ -204,10 +214,11 @@ def build(phases: dict, env: dict, *, command: str, margin: float = MARGIN, engi
     measured_ar = [r for r in phases.get("all_reduce", {}).values() if "bytes" in r]
     table.update({"margin": margin,
                   "one_shot_max_bytes": one_shot_crossover(measured_ar) if measured_ar else DEFAULT_ONE_SHOT_BYTES,
-                  "command": command})
+                  "command": command, "fused_ops": fused_ops})
     for phase, key, rows in SECTIONS:
         if phase in phases or key in ("gemm", "all_reduce"):
-            table[key] = rows(phases.get(phase, {}), margin)
+            table[key] = (rows(phases.get(phase, {}), margin, fused_ops) if key == "gemm"
+                          else rows(phases.get(phase, {}), margin))
     if "engine" in phases:
         table.update(engine_margin=engine_margin, engine=engine_rows(phases["engine"], engine_margin))
     table.update(extra or {})

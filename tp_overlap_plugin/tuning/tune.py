@@ -50,16 +50,16 @@ from tp_overlap_plugin.tuning.store import load_rows, save_rows, store_dir
 def run(model: str, dims: ModelDims, world: int, device: str, quick: bool = False, budget_min: float | None = None,
         force: bool = False, margin: float | None = None, timeout_s: float | None = None, *,
         engine_margin: float | None = None, model_spec: str | None = None, step_budget: int | None = None,
-        only: tuple[str, ...] | None = None) -> int:
+        only: tuple[str, ...] | None = None, fused_ops: str = "kernel") -> int:
     """`margin` sets the engine check's margin too, unless `engine_margin` is given. `only`: the phases
     to measure (plan.ONLY_CHOICES), the others' stored rows kept; the tables are built from every stored
-    row either way."""
+    row either way. `fused_ops`: the AG-GEMM / GEMM-RS design measured (plan.make_plan)."""
     from tp_overlap_plugin.tuning import rules
     cache = tables.cache_dir()
     if engine_margin is None:
         engine_margin = rules.ENGINE_MARGIN if margin is None else margin
     plan = make_plan(model, dims, world, device, quick, rules.MARGIN if margin is None else margin, engine_margin,
-                     model_spec, step_budget)
+                     model_spec, step_budget, fused_ops)
     if only:
         plan = dataclasses.replace(plan, items={p: v for p, v in plan.items.items() if p in only})
     budget_s = 60 * (budget_min if budget_min is not None else (3 if quick else 10))
