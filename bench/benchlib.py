@@ -174,7 +174,7 @@ def start_comparison(kind: str, schema: str, args, on_gpu: bool = True) -> tuple
     config = {"model": args.model, "tp": args.tp, "dispatch": args.dispatch, "engines": list(engines),
               "dispatch_table": None if no_table or args.dispatch != "table"
               else (found.path.name if found.origin == "shipped" else str(found.path)),
-              "pairs": args.pairs, "quick": args.quick}
+              "pairs": args.pairs, "quick": args.quick, "fused_ops": getattr(args, "fused_ops", "kernel")}
     # "interleaved": not to overwrite a same-day result of the scripts before them
     name = f"{kind}-interleaved-{args.model}-tp{args.tp}" + ("-overlap-first" if engines[0] == "overlap" else "") + \
         (f"-{args.tag}" if args.tag else "")

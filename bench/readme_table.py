@@ -1,6 +1,7 @@
 """The README's headline table, made from the newest interleaved stock-vs-flag results in bench/results/
 (bench/e2e.py offline, bench/serve_load.py over HTTP): per TP size and scenario, the newest run that
-measured it, by its timestamp. CPU runs and --quick runs never count.
+measured it, by its timestamp. CPU runs, --quick runs, and runs of the flag not as shipped (a forced
+`--dispatch overlap`, or a fused-op design other than the default) never count.
 
     python bench/readme_table.py            # rewrite the block between the markers in README.md
     python bench/readme_table.py --check    # exit 1 when the README's block is not what the results make
@@ -37,6 +38,9 @@ def _runs(results_dir: str, kind: str):
         env = data.get("environment", {})
         if data.get("schema") != SCHEMAS[kind] or data["config"].get("quick") or env.get("device") == "cpu":
             continue
+        cfg = data["config"]
+        if cfg.get("dispatch", "table") != "table" or cfg.get("fused_ops", "kernel") != "kernel":
+            continue  # a measurement of a choice the user does not get by default
         runs.append(((env.get("timestamp", env["date"]), os.path.basename(path)), os.path.basename(path), data))
     return sorted(runs, key=lambda r: r[0])
 

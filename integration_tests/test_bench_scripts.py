@@ -276,24 +276,28 @@ def test_gemm_table_rules():
 
 
 def test_readme_headline_keeps_rows_a_newer_partial_run_did_not_measure(tmp_path):
-    """Per (TP, scenario) the newest run: a newer prefill-only run replaces the prefill row and leaves the
-    older run's decode row, each with its own source line."""
+    """Per (TP, scenario) the newest run of the flag as shipped: a newer prefill-only run replaces the
+    prefill row and leaves the older run's decode row, each with its own source line; runs of a forced
+    dispatch or another fused-op design never count."""
     sys.path.insert(0, str(ROOT / "bench"))
     import readme_table
 
-    def run(name, stamp, ratios):
+    def run(name, stamp, ratios, **config):
         summary = {scen: {"workload": scen, "stock": {"output_tokens_per_s": [100.0]},
                           "overlap": {"output_tokens_per_s": [100.0 * r]},
                           "overlap_over_stock": {"median": r, "min": r, "max": r, "ratios": [r], "call": "no call"}}
                    for scen, r in ratios.items()}
         env = {"device": "NVIDIA H200", "device_count": 2, "tp": 2, "date": stamp[:10], "timestamp": stamp,
                "torch": "t", "triton": "t"}
-        cfg = {"quick": False, "dispatch": "table", "dispatch_table": "x.json", "pairs": 1, "min_seconds": 1}
+        cfg = {"quick": False, "dispatch": "table", "dispatch_table": "x.json", "pairs": 1, "min_seconds": 1, **config}
         (tmp_path / f"e2e-interleaved-{name}.json").write_text(json.dumps(
             {"schema": "e2e-interleaved/1", "environment": env, "config": cfg, "summary": summary}))
 
     run("old", "2026-01-01T00:00:00", {"decode-b1": 1.25, "prefill-b32": 0.95})
     run("new", "2026-01-02T00:00:00", {"prefill-b32": 1.02})
+    # newer still, but not the flag as shipped: a forced dispatch, another fused-op design
+    run("forced", "2026-01-03T00:00:00", {"prefill-b32": 0.5}, dispatch="overlap")
+    run("chunked", "2026-01-03T00:00:00", {"decode-b1": 0.6}, fused_ops="chunked")
     table = readme_table.render(str(tmp_path))
     rows = [line for line in table.splitlines() if line.startswith("| prefill") or line.startswith("| decode")]
     assert rows[0].startswith("| prefill-b32") and "1.020" in rows[0] and "0.950" not in table
