@@ -166,7 +166,7 @@ def _markdown(res):
                      r.get("graph_seq_vs_ours", float("nan")),
                      ])
     md += md_table(hdr, rows)
-    md += "\n## The chunked ops (vendor GEMM per chunk, pushes on a side stream: ops/chunked.py), ms\n\n"
+    md += "\n## The chunked ops (vendor GEMM per peer block, copy-engine pulls on a side stream: ops/chunked.py), ms\n\n"
     md += md_table(["shape", "sequential", "ours", "chunked", "seq/chunked", "chunked/floor", "seq graph",
                     "ours graph", "chunked graph", "seq/chunked graph"],
                    [[key, r.get("sequential", float("nan")), r.get("ours", float("nan")), r.get("chunked", float("nan")),

@@ -71,7 +71,9 @@ class TPOverlapOptions:
         None, "the heap backend; default per device: torch on CUDA, ipc on ROCm, shm on the CPU")
     fused_ops: Literal["kernel", "chunked"] = _option(
         "kernel", "the sequence-parallel layout's fused AG-GEMM / GEMM-RS: kernel: one Triton launch each, "
-                  "GEMM and pushes in it; chunked: the vendor GEMM per chunk, pushes beside it (ops/chunked.py)")
+                  "GEMM and pushes in it; chunked: the vendor GEMM per peer's block, the copy engine pulling the "
+                  "blocks beside it, every prefill step size in CUDA graphs (ops/chunked.py); tune it with "
+                  "`tp-overlap tune --fused-ops chunked`")
     max_bytes: int = _option(DEFAULT_MAX_BYTES, "the largest message our all-reduce takes; larger ones take the "
                                                 "stock all-reduce")
 
