@@ -170,3 +170,19 @@ def test_bad_bucket_lists_are_refused():
     with pytest.raises(ValueError, match="piecewise_cuda_graphs=False"):
         EngineConfig(piecewise_graph_token_counts=[])
     assert EngineConfig(piecewise_graph_token_counts=[8, 2048]).piecewise_graph_token_counts == [8, 2048]
+
+
+def test_the_chunked_fused_ops_put_every_prefill_size_in_graphs():
+    """With the flag's chunked AG-GEMM / GEMM-RS (TP > 1) the default buckets reach the step budget,
+    every 512 tokens above 2048; without them, or at TP=1, they stop at 2048."""
+    from tp_overlap_plugin.options import TPOverlapOptions
+    from tp_overlap_plugin.serving.worker.piecewise import graph_token_limit
+
+    chunked, kernel = TPOverlapOptions(fused_ops="chunked"), TPOverlapOptions()
+    assert default_token_counts(8192, graph_token_limit(kernel, 4)) == default_token_counts(2048)
+    assert default_token_counts(8192, graph_token_limit(chunked, 1)) == default_token_counts(2048)
+    assert default_token_counts(8192, graph_token_limit(None, 4)) == default_token_counts(2048)
+    counts = default_token_counts(8192, graph_token_limit(chunked, 4))
+    assert counts[:len(default_token_counts(2048))] == default_token_counts(2048)
+    assert counts[len(default_token_counts(2048)):] == list(range(2560, 8193, 512))
+    assert default_token_counts(3000, graph_token_limit(chunked, 2))[-2:] == [2560, 3000]

@@ -62,12 +62,12 @@ def default_token_counts(max_tokens: int, limit: int = DEFAULT_MAX_GRAPH_TOKENS)
     return sorted(counts)
 
 
-def graph_token_limit(tp_overlap) -> int:
+def graph_token_limit(tp_overlap, world: int) -> int:
     """The largest step the default buckets put in graphs: DEFAULT_MAX_GRAPH_TOKENS, or every step the
-    budget allows where the flag runs the chunked fused ops, whose calls cost ~20 host operations each
-    (an eager 8192-token step of Llama-3-8B at TP=4 was host-bound with them: bench/notes/prefill.md
-    section 4)."""
-    if tp_overlap is not None and tp_overlap.enabled and tp_overlap.fused_ops == "chunked":
+    budget allows where the flag runs the chunked fused ops (TP > 1), whose calls cost ~20 host
+    operations each (an eager 8192-token step of Llama-3-8B at TP=4 was host-bound with them:
+    bench/notes/prefill.md section 4)."""
+    if world > 1 and tp_overlap is not None and tp_overlap.enabled and tp_overlap.fused_ops == "chunked":
         return 1 << 62
     return DEFAULT_MAX_GRAPH_TOKENS
 

@@ -259,7 +259,7 @@ class ModelRunner:
 
     def _piecewise(self, capture: bool) -> PiecewiseGraphs:
         counts = self.cfg.piecewise_graph_token_counts or default_token_counts(
-            self.cfg.max_num_batched_tokens, graph_token_limit(self.cfg.tp_overlap))
+            self.cfg.max_num_batched_tokens, graph_token_limit(self.cfg.tp_overlap, self.cfg.tensor_parallel_size))
         pw = PiecewiseGraphs(self.model, self.kv_caches, counts,
                              self.scratch_block * self.block_size, self.sampled.resolve, capture, self.graph_pool)
         if capture:

@@ -173,7 +173,7 @@ def _runner(ctx, plan, table_path: str | None):
     # each engine as served: the flag with its fused-op design and the step sizes it runs in graphs (all
     # of them with the chunked ops), stock with the default graph sizes
     overlap = {"fused_ops": plan.fused_ops, **({"dispatch_table": table_path} if table_path is not None else {})}
-    limit = (graph_token_limit(TPOverlapOptions(fused_ops=plan.fused_ops)) if table_path is not None
+    limit = (graph_token_limit(TPOverlapOptions(fused_ops=plan.fused_ops), plan.world) if table_path is not None
              else DEFAULT_MAX_GRAPH_TOKENS)
     graphs = [t for t in (it["tokens"] for it in items if it["kind"] == "prefill") if t <= min(budget, limit)]
     cfg = EngineConfig(model=plan.model_spec, load_format="dummy", tensor_parallel_size=plan.world,
