@@ -21,6 +21,8 @@ and signals launch directly (launch.Launcher), their arguments fixed per op."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -67,7 +69,6 @@ class _ChunkedOp:
         self._signal_ready = {dst: Launcher(signal_kernel, dev, (), flags_ptr=self.ready, dst=dst, WORLD=W, **comm)
                               for dst in [ALL_PEERS] + [q for q in range(W) if q != me]}
         self._signal_pulled = Launcher(signal_kernel, dev, (), flags_ptr=self.pulled, dst=ALL_PEERS, WORLD=W, **comm)
-        self._views: dict[int, torch.Tensor] = {}
         heap.publish()
 
     @staticmethod
@@ -81,13 +82,6 @@ class _ChunkedOp:
                         slot_ptr=slot, slot_numel=slot.numel(), rank=self.heap.rank, heap_bases=self.heap.heap_bases,
                         error_ptr=self.heap.error, BLOCK=NAN_BLOCK, num_warps=1)
 
-    def _peer_block(self, src: int, block: int) -> torch.Tensor:
-        """Block `block` of `src`'s send slot, as a tensor of this process (what the copy engine reads)."""
-        key = src * self.send.shape[0] + block
-        if key not in self._views:
-            self._views[key] = self.heap.peer_view(self.send[block], src)
-        return self._views[key]
-
     def _mark_begun(self) -> None:
         """Record where the side stream may start: after this call's begin and the last call's reads of
         the landed blocks (both on the caller's stream, before this point)."""
@@ -98,22 +92,26 @@ class _ChunkedOp:
         """The side stream, after `_mark_begun`'s point of the caller's stream (not after the GEMMs the
         host queued since); a no-op context on the CPU."""
         if self.side is None:
-            return _Serial()
+            return contextlib.nullcontext()
         self.side.wait_event(self.begun)
         return torch.cuda.stream(self.side)
+
+    def _pull(self, rows: int, mark: bool = False) -> None:
+        """On the side stream, peer by peer in `srcs` order: wait for its ready word, copy its block's
+        first `rows` rows into the landed slot (the copy engine), and with `mark` record the block's
+        event (AG's GEMM of that block waits for it); then tell every peer its blocks were pulled."""
+        with self._fork():
+            for j in range(len(self.srcs)):
+                self._waits[j](1)
+                self.landed[j, :rows].copy_(self._theirs[j][:rows])
+                if mark and self.events is not None:
+                    self.events[j].record()
+            self._signal_pulled(1)
 
     def _join(self) -> None:
         """The caller's stream waits for the side stream: a graph capture must end on the stream it began on."""
         if self.side is not None:
             torch.cuda.current_stream(self.heap.device).wait_stream(self.side)
-
-
-class _Serial:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 class ChunkedAllGatherGemm(_ChunkedOp):
@@ -126,6 +124,8 @@ class ChunkedAllGatherGemm(_ChunkedOp):
         W, me = heap.world_size, heap.rank
         self.srcs = [(me + 1 + j) % W for j in range(W - 1)]  # pull order: each step a permutation of ranks
         self._waits = [self._wait_launcher(src, self.send[0]) for src in self.srcs]
+        # what the copy engine reads: each src's send slot, as a tensor of this process
+        self._theirs = [heap.peer_view(self.send[0], src) for src in self.srcs]
 
     @staticmethod
     def heap_bytes(world: int, max_rows: int, cols: int, dtype: torch.dtype) -> int:
@@ -147,13 +147,7 @@ class ChunkedAllGatherGemm(_ChunkedOp):
         self.send[0, :rows].copy_(a_shard)
         self._signal_ready[ALL_PEERS](1)  # launched before the waits (kernels/vendor_comm.py)
         self._mark_begun()
-        with self._fork():
-            for j, src in enumerate(self.srcs):
-                self._waits[j](1)
-                self.landed[j, :rows].copy_(self._peer_block(src, 0)[:rows])
-                if self.events is not None:
-                    self.events[j].record()
-            self._signal_pulled(1)
+        self._pull(rows, mark=True)
         cur = torch.cuda.current_stream(h.device) if self.side is not None else None
         torch.mm(a_shard, b, out=c[me * rows:(me + 1) * rows])
         for j, src in enumerate(self.srcs):
@@ -180,17 +174,11 @@ class ChunkedGemmReduceScatter(_ChunkedOp):
         self.dsts = [(me + 1 + j) % W for j in range(W - 1)]
         self.srcs = [(me - 1 - j) % W for j in range(W - 1)]
         self._waits = [self._wait_launcher(src, self.send[j]) for j, src in enumerate(self.srcs)]
+        # what the copy engine reads: src's block for me, as a tensor of this process
+        self._theirs = [heap.peer_view(self.send[j], src) for j, src in enumerate(self.srcs)]
         self._reduce = Launcher(reduce_rows_kernel, heap.device, ("own_ptr", "out_ptr", "rows"), landed_ptr=self.landed,
                                 N=n, slot_stride=max_rows * n, rank=me, error_ptr=heap.error, WORLD=W,
                                 BLOCK_M=REDUCE_TILE[0], BLOCK_N=REDUCE_TILE[1])
-
-    def _pull(self, rows: int) -> None:
-        """On the side stream: my rows of every peer's product, in the order the peers compute them."""
-        with self._fork():
-            for j, src in enumerate(self.srcs):
-                self._waits[j](1)
-                self.landed[j, :rows].copy_(self._peer_block(src, j)[:rows])
-            self._signal_pulled(1)
 
     @staticmethod
     def heap_bytes(world: int, max_rows: int, cols: int, dtype: torch.dtype) -> int:
