@@ -17,6 +17,7 @@ import sys
 from tp_overlap_plugin.serving import cli as serving_cli
 from tp_overlap_plugin.serving.args import CliError, check_tp_option
 from tp_overlap_plugin.tuning.plan import ONLY_CHOICES   # (no Triton: the plan's shapes only)
+from tp_overlap_plugin.options import FUSED_OPS
 
 
 def run_tune(args: argparse.Namespace) -> int:
@@ -85,9 +86,9 @@ def add_tune_subcommand(sub) -> argparse.ArgumentParser:
     t.add_argument("--only", type=_phases, default=None, metavar="PHASE[,PHASE]",
                    help=f"measure these phases only ({', '.join(ONLY_CHOICES)}); the tables are built from every "
                         f"row stored before too")
-    t.add_argument("--fused-ops", choices=["kernel", "chunked"], default="kernel",
-                   help="the AG-GEMM / GEMM-RS design to measure, as the engine's tp_overlap.fused_ops runs it "
-                        "(the table holds one design; an engine running the other leaves those rows out)")
+    t.add_argument("--fused-ops", choices=list(FUSED_OPS), default="auto",
+                   help="the AG-GEMM / GEMM-RS designs to measure: auto (default): every design, and the engine's "
+                        "verdict chooses the one the table holds (and the engine runs); or one design alone")
     t.set_defaults(func=run_tune)
     return t
 
