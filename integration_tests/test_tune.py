@@ -97,7 +97,7 @@ def test_tune_prints_its_estimate_first_and_writes_the_tables(tuned):
     assert "Regenerate: `tp-overlap tune --tp 2 --model demo`" in evidence and "# GEMM core configs" in evidence
     assert "# Decode matmul configs" in evidence and "## gate_up + SiLU-mul" in evidence
     # the engine's verdict: the chunked design chosen (it won 8 tokens); the 16-token step lost in every
-    # layout: stock there; one token is not sharded: the replicated layout
+    # layout: stock there; one token is not sharded in either design: the replicated layout
     assert table["engine_margin"] == 1.01 and table["fused_ops"] == "chunked" and d.fused_ops == "chunked"
     assert all(r["key"].endswith("@chunked") for r in table["gemm"]), table["gemm"]
     assert [(r["kind"], r["M"], r["layout"], r["runs"], r.get("design"), "kernel" in r, "chunked" in r)
@@ -133,7 +133,8 @@ def test_a_server_with_the_flag_uses_the_cached_tables(tuned):
     env = {**os.environ, "TRITON_INTERPRET": "1", "TP_OVERLAP_CACHE": str(cache)}
     with ServerProcess(args, env=env, start_timeout=240) as srv:
         with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=240) as c:
-            c.completions.create(model="demo", prompt="Hi", max_tokens=2, temperature=0)  # 3 prompt tokens
+            # 8 prompt tokens: the step size whose sharded chunked step won; then 1-row decode steps
+            c.completions.create(model="demo", prompt="Hi ther", max_tokens=2, temperature=0)
             metrics = httpx.get(srv.url + "/metrics", timeout=30).text
             # 16 prompt tokens: a step size whose engine check lost, served stock
             c.completions.create(model="demo", prompt="Hi there, again", max_tokens=1, temperature=0)

@@ -290,8 +290,9 @@ def step_verdict(r: dict, margin: float = ENGINE_MARGIN, design: str = "kernel")
     """How a measured step size runs (one of dispatch.STEP_RUNS) in an engine of `design`: "flag" where that
     design's step in the sharded layout (its per-op choices, as the table makes them) beat the stock
     engine's by the margin in every repeat; else "replicated" where the flag's per-op choices in the
-    replicated layout did (against the stock engine's times of that round); else "stock", every op
-    of the step."""
+    replicated layout did (against the stock engine's times of that round; also where the design's own
+    layout is the replicated one, decode sizes: a step between a replicated size and a sharded one
+    then runs replicated, the cautious neighbour, as measured); else "stock", every op of the step."""
     if wins(design_ratios(r, design), margin):
         return "flag"
     if wins(ratios(_repeats(r, "replicated_stock_ms"), _repeats(r, "replicated_ms")), margin):
