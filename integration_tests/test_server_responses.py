@@ -94,14 +94,18 @@ def test_messages_and_instructions_render_as_chat_messages(server, client):
              {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Bonjour",
                                                                    "annotations": []}]},
              {"role": "user", "content": "More"}]
+    # The chat route's other sampling knobs pass through (the SDK sends them as extra_body).
+    knobs = {"repetition_penalty": 1.5, "presence_penalty": 1.0, "top_k": 5}
     r = client.responses.create(model="demo", instructions="Be brief.", input=items, max_output_tokens=8,
-                                temperature=0, metadata={"run": "7"})
+                                temperature=0, metadata={"run": "7"}, extra_body=knobs)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "system", "content": "Answer in French."},
                 {"role": "user", "content": "Hi\n!"}, {"role": "assistant", "content": "Bonjour"},
                 {"role": "user", "content": "More"}]
     assert r.usage.input_tokens == _prompt_tokens(server, messages)
-    chat = client.chat.completions.create(model="demo", messages=messages, max_tokens=8, temperature=0)
-    assert r.output_text == chat.choices[0].message.content
+    chat = client.chat.completions.create(model="demo", messages=messages, max_tokens=8, temperature=0,
+                                          extra_body=knobs)
+    plain = client.chat.completions.create(model="demo", messages=messages, max_tokens=8, temperature=0)
+    assert r.output_text == chat.choices[0].message.content != plain.choices[0].message.content
     assert (r.instructions, r.metadata, r.max_output_tokens, r.temperature) == ("Be brief.", {"run": "7"}, 8, 0)
 
 

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AliasChoices, Discriminator, Field, Tag, field_validator, model_validator
 
-from ...config import Temperature, TopP
+from ...config import MinP, Penalty, RepetitionPenalty, Temperature, TopP
 from .chat_messages import FUNCTION_NAME_PATTERN, MAX_TOOLS, PromptCacheBreakpoint, null_only
 from .protocol import MAX_STOP_STRINGS
 from .protocol_base import RequestModel as _Request
@@ -34,19 +34,20 @@ PART_TYPES = ("input_text", "output_text", "refusal")
 ITEM_TAGS = frozenset(ITEM_TYPES + PART_TYPES)
 
 
-def _only_types(allowed: tuple[str, ...], what: str, default: Optional[str] = None):
-    """A before-validator of a list of items tagged by `type`: one clear line for an unsupported type
-    (instead of pydantic's union errors). `default`: the type of an item without one."""
+def _check_types(v: Any, allowed: tuple[str, ...], what: str, default: Optional[str] = None) -> Any:
+    """A list of items tagged by `type`, checked before pydantic's union: one clear line for an unsupported
+    type (instead of an error per union branch). `default`: the type of an item without one."""
+    for i, item in enumerate(v if isinstance(v, list) else ()):
+        kind = item.get("type", default) if isinstance(item, dict) else None
+        if isinstance(item, dict) and kind not in allowed:
+            shown = ", ".join(repr(a) for a in allowed)
+            raise ValueError(f"{what}[{i}] is of type {kind!r}, which this server does not support; only {shown}")
+    return v
 
-    def check(cls, v):
-        for i, item in enumerate(v if isinstance(v, list) else ()):
-            kind = item.get("type", default) if isinstance(item, dict) else None
-            if isinstance(item, dict) and kind not in allowed:
-                shown = ", ".join(repr(a) for a in allowed)
-                raise ValueError(f"{what}[{i}] is of type {kind!r}, which this server does not support; only {shown}")
-        return v
 
-    return classmethod(check)
+def _only_types(allowed: tuple[str, ...], what: str):
+    """_check_types as a before-validator."""
+    return classmethod(lambda cls, v: _check_types(v, allowed, what))
 
 
 def _tag(v: Any) -> Optional[str]:
@@ -243,14 +244,17 @@ class ResponsesRequest(_Request):
     conversation: null_only("this server keeps no conversations; use previous_response_id") = None
     prompt: null_only("this server has no stored prompt templates") = None
     context_management: null_only("this server does not compact contexts") = None
-    # ---- vLLM's sampling extensions ----
+    # ---- the other sampling knobs of the chat route (vLLM's extensions among them) ----
     top_k: Optional[int] = Field(None, ge=-1, description="-1 or 0 disables")
+    min_p: Optional[MinP] = None
+    presence_penalty: Optional[Penalty] = None
+    frequency_penalty: Optional[Penalty] = None
+    repetition_penalty: Optional[RepetitionPenalty] = None
     seed: Optional[int] = Field(None, ge=-(2 ** 63), le=2 ** 63 - 1)
     stop: Optional[Union[str, list[str]]] = Field(None, description=f"at most {MAX_STOP_STRINGS} stop strings")
     request_id: Optional[str] = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS,
                                       description="the response id becomes resp-<request_id>")
 
-    _items = field_validator("input", mode="before")(_only_types(ITEM_TYPES, "input", default="message"))
     _tools = field_validator("tools", mode="before")(_only_types(("function",), "tools"))
 
     @field_validator("tool_choice", mode="before")
@@ -261,12 +265,12 @@ class ResponsesRequest(_Request):
                              f"'required', a function ({{\"type\": \"function\", \"name\": ...}}) or allowed_tools")
         return v
 
-    @field_validator("input")
+    @field_validator("input", mode="before")
     @classmethod
-    def _input_nonempty(cls, v):
+    def _items(cls, v):
         if isinstance(v, list) and not v:
             raise ValueError("input is an empty list; send at least one item")
-        return v
+        return _check_types(v, ITEM_TYPES, "input", default="message")
 
     @field_validator("background")
     @classmethod
@@ -304,7 +308,8 @@ class ResponsesRequest(_Request):
         parallel = False if self.max_tool_calls == 1 else self.parallel_tool_calls
         body: dict[str, Any] = {"messages": messages, "max_tokens": self.max_output_tokens,
                                 "parallel_tool_calls": parallel, "request_id": self.request_id}
-        for name in ("temperature", "top_p", "top_k", "seed", "stop"):
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "seed", "stop"):
             body[name] = getattr(self, name)
         if self.tools is not None:
             body["tools"] = [t.for_chat() for t in self.tools]

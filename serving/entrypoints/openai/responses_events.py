@@ -13,20 +13,12 @@ agree item for item."""
 
 from __future__ import annotations
 
-import json
 from typing import Optional
 
 from .chat_messages import DeltaToolCall
+from .chat_tools import _whole_json
 from .protocol_responses import (IncompleteDetails, OutputFunctionCall, OutputItem, OutputMessage, OutputTextPart,
                                  ResponseErrorInfo, ResponseObject, ResponseUsage)
-
-
-def _parses(arguments: str) -> bool:
-    try:
-        json.loads(arguments)
-        return True
-    except ValueError:
-        return False
 
 
 class ResponseBuilder:
@@ -119,7 +111,7 @@ class ResponseBuilder:
         events = [] if self.response.output else self._add(OutputMessage())   # a reply of nothing: one empty message
         cut = finish_reason in ("length", "abort")
         # A call cut after its arguments' JSON was complete is a whole call (the reply was cut after it).
-        whole = isinstance(self._open, OutputFunctionCall) and _parses(self._open.arguments)
+        whole = isinstance(self._open, OutputFunctionCall) and _whole_json(self._open.arguments)
         events += self._close("incomplete" if cut and not whole else "completed")
         self.response.usage = ResponseUsage(input_tokens=input_tokens, output_tokens=output_tokens,
                                             total_tokens=input_tokens + output_tokens)
