@@ -5,7 +5,9 @@ helper) and not, the same text as the chat route for the same messages; function
 validated against their parameters, their results given back as function_call_output items); the store
 behind `previous_response_id`; errors that name the field. The store's bounds are checked on the class."""
 
+import asyncio
 import json
+from types import SimpleNamespace
 
 import httpx
 import jsonschema
@@ -13,8 +15,14 @@ import openai
 import pytest
 
 from serving_helpers import ServerProcess
+from tp_overlap_plugin.serving.entrypoints.openai.chat_messages import DeltaFunctionCall, DeltaToolCall
 from tp_overlap_plugin.serving.entrypoints.openai.protocol_responses import ResponseObject
+from tp_overlap_plugin.serving.entrypoints.openai.responses_events import ResponseBuilder
 from tp_overlap_plugin.serving.entrypoints.openai.responses_store import ResponseStore
+from tp_overlap_plugin.serving.entrypoints.openai.server_shutdown import InFlight
+from tp_overlap_plugin.serving.entrypoints.openai.serving_base import EngineFailure
+from tp_overlap_plugin.serving.entrypoints.openai.serving_responses import OpenAIServingResponses
+from tp_overlap_plugin.serving.metrics import ServerMetrics
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -216,6 +224,12 @@ def test_errors_name_the_field(client, kw, param, words):
     assert body["param"] == param and words in body["message"] and body["type"] == "invalid_request_error", body
 
 
+def test_request_id_names_the_response(client):
+    raw = client.responses.with_raw_response.create(model="demo", input="x", max_output_tokens=1,
+                                                    extra_body={"request_id": "run-42"})
+    assert raw.parse().id == "resp-run-42" and raw.headers["x-request-id"] == "run-42"
+
+
 def test_unknown_model_and_ids_are_404(client, server):
     with pytest.raises(openai.NotFoundError) as e:
         client.responses.create(model="other", input="x")
@@ -239,3 +253,59 @@ def test_the_store_keeps_the_most_recently_used_within_its_bounds():
     assert len(store) == 0
     store.put(_response(4), [])
     assert store.delete("resp-4") and not store.delete("resp-4")
+
+
+# ---- the event builder and the stream's envelope, without a server -----------------------------------
+def _call(i, call_id=None, name=None, args=None):
+    return DeltaToolCall(index=i, id=call_id, type="function" if call_id else None,
+                         function=DeltaFunctionCall(name=name, arguments=args))
+
+
+def test_the_builder_orders_items_and_events_as_openai():
+    b = ResponseBuilder(_response(0))
+    events = b.start() + b.text("Let me ") + b.text("check.") + b.tool_call(_call(0, "call_1", "w", '{"u"'))
+    events += b.tool_call(_call(0, args=': "C"}')) + b.text("\n")   # whitespace after a call opens no message
+    events += b.tool_call(_call(1, "call_2", "w", '{"u": ')) + b.finish("length", 5, 7)
+    kinds = [e["type"] for e in events]
+    assert kinds == ["response.created", "response.in_progress",
+                     "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+                     "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+                     "response.output_item.done",
+                     "response.output_item.added", "response.function_call_arguments.delta",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     "response.output_item.done",
+                     "response.output_item.added", "response.function_call_arguments.delta",
+                     "response.function_call_arguments.done", "response.output_item.done", "response.incomplete"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    out = events[-1]["response"]
+    assert [(o["type"], o["status"]) for o in out["output"]] == [("message", "completed"),
+                                                                ("function_call", "completed"),
+                                                                ("function_call", "incomplete")]   # its JSON was cut
+    assert out["output"][0]["content"][0]["text"] == "Let me check." and out["output"][1]["arguments"] == '{"u": "C"}'
+    assert out["incomplete_details"] == {"reason": "max_output_tokens"} and out["usage"]["total_tokens"] == 12
+    assert b.conversation_turn() == {"role": "assistant", "content": "Let me check.", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "w", "arguments": '{"u": "C"}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "w", "arguments": '{"u": '}}]}
+    empty = ResponseBuilder(_response(1))
+    done = empty.finish("stop", 3, 0)
+    assert done[-1]["type"] == "response.completed" and done[-1]["response"]["output"][0]["content"][0]["text"] == ""
+
+
+def test_an_engine_failure_mid_stream_ends_it_with_response_failed():
+    engine = SimpleNamespace(tokenizer=None, max_model_len=64)
+    serving = OpenAIServingResponses(engine, "demo", ServerMetrics("demo", lambda: None), InFlight())
+    builder = ResponseBuilder(_response(2))
+
+    async def events():
+        for e in builder.start() + builder.text("partial"):
+            yield e
+        raise EngineFailure("injected")
+
+    async def read(response):
+        return [chunk async for chunk in response.body_iterator]
+
+    frames = asyncio.run(read(serving._event_stream("resp-2", events(), builder)))
+    assert frames[0].startswith("event: response.created\ndata: {")
+    last = json.loads(frames[-1].split("data: ", 1)[1])
+    assert last["type"] == "response.failed" and last["response"]["status"] == "failed"
+    assert "injected" in last["response"]["error"]["message"] and last["sequence_number"] == len(frames) - 1
