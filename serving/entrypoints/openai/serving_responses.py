@@ -38,11 +38,11 @@ _RENAMED = {"messages": "input", "max_tokens": "max_output_tokens", "response_fo
 def _renamed(e: ApiError) -> ApiError:
     if e.param is None:
         return e
-    head, dot, rest = e.param.partition(".")
-    param = _RENAMED[head] if head in _RENAMED else e.param
+    head = e.param.partition(".")[0]
+    param = _RENAMED.get(head, e.param)
     message = e.message
-    for chat, ours in _RENAMED.items():
-        message = message.replace(chat, ours)
+    for chat in ("max_tokens", "response_format"):   # (field names, not words that prose might use)
+        message = message.replace(chat, _RENAMED[chat])
     return ApiError(e.status, message, param=param, code=e.code)
 
 
@@ -105,23 +105,25 @@ class OpenAIServingResponses(OpenAIServing):
             return ChatCompletionRequest.model_validate(req.to_chat(messages))
         except ValidationError as e:
             msg, param = describe_validation_errors(e.errors())
-            raise _renamed(ApiError(400, msg, param=param)) from None
+            raise ApiError(400, msg, param=param) from None
 
-    async def create(self, req: ResponsesRequest, request: Request):
-        self.check_model(req.model)
+    def _conversation(self, req: ResponsesRequest) -> list[dict]:
+        """The chat messages before the generation prompt, but for `instructions`: the stored conversation of
+        previous_response_id, then the input."""
         conversation = []
         if req.previous_response_id is not None:
             previous = self.store.get(req.previous_response_id)
             if previous is None:
                 raise self._not_found(req.previous_response_id, "previous_response_id", "previous_response_not_found")
             conversation = list(previous.conversation)
-        conversation += input_messages(req.input)
+        return conversation + input_messages(req.input)
+
+    def _prepare(self, req: ResponsesRequest, conversation: list[dict], request: Request):
+        """What the chat route would make of this request: (tool plan, prompt ids, the engine request's
+        Choice, the response id). Its errors name the chat route's fields; create() renames them."""
         system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
         chat = self._chat_request(req, system + conversation)
-        try:
-            plan = plan_tools(chat, self.tool_parser)
-        except ApiError as e:
-            raise _renamed(e) from None
+        plan = plan_tools(chat, self.tool_parser)
         if req.max_tool_calls is not None:
             plan.max_calls = min(plan.max_calls or req.max_tool_calls, req.max_tool_calls)
         ids = self._chat_ids([m.for_template() for m in chat.messages], True, plan.template_tools)
@@ -142,7 +144,15 @@ class OpenAIServingResponses(OpenAIServing):
             if plan.forced and e.param == "text.format":   # the grammar made of the tools' parameters
                 raise ApiError(400, f"the tools' parameters cannot be forced: {e.message}", param="tools") from None
             raise
-        c = choices[0]
+        return plan, ids, choices[0], base
+
+    async def create(self, req: ResponsesRequest, request: Request):
+        self.check_model(req.model)
+        conversation = self._conversation(req)
+        try:
+            plan, ids, c, base = self._prepare(req, conversation, request)
+        except ApiError as e:
+            raise _renamed(e) from None
         builder = ResponseBuilder(ResponseObject.started(base, self.model_name, req))
         calls = ToolCallStream(plan.parser, plan.max_calls) if plan.parser else None
 
@@ -166,7 +176,7 @@ class OpenAIServingResponses(OpenAIServing):
             async def events():
                 for e in builder.start():
                     yield e
-                async with contextlib.aclosing(self._run(choices, "responses")) as it:
+                async with contextlib.aclosing(self._run([c], "responses")) as it:
                     async for _, text in it:
                         for e in push(text, c.finish_reason is not None):
                             yield e
@@ -175,7 +185,7 @@ class OpenAIServingResponses(OpenAIServing):
 
             return self._event_stream(base, events(), builder)
 
-        await self._complete(choices, "responses", request)
+        await self._complete([c], "responses", request)
         push(c.text, True)
         finish()
         return builder.response
