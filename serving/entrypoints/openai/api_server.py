@@ -4,7 +4,8 @@
     tp-overlap serve --model /models/Llama-3.1-8B --tp 2 --api-key secret
 
 Routes: POST /v1/completions (serving_completion.py), POST /v1/chat/completions (serving_chat.py), both
-streaming as SSE with `stream: true`; GET /v1/models and /v1/models/{model}; POST /tokenize and
+streaming as SSE with `stream: true`; POST /v1/responses, GET and DELETE /v1/responses/{id} (OpenAI's
+Responses API, serving_responses.py); GET /v1/models and /v1/models/{model}; POST /tokenize and
 /detokenize (vLLM's shapes, serving_tokenization.py); GET and HEAD /health, GET /metrics (Prometheus),
 GET /version. Errors use OpenAI's body (server_errors.py); the middlewares are in server_middleware.py,
 the shutdown in server_shutdown.py.
@@ -36,12 +37,14 @@ try:
     from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                            DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                            TokenizeResponse, VersionResponse)
+    from .protocol_responses import ResponseDeleted, ResponseObject, ResponsesRequest
     from .server_errors import (ERROR_RESPONSES, ApiError, check_encodable, describe_validation_errors,
                                 error_response, internal_error_body, is_json_media_type)
     from .server_middleware import ApiKeyGuard, BodyCheck, ErrorBarrier, ResponseCounter
     from .server_shutdown import ABORT_GRACE_S, DrainGuard, DrainingServer, InFlight
     from .serving_chat import OpenAIServingChat
     from .serving_completion import OpenAIServingCompletion
+    from .serving_responses import OpenAIServingResponses
     from .serving_tokenization import OpenAIServingTokenization
     _MISSING_EXTRA: Optional[ImportError] = None
 except ImportError as _e:   # the `serve` extra is not installed: the CLI parser still works, serving does not
@@ -75,6 +78,7 @@ class OpenAIServer:
         shared = (engine, served_model_name, self.metrics, self.in_flight)
         self.completion = OpenAIServingCompletion(*shared)
         self.chat = OpenAIServingChat(*shared, tool_parser=tool_parser)
+        self.responses = OpenAIServingResponses(*shared, tool_parser=tool_parser)
         self.tokenization = OpenAIServingTokenization(*shared)
         self.app = self._build_app()
 
@@ -128,6 +132,22 @@ class OpenAIServer:
         async def chat_completions(req: ChatCompletionRequest, request: Request, response: Response):
             check_encodable(req)
             return _with_request_id(await server.chat.create(req, request), request, response)
+
+        @app.post("/v1/responses", response_model=ResponseObject, responses={
+            **ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when streaming"}})
+        async def responses(req: ResponsesRequest, request: Request, response: Response):
+            check_encodable(req)
+            return _with_request_id(await server.responses.create(req, request), request, response)
+
+        @app.get("/v1/responses/{response_id}", response_model=ResponseObject,
+                 responses={401: ERROR_RESPONSES[401], 404: ERROR_RESPONSES[404]})
+        async def get_response(response_id: str):
+            return server.responses.retrieve(response_id)
+
+        @app.delete("/v1/responses/{response_id}", response_model=ResponseDeleted,
+                    responses={401: ERROR_RESPONSES[401], 404: ERROR_RESPONSES[404]})
+        async def delete_response(response_id: str):
+            return server.responses.delete(response_id)
 
         @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
         async def tokenize(req: TokenizeRequest):
