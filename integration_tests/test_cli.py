@@ -8,14 +8,14 @@ import sys
 import pytest
 import torch
 
-from tp_overlap_plugin.serving.args import CliError
-from tp_overlap_plugin.tuning.cli import build_parser, main
+from tp_overlap_plugin.serving.user_errors import CliError
+from tp_overlap_plugin.cli.main import build_parser, main
 from serving_helpers import free_port
 
 
 @pytest.mark.timeout(180)
 def test_demo_subcommand_all_reduces_correctly():
-    proc = subprocess.run([sys.executable, "-m", "tp_overlap_plugin.serving.cli", "demo", "--tp", "2", "--iters", "2"],
+    proc = subprocess.run([sys.executable, "-m", "tp_overlap_plugin.cli", "demo", "--tp", "2", "--iters", "2"],
                           capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stderr[-2000:]
     errors = [float(line.split("rel. error ")[1].split(",")[0]) for line in proc.stdout.splitlines()
@@ -147,7 +147,7 @@ def test_serve_on_a_busy_port_ends_with_one_error_line():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc = subprocess.run([sys.executable, "-m", "tp_overlap_plugin.serving.cli", "serve", "--port", str(port),
+        proc = subprocess.run([sys.executable, "-m", "tp_overlap_plugin.cli", "serve", "--port", str(port),
                                "--max-model-len", "64", "--log-level", "warning"],
                               capture_output=True, text=True, timeout=110)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tp_overlap_plugin.serving.cli import main as cli_main
+from tp_overlap_plugin.cli.main import main as cli_main
 from serving_helpers import ServerProcess
 
 pytestmark = pytest.mark.timeout(180)
