@@ -122,7 +122,7 @@ def sharegpt_requests(cfg: BenchServeConfig, count: Callable[[str], int]) -> lis
         raise CliError(f"--dataset-path {cfg.dataset_path}: ShareGPT's JSON is a list of entries, "
                        f"this file holds a {type(data).__name__}")
     pairs = [_turns(e.get("conversations", e.get("conversation"))) for e in data if isinstance(e, dict)]
-    pairs = [(p, a) for p, a in pairs if p]
+    pairs = [(p, a) for p, a in pairs if p and a]     # a conversation of two turns at least, as vLLM reads it
     random.Random(cfg.seed).shuffle(pairs)
     return _take(pairs, cfg, count, cfg.sharegpt_output_len, f"--dataset-path {cfg.dataset_path}")
 

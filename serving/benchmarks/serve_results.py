@@ -71,18 +71,21 @@ def _good(r: RequestResult, goodput: dict[str, float]) -> bool:
 
 
 def _peaks(results: list[RequestResult], duration: float) -> tuple[float, int]:
-    """The most output chunks in one second of the run, and the most requests in flight in one second."""
+    """vLLM's peak figures, by whole seconds of the run: the most output chunks in one second, and the
+    requests active in that second (each request that ran at any time in it counts)."""
     seconds = max(1, math.ceil(duration))
     chunks, active = [0] * seconds, [0] * seconds
     for r in results:
-        if r.ok:
-            t = r.start + r.ttft
-            for gap in [0.0, *r.itl]:
-                t += gap
-                chunks[min(int(t), seconds - 1)] += 1
+        if not r.ok:
+            continue
+        t = r.start + r.ttft
+        for gap in [0.0, *r.itl]:
+            t += gap
+            chunks[min(int(t), seconds - 1)] += 1
         for s in range(int(r.start), min(int(r.start + r.latency), seconds - 1) + 1):
             active[s] += 1
-    return float(max(chunks)), max(active)
+    peak = max(range(seconds), key=chunks.__getitem__)
+    return float(chunks[peak]), active[peak]
 
 
 def build_result(cfg: BenchServeConfig, results: list[RequestResult], duration: float, base_url: str, model: str,

@@ -43,10 +43,3 @@ def add_debug_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                    help="print the traceback of an error (default: off)")
 
-
-def positive(name: str, value, minimum=1) -> None:
-    """CliError unless `value` (of the option `name`) is at least `minimum`."""
-    from tp_overlap_plugin.serving.user_errors import CliError
-
-    if value is not None and value < minimum:
-        raise CliError(f"{name} must be >= {minimum}, got {value}")
