@@ -98,6 +98,34 @@ def run_under_interpreter(script: str, ok_marker: str, timeout: float) -> None:
     assert r.returncode == 0 and ok_marker in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 
+# ---- the OpenAI server tests' demo server (test_server_openai.py, test_server_processes.py) ----------
+DEMO_MAX_LEN = 256
+DEMO_SERVER_ARGS = ["--max-model-len", str(DEMO_MAX_LEN), "--max-num-seqs", "32", "--no-access-log", "--log-level",
+                    "warning", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+DEMO_PROMPTS = ["The tensor-parallel engine says:", "Hello, world", "0123456789"]
+
+
+def greedy_completion(client, prompt, n_tokens=24, extra=None, **kw):
+    """`n_tokens` greedy tokens (past end-of-sequence) of `prompt` through an OpenAI client of the demo server."""
+    return client.completions.create(model="demo", prompt=prompt, max_tokens=n_tokens, temperature=0,
+                                     extra_body={"ignore_eos": True, **(extra or {})}, **kw)
+
+
+def assert_openai_error(r, status, *fragments, param=None):
+    """`r` (an httpx response) is OpenAI's error body with `status`, its message holding each fragment."""
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and isinstance(err["type"], str)
+    for f in fragments:
+        assert f in err["message"], err["message"]
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
 def fail_steps_once_flagged(flag_path: str, engine) -> None:
     """An AsyncLLM `core_setup` (with functools.partial): once `flag_path` exists, every model step of
     the engine core raises "injected device fault", as a broken device would."""

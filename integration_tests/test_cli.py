@@ -197,3 +197,39 @@ def test_readme_installs_from_the_checkout_and_has_a_gpu_quick_start():
     flat = " ".join(quick.split())  # a sentence may break its line anywhere
     assert re.search(r"takes (about )?\d+(-\d+)? minutes on 2 cores", flat) and "pytest integration_tests/test_" in flat
 
+
+
+def test_the_server_and_the_benchmarks_take_typed_configs(monkeypatch):
+    """Issue 53: the command line is read in tp_overlap_plugin/cli/ alone; serve_main takes an EngineConfig and
+    a ServerConfig, the benchmarks their own configs, and the options make exactly those."""
+    import socket
+
+    from tp_overlap_plugin.cli.bench import offline_config_from_args
+    from tp_overlap_plugin.cli.serve import server_config_from_args
+    from tp_overlap_plugin.serving.benchmarks.offline import OfflineBenchConfig
+    from tp_overlap_plugin.serving.config import EngineConfig
+    from tp_overlap_plugin.serving.engine import async_llm as engine
+    from tp_overlap_plugin.serving.entrypoints.openai.api_server import serve_main
+    from tp_overlap_plugin.serving.entrypoints.openai.server_config import ServerConfig
+
+    def no_engine(*args, **kw):
+        raise AssertionError("the engine was started before the port was checked")
+
+    monkeypatch.setattr(engine, "AsyncLLM", no_engine)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(CliError, match=f"could not listen on 127.0.0.1:{port}"):
+            serve_main(EngineConfig(), ServerConfig(port=port))
+
+    p = build_parser()
+    args = p.parse_args(["serve", "--port", "9", "--no-access-log", "--served-model-name", "x",
+                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--log-level", "debug"])
+    assert server_config_from_args(args) == ServerConfig(port=9, access_log=False, served_model_name="x",
+                                                         tool_parser="hermes", log_level="debug")
+    assert server_config_from_args(p.parse_args(["serve"])) == ServerConfig()
+    assert offline_config_from_args(p.parse_args(["bench", "latency", "--iters", "2"])) == \
+        OfflineBenchConfig(mode="latency", iters=2)
+    assert offline_config_from_args(p.parse_args(["bench", "throughput", "--dataset", "lognormal"])) == \
+        OfflineBenchConfig(dataset="lognormal")

@@ -21,7 +21,7 @@ import os
 import random
 import sys
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 from tp_overlap_plugin import options
 
@@ -136,9 +136,11 @@ async def _first_model(client, base: str, headers: dict, ready_timeout: float) -
                        hint="name the model with --model", status=1) from None
 
 
-def token_counter(cfg: BenchServeConfig, base: str, model: str, headers: dict) -> tuple[Callable[[str], int], str]:
-    """Text -> its token count, and the tokenizer's name for the JSON: --tokenizer's (transformers), else the
-    server's own /tokenize (the model it serves, whatever its files)."""
+def draw_requests(cfg: BenchServeConfig, base: str, model: str, headers: dict) -> tuple[list[SampleRequest], str]:
+    """cfg's requests, and the name of the tokenizer that counted the dataset's tokens for the JSON: --tokenizer's
+    (transformers), else the server's own /tokenize (the model it serves, whatever its files)."""
+    if cfg.dataset_name in ("random", "lognormal"):
+        return sample_requests(cfg), cfg.tokenizer or model
     if cfg.tokenizer:
         from transformers import AutoTokenizer
 
@@ -146,20 +148,19 @@ def token_counter(cfg: BenchServeConfig, base: str, model: str, headers: dict) -
             tok = AutoTokenizer.from_pretrained(cfg.tokenizer)
         except Exception as e:
             raise CliError(f"--tokenizer {cfg.tokenizer}: {type(e).__name__}: {e}") from None
-        return (lambda text: len(tok(text, add_special_tokens=False)["input_ids"])), cfg.tokenizer
+        return sample_requests(cfg, lambda text: len(tok(text, add_special_tokens=False)["input_ids"])), cfg.tokenizer
     import httpx
 
-    client = httpx.Client(timeout=cfg.request_timeout)
+    with httpx.Client(timeout=cfg.request_timeout) as client:
+        def count(text: str) -> int:
+            r = client.post(base + "/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False},
+                            headers=headers)
+            if r.status_code != 200:
+                raise CliError(f"{base}/tokenize answered {r.status_code} ({r.text[:200]})",
+                               hint="name a tokenizer with --tokenizer", status=1)
+            return r.json()["count"]
 
-    def count(text: str) -> int:
-        r = client.post(base + "/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False},
-                        headers=headers)
-        if r.status_code != 200:
-            raise CliError(f"{base}/tokenize answered {r.status_code} ({r.text[:200]})",
-                           hint="name a tokenizer with --tokenizer", status=1)
-        return r.json()["count"]
-
-    return count, model
+        return sample_requests(cfg, count), model
 
 
 async def run_benchmark(cfg: BenchServeConfig) -> dict:
@@ -176,11 +177,8 @@ async def run_benchmark(cfg: BenchServeConfig) -> dict:
         model = cfg.model or await _first_model(client, base, headers, cfg.ready_check_timeout_sec)
         if cfg.model and cfg.ready_check_timeout_sec > 0:
             await _first_model(client, base, headers, cfg.ready_check_timeout_sec)
-        tokenizer_id = cfg.tokenizer
-        count = None
-        if cfg.dataset_name in ("sharegpt", "hf"):
-            count, tokenizer_id = token_counter(cfg, base, model, headers)
-        samples = await asyncio.to_thread(sample_requests, cfg, count)
+        # (a thread: the dataset's tokens may be counted by the server, over HTTP)
+        samples, tokenizer_id = await asyncio.to_thread(draw_requests, cfg, base, model, headers)
         bodies = [request_body(cfg, model, s) for s in samples]
         gaps = _arrival_gaps(random.Random(cfg.seed + 1), len(bodies), cfg.request_rate, cfg.burstiness)
         sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
