@@ -145,7 +145,7 @@ def test_hugging_face_datasets_are_streamed_and_an_unreachable_hub_is_one_error(
         calls.append((path, name, split, streaming))
         if path == "org/offline":
             raise ConnectionError("Couldn't reach 'org/offline' on the Hub (LocalEntryNotFoundError)")
-        return Stream(rows)
+        return Stream([{"text": "a prompt without any answer"}] * 3 if path == "org/prompts" else rows)
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
     cfg = BenchServeConfig(dataset_name="hf", dataset_path="org/qa", hf_subset="main", hf_split="test",
@@ -153,6 +153,13 @@ def test_hugging_face_datasets_are_streamed_and_an_unreachable_hub_is_one_error(
     reqs = serve_datasets.sample_requests(cfg, count=lambda text: len(text.split()))
     assert calls[:2] == [("org/qa", "main", "test", True), ("shuffle", 3)]
     assert [(r.prompt, r.output_len) for r in reqs] == [(rows[0]["question"], 5), (rows[2]["messages"][0]["content"], 4)]
+
+    # a prompt column alone: the output length comes from --hf-output-len
+    with pytest.raises(CliError, match="has no entry with a prompt of 4-1024 tokens") as e:
+        serve_datasets.sample_requests(BenchServeConfig(dataset_name="hf", dataset_path="org/prompts"), count=len)
+    assert "--hf-output-len" in e.value.hint
+    cfg = BenchServeConfig(dataset_name="hf", dataset_path="org/prompts", hf_output_len=6, num_prompts=2)
+    assert [r.output_len for r in serve_datasets.sample_requests(cfg, count=lambda t: len(t.split()))] == [6, 6]
 
     with pytest.raises(CliError, match="cannot load the Hugging Face dataset org/offline .*ConnectionError") as e:
         serve_datasets.sample_requests(BenchServeConfig(dataset_name="hf", dataset_path="org/offline"), count=len)

@@ -90,7 +90,9 @@ def _take(pairs: Iterable[tuple[str, Optional[str]]], cfg: BenchServeConfig, cou
             return kept
     if not kept:
         raise CliError(f"{source} has no entry with a prompt of {MIN_LEN}-{MAX_PROMPT_LEN} tokens and an answer of "
-                       f"at least {MIN_LEN} (both at most {MAX_TOTAL_LEN})", status=1)
+                       f"at least {MIN_LEN} (both at most {MAX_TOTAL_LEN})", status=1,
+                       hint=None if fixed_output is not None else
+                       "entries without an answer need the output length: --sharegpt-output-len / --hf-output-len")
     print(f"bench serve: {source} has {len(kept)} usable entries for --num-prompts {cfg.num_prompts}: "
           f"the rest are drawn again from them", file=sys.stderr)
     rng = random.Random(cfg.seed)
