@@ -159,7 +159,10 @@ def test_serve_on_a_busy_port_ends_with_one_error_line():
 def test_serve_checks_its_port_before_loading_the_engine(monkeypatch, capsys):
     import socket
 
+    from tp_overlap_plugin.serving.config import EngineConfig
     from tp_overlap_plugin.serving.engine import async_llm as engine
+    from tp_overlap_plugin.serving.entrypoints.openai.api_server import serve_main
+    from tp_overlap_plugin.serving.entrypoints.openai.server_config import ServerConfig
 
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--port", "99999"])
@@ -176,6 +179,9 @@ def test_serve_checks_its_port_before_loading_the_engine(monkeypatch, capsys):
         busy.listen()
         port = busy.getsockname()[1]
         assert main(["serve", "--port", str(port)]) == 1
+        # (issue 53: the server itself takes typed configs, as a program would call it)
+        with pytest.raises(CliError, match=f"could not listen on 127.0.0.1:{port}"):
+            serve_main(EngineConfig(), ServerConfig(port=port))
     error, hint = _error_lines(capsys)
     assert error == f"tp-overlap serve: error: the server could not listen on 127.0.0.1:{port}: Address already in use"
 
@@ -198,30 +204,13 @@ def test_readme_installs_from_the_checkout_and_has_a_gpu_quick_start():
     assert re.search(r"takes (about )?\d+(-\d+)? minutes on 2 cores", flat) and "pytest integration_tests/test_" in flat
 
 
-
-def test_the_server_and_the_benchmarks_take_typed_configs(monkeypatch):
-    """Issue 53: the command line is read in tp_overlap_plugin/cli/ alone; serve_main takes an EngineConfig and
-    a ServerConfig, the benchmarks their own configs, and the options make exactly those."""
-    import socket
-
+def test_the_options_make_the_typed_configs():
+    """Issue 53: the command line is read in tp_overlap_plugin/cli/ alone; the server and the benchmarks take
+    typed configs, and the options make exactly those (their defaults are the configs' own)."""
     from tp_overlap_plugin.cli.bench import offline_config_from_args
     from tp_overlap_plugin.cli.serve import server_config_from_args
     from tp_overlap_plugin.serving.benchmarks.offline import OfflineBenchConfig
-    from tp_overlap_plugin.serving.config import EngineConfig
-    from tp_overlap_plugin.serving.engine import async_llm as engine
-    from tp_overlap_plugin.serving.entrypoints.openai.api_server import serve_main
     from tp_overlap_plugin.serving.entrypoints.openai.server_config import ServerConfig
-
-    def no_engine(*args, **kw):
-        raise AssertionError("the engine was started before the port was checked")
-
-    monkeypatch.setattr(engine, "AsyncLLM", no_engine)
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        with pytest.raises(CliError, match=f"could not listen on 127.0.0.1:{port}"):
-            serve_main(EngineConfig(), ServerConfig(port=port))
 
     p = build_parser()
     args = p.parse_args(["serve", "--port", "9", "--no-access-log", "--served-model-name", "x",
