@@ -46,7 +46,7 @@ def _tune(cache: Path, *args, timeout=240, env_extra=None):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(env_extra or {})
     env["TP_OVERLAP_CACHE"] = str(cache)
-    return subprocess.run([sys.executable, "-m", "tp_overlap_plugin.tuning.cli", "tune", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "tp_overlap_plugin.cli", "tune", *args], env=env,
                           capture_output=True, text=True, timeout=timeout, cwd=tempfile.gettempdir())
 
 
@@ -291,7 +291,7 @@ def test_only_measures_the_named_phases(tmp_path, capsys):
     """`tune --only PHASE` (what the retired bench/gemv.py, gemm_ar.py, ... ran): that phase's rows and
     no other's; the dispatch table is built (of them), the config tables' phases are not run; a phase
     that does not exist is a one-line usage error naming the phases, before any rank starts."""
-    from tp_overlap_plugin.tuning.cli import main
+    from tp_overlap_plugin.cli.main import main
     with pytest.raises(SystemExit) as exit_:
         main(["tune", "--tp", "1", "--device", "cpu", "--model", "demo", "--only", "gemv,bogus"])
     err = capsys.readouterr().err
@@ -319,7 +319,7 @@ def test_two_runs_at_once_leave_one_valid_file_with_both_runs_rows(tmp_path):
         "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}))
     cache = tmp_path / "cache"
     env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "TP_OVERLAP_CACHE": str(cache)}
-    procs = [subprocess.Popen([sys.executable, "-m", "tp_overlap_plugin.tuning.cli", "tune", "--tp", "1", "--quick",
+    procs = [subprocess.Popen([sys.executable, "-m", "tp_overlap_plugin.cli", "tune", "--tp", "1", "--quick",
                                "--device", "cpu", "--model", model, "--budget-min", "30"], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir()) for model in ("demo", str(tiny))]
     outs = [p.communicate(timeout=240) for p in procs]

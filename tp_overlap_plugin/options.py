@@ -51,7 +51,7 @@ _ON = ("1", "true", "on", "yes")
 
 
 def _option(default, help: str):
-    """A field with its one description, which --help prints (serving/args.py)."""
+    """A field with its one description, which --help prints (tp_overlap_plugin/cli/engine_args.py)."""
     return dataclasses.field(default=default, metadata={"help": help})
 
 

@@ -10,12 +10,12 @@ Responses API, serving_responses.py); GET /v1/models and /v1/models/{model}; POS
 GET /version. Errors use OpenAI's body (server_errors.py); the middlewares are in server_middleware.py,
 the shutdown in server_shutdown.py.
 
-This module assembles the app and runs it from the command line.
+This module assembles the app and runs it (`serve_main`, with the configs the command line made:
+tp_overlap_plugin/cli/serve.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 import socket
@@ -24,8 +24,9 @@ from typing import Optional
 
 from tp_overlap_plugin import options
 
-from ...args import DEBUG_HINT, CliError, engine_config_from_args
-from .tool_parsers import PARSERS
+from ...config import EngineConfig
+from ...user_errors import DEBUG_HINT, CliError
+from .server_config import ServerConfig, configure_logging
 
 try:
     from fastapi import FastAPI, Request
@@ -214,53 +215,7 @@ def build_app(engine, served_model_name: str, api_key: Optional[str] = None, mod
     return server.app
 
 
-# ---- command line ---------------------------------------------------------------------------------
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port number") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a TCP port: it must be in 0-65535")
-    return port
-
-
-def add_server_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 for all)")
-    g.add_argument("--port", type=_port, default=8000, help="TCP port")
-    # Read from the environment at start, not as the option's default: --help would print the key.
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
-                        "(default: $TP_OVERLAP_API_KEY, else none)")
-    g.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the --model value)")
-    g.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="on the first SIGINT/SIGTERM the server takes no new requests (they get a 503) and gives "
-                        "those in flight this many seconds to finish; then it aborts them (streams end with "
-                        "finish_reason 'abort' and [DONE]) and exits. A second signal aborts at once")
-    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   help="the server's and uvicorn's log level")
-    g.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="serve tool_choice 'auto' (the default when a request has tools): calls are parsed out of "
-                        "the reply with --tool-call-parser. 'required' and a named function work without it")
-    g.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
-                   help="the format of the model's tool calls: hermes (Qwen2.5, Qwen3, the demo model), "
-                        "llama3_json (Llama 3.1, 3.2)")
-
-
-def tool_parser_from_args(a: argparse.Namespace) -> Optional[str]:
-    """The parser tool_choice 'auto' uses, or None when it is off; CliError for a flag without the other."""
-    if a.enable_auto_tool_choice and a.tool_call_parser is None:
-        raise CliError("--enable-auto-tool-choice needs --tool-call-parser to say how the model writes its calls",
-                       hint=f"add --tool-call-parser with one of: {', '.join(sorted(PARSERS))}")
-    if a.tool_call_parser is not None and not a.enable_auto_tool_choice:
-        logger.warning("--tool-call-parser %s is not used without --enable-auto-tool-choice: tool_choice 'auto' "
-                       "is refused", a.tool_call_parser)
-    return a.tool_call_parser if a.enable_auto_tool_choice else None
-
-
+# ---- running it ----------------------------------------------------------------------------------
 def _listen(host: str, port: int) -> socket.socket:
     """The server's socket, bound before the engine loads: a port that cannot be had fails in a second,
     not after minutes of loading weights. (uvicorn starts listening on it once it serves.)"""
@@ -275,7 +230,9 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_main(a: argparse.Namespace) -> int:
+def serve_main(cfg: EngineConfig, server: ServerConfig = ServerConfig()) -> int:
+    """Start the engine and serve it until SIGINT/SIGTERM; 0 once it has drained and stopped. `cfg` has been
+    checked (tp_overlap_plugin/cli/engine_args.py's check_engine_config) where a user typed it."""
     if _MISSING_EXTRA is not None:
         raise CliError(f"the server needs the serve extra: {_MISSING_EXTRA}", hint="pip install 'tp-overlap[serve]'")
     import uvicorn
@@ -283,9 +240,7 @@ def serve_main(a: argparse.Namespace) -> int:
     from ...config import env_rank_world
     from ...engine.async_llm import AsyncLLM
 
-    logging.basicConfig(level=getattr(logging, a.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = engine_config_from_args(a)
-    tool_parser = tool_parser_from_args(a)
+    configure_logging(server.log_level)
     t0 = time.perf_counter()
 
     def _interrupt(signum, frame):
@@ -302,7 +257,7 @@ def serve_main(a: argparse.Namespace) -> int:
                                                                  launched[0], signum))
         AsyncLLM(cfg)
         return 0
-    sock = _listen(a.host, a.port)
+    sock = _listen(server.host, server.port)
     # Until uvicorn takes over the signals, a SIGTERM must unwind the engine start (which then stops the
     # workers it spawned) instead of killing this process and orphaning them.
     previous = signal.signal(signal.SIGTERM, _interrupt)
@@ -315,20 +270,21 @@ def serve_main(a: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     try:
-        name = a.served_model_name or cfg.model
-        app = build_app(engine, name, a.api_key or options.env_api_key(), model_root=cfg.model,
-                        tool_parser=tool_parser)
+        name = server.served_model_name or cfg.model
+        app = build_app(engine, name, server.api_key or options.env_api_key(), model_root=cfg.model,
+                        tool_parser=server.tool_parser)
         logger.info("engine ready in %.1f s: model %s, tp=%d, max_model_len=%d, %d KV blocks of %d tokens",
                     time.perf_counter() - t0, cfg.model, cfg.tensor_parallel_size, engine.max_model_len,
                     engine.num_blocks, cfg.block_size)
         # By then every request has ended (server_shutdown.py); this only bounds the closing of connections.
-        config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=not a.no_access_log,
+        config = uvicorn.Config(app, host=server.host, port=server.port, log_level=server.log_level,
+                                access_log=server.access_log,
                                 timeout_graceful_shutdown=ABORT_GRACE_S, lifespan="off")
         # DrainingServer handles SIGINT/SIGTERM while serving (server_shutdown.py); the engine and its workers
         # stop below. A signal after it returns, while the engine stops, only logs.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda signum, frame: logger.info("signal %d: the engine is stopping", signum))
-        DrainingServer(config, app.in_flight, a.shutdown_timeout).run(sockets=[sock])
+        DrainingServer(config, app.in_flight, server.shutdown_timeout).run(sockets=[sock])
     finally:
         sock.close()
         engine.shutdown()
