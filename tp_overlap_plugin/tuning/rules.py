@@ -1,8 +1,8 @@
 """The dispatcher's table from measurements: the one copy of its decision rules ("never slower than
 stock"). `build` reads the rows as `tp-overlap tune`'s store holds them, per phase {key: row}
-(tuning/store.py); tune calls it on its store, the one writer of the table. `from_bench_runs` makes
-the same of bench runs put into that form: what the shipped tables were made of, rebuilt to check them
-(integration_tests/test_bench_scripts.py), never written.
+(tuning/store.py); tune calls it on its store, the one writer of the table. The shipped tables are
+tune's, and integration_tests/test_bench_scripts.py builds each again from its run's store (shipped in
+bench/results/tune-store-*).
 
 A row picks ours only when ours wins by MARGIN (the run-to-run noise seen here is ~2%) in every
 interleaved repeat: with repeats, each repeat's ratio stock/ours must reach the margin, and the table
@@ -248,36 +248,6 @@ def build(phases: dict, env: dict, *, command: str, margin: float = MARGIN, engi
         table["failed"] = failed
     table.update(extra or {})
     return table
-
-
-# the command each shipped table made of bench runs names (its "command" field), as it was run then
-BENCH_COMMAND = ("python bench/overlap.py --tp W && python bench/foundation.py --tp W && "
-                 "python bench/make_dispatch_table.py --overlap ... --foundation ...")
-TP1_COMMAND = "python bench/gemv.py --tp 1 && python bench/make_dispatch_table.py --gemv ..."
-
-
-def from_bench_runs(overlap: dict | None, foundation: dict | None, gemm_ar: dict | None = None,
-                    gemv: dict | None = None) -> dict:
-    """The table of bench runs (bench/overlap.py, foundation.py, gemm_ar.py, gemv.py results): their rows
-    put as tune's store holds them ({phase: {key: row}}), then `build`. Without an overlap run (TP=1)
-    the environment is the gemv run's. ValueError where a run is of another device or TP size."""
-    env = overlap["environment"] if overlap is not None else gemv["environment"]
-    phases, command = {}, BENCH_COMMAND if overlap is not None else TP1_COMMAND
-    if overlap is not None:
-        phases["fused_ops"] = {**overlap.get("shapes", {}), **overlap.get("sweep", {})}
-    if foundation is not None:
-        phases["all_reduce"] = {f"ar/{r['bytes']}": r for r in foundation["rank0"]["all_reduce"]}
-    for flag, run, phase in (("--gemm-ar", gemm_ar, "gemm_ar"), ("--gemv", gemv, "gemv")):
-        if run is None:
-            continue
-        if overlap is not None:
-            renv = run["environment"]
-            if (renv["device"], renv["tp"]) != (env["device"], env["tp"]):
-                raise ValueError(f"{flag} ran on {renv['device']} at TP={renv['tp']}, --overlap on {env['device']} "
-                                 f"at TP={env['tp']}: one table is for one device and world size")
-            command += f" {flag} ... (python bench/{phase}.py --tp W)"
-        phases[phase] = {f"{r['shape']}/{r['M']}x{r['K']}x{r['N']}": r for r in run["rows"]}
-    return build(phases, env, command=command)
 
 
 def design_ratios(r: dict, design: str) -> list[float]:
