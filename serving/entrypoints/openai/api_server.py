@@ -38,7 +38,7 @@ try:
                            TokenizeResponse, VersionResponse)
     from .server_errors import (ERROR_RESPONSES, ApiError, check_encodable, describe_validation_errors,
                                 error_response, internal_error_body, is_json_media_type)
-    from .server_middleware import ApiKeyGuard, BodyCheck, ErrorBarrier, ResponseCounter
+    from .server_middleware import DEFAULT_MAX_BODY_BYTES, ApiKeyGuard, BodyCheck, ErrorBarrier, ResponseCounter
     from .server_shutdown import ABORT_GRACE_S, DrainGuard, DrainingServer, InFlight
     from .serving_chat import OpenAIServingChat
     from .serving_completion import OpenAIServingCompletion
@@ -46,6 +46,7 @@ try:
     _MISSING_EXTRA: Optional[ImportError] = None
 except ImportError as _e:   # the `serve` extra is not installed: the CLI parser still works, serving does not
     _MISSING_EXTRA = _e
+    DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 logger = logging.getLogger("tp_overlap.server")
 
@@ -64,18 +65,21 @@ class OpenAIServer:
     `app.fastapi`)."""
 
     def __init__(self, engine, served_model_name: str, api_key: Optional[str] = None,
-                 model_root: Optional[str] = None, tool_parser: Optional[str] = None):
+                 model_root: Optional[str] = None, tool_parser: Optional[str] = None,
+                 trust_request_chat_template: bool = False, max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.engine = engine
+        self.max_request_body_bytes = max_request_body_bytes
         self.model_name = served_model_name
         self.model_root = model_root
         self.api_key = api_key
         self.max_model_len = engine.max_model_len
-        self.metrics = ServerMetrics(served_model_name, self._stats)
+        self.metrics = ServerMetrics(served_model_name, self._stats, engine.max_model_len)
         self.in_flight = InFlight()
         shared = (engine, served_model_name, self.metrics, self.in_flight)
         self.completion = OpenAIServingCompletion(*shared)
-        self.chat = OpenAIServingChat(*shared, tool_parser=tool_parser)
-        self.tokenization = OpenAIServingTokenization(*shared)
+        self.chat = OpenAIServingChat(*shared, tool_parser=tool_parser,
+                                      trust_request_chat_template=trust_request_chat_template)
+        self.tokenization = OpenAIServingTokenization(*shared, trust_request_chat_template=trust_request_chat_template)
         self.app = self._build_app()
 
     def _stats(self) -> Optional[dict]:
@@ -169,7 +173,8 @@ class OpenAIServer:
         async def version_route():
             return VersionResponse(version=version)
 
-        inner = ApiKeyGuard(BodyCheck(app), self.api_key) if self.api_key else BodyCheck(app)
+        checked = BodyCheck(app, self.max_request_body_bytes)
+        inner = ApiKeyGuard(checked, self.api_key) if self.api_key else checked
         wrapped = ResponseCounter(ErrorBarrier(DrainGuard(inner, self.in_flight)), server.metrics)
         # Route tables and the OpenAPI schema stay reachable on the FastAPI object.
         wrapped.fastapi = app
@@ -186,10 +191,12 @@ def _with_request_id(result, request: Request, response: Response):
 
 
 def build_app(engine, served_model_name: str, api_key: Optional[str] = None, model_root: Optional[str] = None,
-              tool_parser: Optional[str] = None):
+              tool_parser: Optional[str] = None, trust_request_chat_template: bool = False,
+              max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
     """The ASGI app for an AsyncLLM (the FastAPI object is its `.fastapi`, the requests in flight its
     `.in_flight`). `tool_parser`: the parser of tool_choice 'auto' (--enable-auto-tool-choice); None: off."""
-    server = OpenAIServer(engine, served_model_name, api_key, model_root, tool_parser)
+    server = OpenAIServer(engine, served_model_name, api_key, model_root, tool_parser, trust_request_chat_template,
+                          max_request_body_bytes)
     server.app.in_flight = server.in_flight
     return server.app
 
@@ -205,6 +212,16 @@ def _port(text: str) -> int:
     return port
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is not a positive number")
+    return n
+
+
 def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 for all)")
@@ -212,7 +229,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     # Read from the environment at start, not as the option's default: --help would print the key.
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
-                        "(default: $TP_OVERLAP_API_KEY, else none)")
+                        "(default: $TP_OVERLAP_API_KEY, else $VLLM_API_KEY, else none)")
+    g.add_argument("--max-request-body-bytes", type=_positive_int, default=None,
+                   help="a request body larger than this is refused with 413 (default: "
+                        f"$TP_OVERLAP_MAX_REQUEST_BODY_BYTES, else {DEFAULT_MAX_BODY_BYTES} = 8 MiB)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="run the Jinja chat_template a request may send (vLLM's flag; without it such a request "
+                        "is a 400). A template is code: allow it only for clients you trust")
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the --model value)")
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
@@ -296,8 +319,10 @@ def serve_main(a: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
     try:
         name = a.served_model_name or cfg.model
-        app = build_app(engine, name, a.api_key or options.env_api_key(), model_root=cfg.model,
-                        tool_parser=tool_parser)
+        body_limit = a.max_request_body_bytes or options.env_max_request_body_bytes() or DEFAULT_MAX_BODY_BYTES
+        app = build_app(engine, name, a.api_key or options.env_api_key(vllm_too=True), model_root=cfg.model,
+                        tool_parser=tool_parser, trust_request_chat_template=a.trust_request_chat_template,
+                        max_request_body_bytes=body_limit)
         logger.info("engine ready in %.1f s: model %s, tp=%d, max_model_len=%d, %d KV blocks of %d tokens",
                     time.perf_counter() - t0, cfg.model, cfg.tensor_parallel_size, engine.max_model_len,
                     engine.num_blocks, cfg.block_size)
