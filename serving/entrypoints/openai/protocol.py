@@ -51,9 +51,10 @@ class ErrorResponse(_Response):
 
 # ---- shared request pieces -------------------------------------------------------------------------
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: Optional[bool] = Field(False, description="null: false")
     include_obfuscation: Optional[bool] = Field(None, description="accepted and ignored: chunks carry no padding")
-    continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, usage on every chunk too")
+    continuous_usage_stats: Optional[bool] = Field(False, description="vLLM's: with include_usage, usage on every "
+                                                   "chunk too; null: false")
 
 
 class JsonSchemaFormat(_Request):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Optional
 
-from pydantic import BeforeValidator, Field, field_validator
+from pydantic import BeforeValidator, Field, WithJsonSchema, field_validator
 
 from .protocol_base import RequestModel
 
@@ -42,7 +42,9 @@ def neutral_only(neutral: tuple, why: str, annotation: Any = Any):
             raise ValueError(f"{why} (only {shown} is accepted)")
         return v
 
-    return Annotated[Optional[annotation], BeforeValidator(check), Field(description=f"only {shown}: {why}")]
+    # The schema says it too: OpenAPI clients (and the fuzz tests) see the values that pass.
+    schema = WithJsonSchema({"enum": [None, *neutral], "description": f"only {shown}: {why}"})
+    return Annotated[Optional[annotation], BeforeValidator(check), schema]
 
 
 def ignored(description: str, annotation: Any = Any):
@@ -53,7 +55,8 @@ class VllmRequestFields(RequestModel):
     """vLLM's request fields of issue 54 (module docstring), shared by both endpoints."""
 
     # ---- honoured ----
-    truncate_prompt_tokens: Optional[int] = Field(
+    truncate_prompt_tokens: Optional[Annotated[int, WithJsonSchema(
+        {"anyOf": [{"const": -1}, {"type": "integer", "minimum": 1}]})]] = Field(
         None, ge=-1, description="keep only the prompt's last this many tokens; -1: the model's context "
                                  "(max_model_len); usage.prompt_tokens counts what is kept")
     bad_words: Optional[list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]]] = Field(
@@ -66,7 +69,7 @@ class VllmRequestFields(RequestModel):
     cache_salt: Optional[str] = Field(
         None, min_length=1, description="prefix-cache blocks are shared only among requests with the same salt")
     guided_decoding_backend: Optional[str] = Field(
-        None, description="'auto' or 'xgrammar' (with options after a colon): grammars are compiled by xgrammar")
+        None, json_schema_extra={"pattern": "^(auto|xgrammar)(:.*)?$"}, description="'auto' or 'xgrammar' (with options after a colon): grammars are compiled by xgrammar")
     # ---- accepted, changing nothing here (as in vLLM) ----
     spaces_between_special_tokens: Optional[bool] = Field(
         None, description="accepted: vLLM applies it only with slow tokenizers; text is detokenized here as "
