@@ -202,29 +202,31 @@ def _sse(r: httpx.Response) -> list[dict]:
     return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
 
 
+def _stop_cases(text: str, ids: list[int]) -> list[tuple[dict, object]]:
+    """A stop string and a stop token id from the middle of a greedy reply, each with its stop_reason."""
+    stop_str, stop_id = text[5:8], ids[3]
+    assert len(stop_str) == 3, text
+    return [({"stop": [stop_str, "never-there"]}, stop_str), ({"stop_token_ids": [stop_id]}, stop_id)]
+
+
 def test_stop_reason_as_vllm_fills_it(http):
     base = {"prompt": "Once upon", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     ref = _ok(http.post("/v1/completions", json={**base, "logprobs": 0, "return_tokens_as_token_ids": True}))
-    text, ids = ref["choices"][0]["text"], _ids(ref["choices"][0]["logprobs"]["tokens"])
     assert ref["choices"][0]["stop_reason"] is None and ref["choices"][0]["finish_reason"] == "length"
-    stop_str, stop_id = text[5:8], ids[3]
-    cases = [({"stop": [stop_str, "never-there"]}, stop_str), ({"stop_token_ids": [stop_id]}, stop_id)]
-    for extra, expected in cases:
+    for extra, expected in _stop_cases(ref["choices"][0]["text"], _ids(ref["choices"][0]["logprobs"]["tokens"])):
         r = _ok(http.post("/v1/completions", json={**base, **extra}))
         assert (r["choices"][0]["finish_reason"], r["choices"][0]["stop_reason"]) == ("stop", expected), r
         chunks = _sse(http.post("/v1/completions", json={**base, **extra, "stream": True}))
         assert [c["choices"][0]["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [expected]
-        chat = {"messages": USER, "max_tokens": 24, "temperature": 0, "ignore_eos": True, **extra}
-        ref_chat = _ok(http.post("/v1/chat/completions", json={**chat, "stop": None, "stop_token_ids": None}))
-        r = _ok(http.post("/v1/chat/completions", json=chat))
-        got = r["choices"][0]
-        if got["finish_reason"] == "stop":
-            assert got["stop_reason"] == expected
-        else:   # this reply never reached the stop: then, as on length, null
-            assert got["stop_reason"] is None and got["message"] == ref_chat["choices"][0]["message"]
-        chunks = _sse(http.post("/v1/chat/completions", json={**chat, "stream": True}))
-        assert chunks[-1]["choices"][0]["stop_reason"] == got["stop_reason"]
-        assert all(c["choices"][0]["stop_reason"] is None for c in chunks[:-1])
+    chat = {"messages": USER, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    ref = _ok(http.post("/v1/chat/completions", json={**chat, "logprobs": True, "return_tokens_as_token_ids": True}))
+    assert ref["choices"][0]["stop_reason"] is None and ref["choices"][0]["finish_reason"] == "length"
+    content = ref["choices"][0]["message"]["content"]
+    for extra, expected in _stop_cases(content, _ids(t["token"] for t in ref["choices"][0]["logprobs"]["content"])):
+        got = _ok(http.post("/v1/chat/completions", json={**chat, **extra}))["choices"][0]
+        assert (got["finish_reason"], got["stop_reason"]) == ("stop", expected), got
+        chunks = _sse(http.post("/v1/chat/completions", json={**chat, **extra, "stream": True}))
+        assert [c["choices"][0]["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [expected]
 
 
 def test_add_special_tokens(http):
