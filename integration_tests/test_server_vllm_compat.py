@@ -344,3 +344,16 @@ def test_env_and_cli_settings(monkeypatch):
     assert 1 << 20 <= DEFAULT_MAX_BODY_BYTES <= 16 << 20
     monkeypatch.setenv("TP_OVERLAP_MAX_REQUEST_BODY_BYTES", "12345")
     assert options.env_max_request_body_bytes() == 12345
+
+    import argparse
+
+    from tp_overlap_plugin.serving.entrypoints.openai.api_server import add_server_args
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_server_args(parser)
+    a = parser.parse_args(["--max-request-body-bytes", "1000", "--trust-request-chat-template"])
+    assert a.max_request_body_bytes == 1000 and a.trust_request_chat_template
+    assert not parser.parse_args([]).trust_request_chat_template
+    for bad in ("0", "8M"):
+        with pytest.raises(argparse.ArgumentError):
+            parser.parse_args(["--max-request-body-bytes", bad])
