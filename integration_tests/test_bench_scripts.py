@@ -135,7 +135,7 @@ def test_serve_load_sweeps_poisson_rates_with_both_servers(tmp_path):
         assert not run.get("errors")
         for rate, lv in run["levels"].items():
             assert lv["failed"] == 0 and lv["completed"] == (6 if rate == "inf" else 4)
-            assert lv["dataset"] == "lognormal"
+            assert lv["dataset_name"] == "lognormal"
             for m in ("ttft", "tpot", "itl"):
                 assert 0 < lv[f"median_{m}_ms"] <= lv[f"p99_{m}_ms"]
     for s in res["summary"].values():
@@ -196,7 +196,7 @@ def test_lognormal_workload_is_seeded_long_tailed_and_fits_the_model():
 
 @pytest.mark.timeout(180)
 def test_bench_throughput_lognormal_repeats_rounds_until_min_seconds(tmp_path):
-    from tp_overlap_plugin.serving.cli import main
+    from tp_overlap_plugin.cli.main import main
     out = tmp_path / "bench.json"
     assert main(["bench", "throughput", "--model", "demo", "--dataset", "lognormal", "--num-prompts", "6",
                  "--input-len", "10", "--output-len", "4", "--max-model-len", "64", "--max-concurrency", "3",
@@ -207,7 +207,7 @@ def test_bench_throughput_lognormal_repeats_rounds_until_min_seconds(tmp_path):
     assert all(i + o <= 64 for i, o in zip(res["input_lens"], res["output_lens"]))
 
 
-GEMM_CONFIGS = "tp_overlap_plugin.tuning.gemm_configs"  # its command line: measure (results only; tune writes the table)
+GEMM_CONFIGS = "tp_overlap_plugin.cli.gemm_configs"  # gemm_configs' command line: measure (results only; tune writes the table)
 GEMM_TABLES = sorted((ROOT / "tp_overlap_plugin" / "gemm_tables").glob("*.json"))
 
 

@@ -334,7 +334,7 @@ def test_request_body_limit_is_a_413_and_the_server_stays_healthy(server, http):
 
 def test_env_and_cli_settings(monkeypatch):
     from tp_overlap_plugin import options
-    from tp_overlap_plugin.serving.entrypoints.openai.api_server import DEFAULT_MAX_BODY_BYTES
+    from tp_overlap_plugin.serving.entrypoints.openai.server_config import DEFAULT_MAX_BODY_BYTES
 
     monkeypatch.delenv("TP_OVERLAP_API_KEY", raising=False)
     monkeypatch.setenv("VLLM_API_KEY", "v")
@@ -347,7 +347,7 @@ def test_env_and_cli_settings(monkeypatch):
 
     import argparse
 
-    from tp_overlap_plugin.serving.entrypoints.openai.api_server import add_server_args
+    from tp_overlap_plugin.cli.serve import add_server_args
 
     parser = argparse.ArgumentParser(exit_on_error=False)
     add_server_args(parser)

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 
 from ...metrics import ServerMetrics
 from .protocol import sse
+from .server_config import DEFAULT_MAX_BODY_BYTES
 from .server_errors import error_response, internal_error_body, is_json_media_type
 
 logger = logging.getLogger("tp_overlap.server")
@@ -87,12 +88,6 @@ def json_body_problem(body: bytes) -> Optional[str]:
         if depth > MAX_JSON_DEPTH:
             return f"JSON nesting deeper than {MAX_JSON_DEPTH} levels (MAX_JSON_DEPTH) in the request body"
     return None
-
-
-# The default request body limit (--max-request-body-bytes): far above any request this API takes in
-# practice (a long chat with tools; a long context's prompt as token ids is about 1 MB), far below what
-# would hurt the server to hold.
-DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 
 class BodyCheck:
