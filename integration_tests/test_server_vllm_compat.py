@@ -357,3 +357,10 @@ def test_env_and_cli_settings(monkeypatch):
     for bad in ("0", "8M"):
         with pytest.raises(argparse.ArgumentError):
             parser.parse_args(["--max-request-body-bytes", bad])
+
+
+def test_responses_take_vllm_priority_and_cache_salt(http):
+    body = {"input": "Hi", "max_output_tokens": 2, "store": False}
+    _ok(http.post("/v1/responses", json={**body, "priority": 0, "cache_salt": "salt-R", "foo": None}))
+    _error(http.post("/v1/responses", json={**body, "priority": 2}), 400, "priority", "first come, first served")
+    _error(http.post("/v1/responses", json={**body, "cache_salt": ""}), 400, "cache_salt")
