@@ -227,13 +227,22 @@ def env_step_trace() -> Optional[str]:
     return os.environ.get(STEP_TRACE_ENV) or None
 
 
-def env_api_key(openai_too: bool = False) -> Optional[str]:
-    """TP_OVERLAP_API_KEY: the server's key (and the load generator's); with `openai_too`, OPENAI_API_KEY
-    after it (the load generator talks to any OpenAI-compatible server)."""
+def env_api_key(openai_too: bool = False, vllm_too: bool = False) -> Optional[str]:
+    """TP_OVERLAP_API_KEY: the server's key (and the load generator's); with `vllm_too` (the server),
+    VLLM_API_KEY after it, as `vllm serve` reads it; with `openai_too`, OPENAI_API_KEY after it (the load
+    generator talks to any OpenAI-compatible server)."""
     key = os.environ.get("TP_OVERLAP_API_KEY")
+    if not key and vllm_too:
+        key = os.environ.get("VLLM_API_KEY")
     if not key and openai_too:
         key = os.environ.get("OPENAI_API_KEY")
     return key or None
+
+
+def env_max_request_body_bytes() -> Optional[int]:
+    """TP_OVERLAP_MAX_REQUEST_BODY_BYTES: the server's request body limit (--max-request-body-bytes' default)."""
+    raw = os.environ.get("TP_OVERLAP_MAX_REQUEST_BODY_BYTES")
+    return int(raw) if raw else None
 
 
 def env_tune_fake_step_ms() -> dict:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from tp_overlap_plugin.serving.entrypoints.openai.server_config import ServerConfig, configure_logging
+from tp_overlap_plugin.serving.entrypoints.openai.server_config import (DEFAULT_MAX_BODY_BYTES, ServerConfig,
+                                                                        configure_logging)
 from tp_overlap_plugin.serving.entrypoints.openai.tool_parsers import PARSERS
 from tp_overlap_plugin.serving.user_errors import CliError
 
@@ -26,6 +27,16 @@ def _port(text: str) -> int:
     return port
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is not a positive number")
+    return n
+
+
 def add_server_args(p: argparse.ArgumentParser) -> None:
     d = ServerConfig()
     g = p.add_argument_group("server")
@@ -34,7 +45,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     # Read from the environment at start, not as the option's default: --help would print the key.
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
-                        "(default: $TP_OVERLAP_API_KEY, else none)")
+                        "(default: $TP_OVERLAP_API_KEY, else $VLLM_API_KEY, else none)")
+    g.add_argument("--max-request-body-bytes", type=_positive_int, default=None,
+                   help="a request body larger than this is refused with 413 (default: "
+                        f"$TP_OVERLAP_MAX_REQUEST_BODY_BYTES, else {DEFAULT_MAX_BODY_BYTES} = 8 MiB)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="run the Jinja chat_template a request may send (vLLM's flag; without it such a request "
+                        "is a 400). A template is code: allow it only for clients you trust")
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the --model value)")
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
@@ -66,7 +83,8 @@ def tool_parser_from_args(a: argparse.Namespace) -> str | None:
 def server_config_from_args(a: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=a.host, port=a.port, api_key=a.api_key, served_model_name=a.served_model_name,
                         shutdown_timeout=a.shutdown_timeout, log_level=a.log_level, access_log=not a.no_access_log,
-                        tool_parser=tool_parser_from_args(a))
+                        tool_parser=tool_parser_from_args(a), max_request_body_bytes=a.max_request_body_bytes,
+                        trust_request_chat_template=a.trust_request_chat_template)
 
 
 def run_serve(a: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ from tp_overlap_plugin import options
 
 from ...config import EngineConfig
 from ...user_errors import DEBUG_HINT, CliError
-from .server_config import ServerConfig, configure_logging
+from .server_config import DEFAULT_MAX_BODY_BYTES, ServerConfig, configure_logging
 
 try:
     from fastapi import FastAPI, Request
@@ -68,19 +68,22 @@ class OpenAIServer:
     `app.fastapi`)."""
 
     def __init__(self, engine, served_model_name: str, api_key: Optional[str] = None,
-                 model_root: Optional[str] = None, tool_parser: Optional[str] = None):
+                 model_root: Optional[str] = None, tool_parser: Optional[str] = None,
+                 trust_request_chat_template: bool = False, max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.engine = engine
+        self.max_request_body_bytes = max_request_body_bytes
         self.model_name = served_model_name
         self.model_root = model_root
         self.api_key = api_key
         self.max_model_len = engine.max_model_len
-        self.metrics = ServerMetrics(served_model_name, self._stats)
+        self.metrics = ServerMetrics(served_model_name, self._stats, engine.max_model_len)
         self.in_flight = InFlight()
         shared = (engine, served_model_name, self.metrics, self.in_flight)
         self.completion = OpenAIServingCompletion(*shared)
-        self.chat = OpenAIServingChat(*shared, tool_parser=tool_parser)
+        self.chat = OpenAIServingChat(*shared, tool_parser=tool_parser,
+                                      trust_request_chat_template=trust_request_chat_template)
         self.responses = OpenAIServingResponses(*shared, tool_parser=tool_parser)
-        self.tokenization = OpenAIServingTokenization(*shared)
+        self.tokenization = OpenAIServingTokenization(*shared, trust_request_chat_template=trust_request_chat_template)
         self.app = self._build_app()
 
     def _stats(self) -> Optional[dict]:
@@ -190,7 +193,8 @@ class OpenAIServer:
         async def version_route():
             return VersionResponse(version=version)
 
-        inner = ApiKeyGuard(BodyCheck(app), self.api_key) if self.api_key else BodyCheck(app)
+        checked = BodyCheck(app, self.max_request_body_bytes)
+        inner = ApiKeyGuard(checked, self.api_key) if self.api_key else checked
         wrapped = ResponseCounter(ErrorBarrier(DrainGuard(inner, self.in_flight)), server.metrics)
         # Route tables and the OpenAPI schema stay reachable on the FastAPI object.
         wrapped.fastapi = app
@@ -207,10 +211,12 @@ def _with_request_id(result, request: Request, response: Response):
 
 
 def build_app(engine, served_model_name: str, api_key: Optional[str] = None, model_root: Optional[str] = None,
-              tool_parser: Optional[str] = None):
+              tool_parser: Optional[str] = None, trust_request_chat_template: bool = False,
+              max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
     """The ASGI app for an AsyncLLM (the FastAPI object is its `.fastapi`, the requests in flight its
     `.in_flight`). `tool_parser`: the parser of tool_choice 'auto' (--enable-auto-tool-choice); None: off."""
-    server = OpenAIServer(engine, served_model_name, api_key, model_root, tool_parser)
+    server = OpenAIServer(engine, served_model_name, api_key, model_root, tool_parser, trust_request_chat_template,
+                          max_request_body_bytes)
     server.app.in_flight = server.in_flight
     return server.app
 
@@ -271,8 +277,10 @@ def serve_main(cfg: EngineConfig, server: ServerConfig = ServerConfig()) -> int:
         signal.signal(signal.SIGTERM, previous)
     try:
         name = server.served_model_name or cfg.model
-        app = build_app(engine, name, server.api_key or options.env_api_key(), model_root=cfg.model,
-                        tool_parser=server.tool_parser)
+        body_limit = server.max_request_body_bytes or options.env_max_request_body_bytes() or DEFAULT_MAX_BODY_BYTES
+        app = build_app(engine, name, server.api_key or options.env_api_key(vllm_too=True), model_root=cfg.model,
+                        tool_parser=server.tool_parser, trust_request_chat_template=server.trust_request_chat_template,
+                        max_request_body_bytes=body_limit)
         logger.info("engine ready in %.1f s: model %s, tp=%d, max_model_len=%d, %d KV blocks of %d tokens",
                     time.perf_counter() - t0, cfg.model, cfg.tensor_parallel_size, engine.max_model_len,
                     engine.num_blocks, cfg.block_size)

@@ -254,6 +254,10 @@ class ResponsesRequest(_Request):
     stop: Optional[Union[str, list[str]]] = Field(None, description=f"at most {MAX_STOP_STRINGS} stop strings")
     request_id: Optional[str] = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS,
                                       description="the response id becomes resp-<request_id>")
+    # vLLM's ResponsesRequest extensions, checked and honoured as the chat route does (protocol_vllm_fields.py)
+    priority: Optional[int] = Field(None, description="only 0 (or null): first come, first served")
+    cache_salt: Optional[str] = Field(None, min_length=1, description="prefix-cache blocks are shared only among "
+                                                                     "requests with the same salt")
 
     _tools = field_validator("tools", mode="before")(_only_types(("function",), "tools"))
 
@@ -309,7 +313,7 @@ class ResponsesRequest(_Request):
         body: dict[str, Any] = {"messages": messages, "max_tokens": self.max_output_tokens,
                                 "parallel_tool_calls": parallel, "request_id": self.request_id}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "seed", "stop"):
+                     "repetition_penalty", "seed", "stop", "priority", "cache_salt"):
             body[name] = getattr(self, name)
         if self.tools is not None:
             body["tools"] = [t.for_chat() for t in self.tools]
