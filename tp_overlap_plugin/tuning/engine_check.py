@@ -67,8 +67,7 @@ def fingerprint(device_name: str, world: int) -> str:
     (not the verdict, dates or provenance)."""
     parts = []
     for kind, w in (("dispatch", world), ("gemm", None), ("decode", None)):
-        path = tables.cached_path(kind, device_name, w)
-        data = json.loads(path.read_text()) if path.exists() else {}
+        data = tables.read(kind, device_name, w) or {}
         drop = ("engine", "engine_margin", "date", "command", "models", "tuned_by", "source")
         parts.append({k: v for k, v in data.items() if k not in drop})
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
@@ -151,11 +150,9 @@ def _layouts(plan, table_path: str) -> dict:
 
 def _provisional(table_path: str, lost: list[dict]) -> str:
     """A copy of the table whose verdict runs the flag's ops replicated at the step sizes that lost."""
-    table = json.loads(open(table_path).read())
+    table = tables.read("dispatch", path=table_path)
     table["engine"] = [{"M": r["tokens"], "shapes": r["shapes"], "runs": "replicated"} for r in lost]
-    path = f"{table_path}.replicated.json"
-    tables.write_atomic(path, json.dumps(table))
-    return path
+    return str(tables.write("dispatch", table["device"], table["world"], table, path=f"{table_path}.replicated.json"))
 
 
 def _runner(ctx, plan, table_path: str | None):

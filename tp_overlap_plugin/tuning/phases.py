@@ -115,7 +115,7 @@ def _write_table(ctx, phase: str, env: dict, world: int) -> None:
 
     from tp_overlap_plugin import decode_config, gemm_config
     if ctx.rank == 0:
-        TABLES_AFTER[phase](env["device"], world)
+        TABLES_AFTER[phase](env["device"], world, tables.tune_command(world, env.get("model")))
     dist.barrier(group=ctx.group)
     gemm_config.find_table.cache_clear()
     decode_config.load_table.cache_clear()

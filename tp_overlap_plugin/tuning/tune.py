@@ -1,5 +1,5 @@
 """`tp-overlap tune`: measure what the dispatcher and the GEMM core consult, on this machine, for this
-TP size and this model, and cache the tables (tp_overlap_plugin/tables.py says where and how they are
+TP size and this model, and cache the tables (tp_overlap_plugin/tables/ says where and how they are
 found again).
 
 It starts W ranks (multirank.run_ranks) and runs the phases in order:
@@ -33,7 +33,6 @@ TP size. Measurements taken under other versions (torch, Triton, driver) are mea
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -125,10 +124,10 @@ def _engine(plan: Plan, device_name: str, todo: list, deadline: float, timeout: 
     """The engine phase's ranks on the dispatch table just written (its verdict rows left out: the flag's
     steps as the per-op rows make them); its rows into the store. Returns why it stopped, if it did."""
     t0 = time.monotonic()
-    table = json.loads(tables.cached_path("dispatch", device_name, plan.world).read_text())
+    table = tables.read("dispatch", device_name, plan.world)
     table.pop("engine", None)
     base = tables.cache_dir() / "engine-check" / f"{tables.device_key(device_name)}-tp{plan.world}-{os.getpid()}.json"
-    tables.write_atomic(base, json.dumps(table))
+    tables.write("dispatch", device_name, plan.world, table, path=base)
     print(f"tp-overlap tune: the engine's verdict: {len(todo)} step sizes, stock against the flag", file=sys.stderr,
           flush=True)
     try:
