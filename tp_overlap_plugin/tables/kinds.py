@@ -72,7 +72,7 @@ class Kind:
 
     @property
     def folder(self) -> str:
-        """The shipped tables' folder in the package (and the kind's folder in the cache: the name)."""
+        """The shipped tables' folder in the package (the cache's folder is the kind's name)."""
         return f"{self.name}_tables"
 
     @property
@@ -99,7 +99,10 @@ class Kind:
             raise ValueError(f"the {self.name} table is of {table['device']!r}, written as {device_name!r}'s")
         if self.per_world and table["world"] != world:
             raise ValueError(f"the {self.name} table is of TP={table['world']}, written as TP={world}'s")
-        self.parse(table, dict)
+        try:
+            self.parse(table, dict)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"the {self.name} table does not parse ({type(e).__name__}: {e})") from e
 
 
 DISPATCH = Kind("dispatch", True, ("all_reduce",), _dispatch_fields, DISPATCH_SECTIONS)
