@@ -141,8 +141,8 @@ def add_comparison_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dispatch", default="table", choices=["table", "overlap"],
                    help="table: what users get (the shipped table for this device and TP); overlap: our kernels "
                         "everywhere")
-    p.add_argument("--fused-ops", default="kernel", choices=["kernel", "chunked"],
-                   help="the sharded layout's AG-GEMM / GEMM-RS (tp_overlap.fused_ops)")
+    p.add_argument("--fused-ops", default="auto", choices=["auto", "kernel", "chunked"],
+                   help="the sharded layout's AG-GEMM / GEMM-RS (tp_overlap.fused_ops; auto: the table's design)")
     p.add_argument("--pairs", type=int, default=MIN_PAIRS, help=f"A B pairs (fewer than {MIN_PAIRS}: no win/loss call)")
     p.add_argument("--order", default="stock,overlap", help="which engine is A, the first of each pair")
     p.add_argument("--tag", default="", help="appended to the results' name")

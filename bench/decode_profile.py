@@ -106,8 +106,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dispatch", default="table", choices=["table", "overlap", "stock"])
     p.add_argument("--dispatch-table", default=None, metavar="JSON",
                    help="a dispatch table to use instead of the shipped one (a candidate, before it ships)")
-    p.add_argument("--fused-ops", default="kernel", choices=["kernel", "chunked"],
-                   help="the sharded layout's AG-GEMM / GEMM-RS (tp_overlap.fused_ops)")
+    p.add_argument("--fused-ops", default="auto", choices=["auto", "kernel", "chunked"],
+                   help="the sharded layout's AG-GEMM / GEMM-RS (tp_overlap.fused_ops; auto: the table's design)")
     p.add_argument("--tag", default="")
     p.add_argument("--out", default=RESULTS_DIR)
 

@@ -117,7 +117,8 @@ def _renamed(row: dict) -> dict:
             if key.startswith(ours + "_"):
                 key = theirs + key[len(ours):]
                 break
-        out[key.replace("_rel_err_vs_nccl_fp32", "_rel_err")] = v
+        # the sweep's check against NCCL in fp32 (tuning/checks.py: <what>_rel_err, <what>_ulps) -> <alg>_rel_err
+        out[key.replace("_vs_nccl_fp32_", "_")] = v
     return out
 
 

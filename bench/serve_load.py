@@ -23,7 +23,6 @@ the latency ratios do at every rate. The JSON is rewritten after every run. JSON
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
@@ -32,8 +31,6 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-# serving_helpers.ServerProcess: a server in a subprocess, shared with the tests
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "integration_tests"))
 from benchlib import (add_comparison_args, bench_parser, by_pair, comparison_header, exit_on_sigterm,  # noqa: E402
                       fmt_ratio, interleaved, load_payload, log, md_table, median_or_nan, pair_ratios, ratio_chart,
                       report, start_comparison, write_results)
@@ -44,18 +41,14 @@ STATS = [("output_throughput", "out tok/s"), ("median_ttft_ms", "TTFT p50"), ("p
          ("p99_itl_ms", "ITL p99")]
 
 
-def bench_args(args, port: int, rate: float, num_prompts: int, seed: int, label: str) -> argparse.Namespace:
-    from tp_overlap_plugin.serving.benchmarks.serve import add_bench_serve_args
-    p = argparse.ArgumentParser()
-    add_bench_serve_args(p)
-    argv = ["--port", str(port), "--num-prompts", str(num_prompts), "--request-rate", str(rate),
-            "--dataset-name", "random" if args.dataset == "fixed" else "lognormal",
-            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-            "--lognormal-sigma", str(args.lognormal_sigma), "--lognormal-max-len", str(args.max_len),
-            "--label", label, "--seed", str(seed)]
-    if args.max_concurrency:
-        argv += ["--max-concurrency", str(args.max_concurrency)]
-    return p.parse_args(argv)
+def bench_args(args, port: int, rate: float, num_prompts: int, seed: int, label: str):
+    """The `tp-overlap bench serve` run of one level: exactly the drawn output lengths (ignore_eos)."""
+    from tp_overlap_plugin.serving.benchmarks.serve_config import BenchServeConfig
+    return BenchServeConfig(port=port, num_prompts=num_prompts, request_rate=rate,
+                            dataset_name="random" if args.dataset == "fixed" else "lognormal",
+                            random_input_len=args.input_len, random_output_len=args.output_len,
+                            lognormal_sigma=args.lognormal_sigma, lognormal_max_len=args.max_len, label=label,
+                            seed=seed, max_concurrency=args.max_concurrency or None, ignore_eos=True)
 
 
 def level_requests(args, rate: float) -> int:
@@ -82,7 +75,7 @@ def kv_blocks(args, block_size: int = 16) -> int:
 
 
 def one_run(args, engine: str, pair: int) -> dict:
-    from serving_helpers import ServerProcess
+    from tp_overlap_plugin.serving.entrypoints.server_process import ServerProcess
     from tp_overlap_plugin.serving.benchmarks.serve import run_benchmark
 
     tag = f"serve {engine}#{pair + 1}"
@@ -105,11 +98,11 @@ def one_run(args, engine: str, pair: int) -> dict:
             res = asyncio.run(run_benchmark(bench_args(args, srv.port, rate, level_requests(args, rate), k,
                                                        f"{engine} rate={rate}")))
             run["levels"][_key(rate)] = res
-            log(tag, f"rate {_key(rate)}: {res['completed']} requests in {res['duration_s']:.1f} s, "
+            log(tag, f"rate {_key(rate)}: {res['completed']} requests in {res['duration']:.1f} s, "
                      f"{res['output_throughput']:.1f} out tok/s, TTFT p50 {res['median_ttft_ms']:.1f} ms, "
                      f"TPOT p50 {res['median_tpot_ms']:.2f} ms, failed {res['failed']}")
             if res["failed"]:
-                run.setdefault("errors", []).append(f"rate {_key(rate)}: {res['failed']} failed: {res['errors'][:3]}")
+                run.setdefault("errors", []).append(f"rate {_key(rate)}: {res['failed']} failed: {res['error_samples'][:3]}")
     run["process_s"] = time.monotonic() - t0
     return run
 
@@ -118,11 +111,16 @@ def _key(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
+def _level_value(level: dict, key: str):
+    # results written before `bench serve` took vLLM's key names say duration_s (--replot reads them)
+    return level["duration_s"] if key == "duration" and key not in level else level[key]
+
+
 def summarize(runs: list[dict], levels: list[str], engines: tuple[str, ...]) -> dict:
     summary = {}
     for lv in levels:
         per, (st, ov) = by_pair(runs, engines, "levels", lv)
-        s = {e: {k: [g[k] for g in got] for k in [k for k, _ in STATS] + ["duration_s", "completed", "failed"]}
+        s = {e: {k: [_level_value(g, k) for g in got] for k in [k for k, _ in STATS] + ["duration", "completed", "failed"]}
              for e, got in per.items()}
         if len(engines) == 2:
             s["throughput_ratio"] = pair_ratios([x["output_throughput"] for x in st],
@@ -139,7 +137,7 @@ def markdown(payload: dict) -> str:
     lines = comparison_header("bench/serve_load.py", payload)
     rows = []
     for lv, s in summary.items():
-        row = [lv, max(s[engines[0]]["completed"], default=0), median_or_nan(s[engines[0]]["duration_s"])]
+        row = [lv, max(s[engines[0]]["completed"], default=0), median_or_nan(s[engines[0]]["duration"])]
         for e in engines:
             row.append(median_or_nan(s[e]["output_throughput"]))
         if len(engines) == 2:

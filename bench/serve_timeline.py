@@ -25,7 +25,6 @@ JSON + markdown + PNG in bench/results/ (serve-timeline-<model>-tp<N>[-tag]-<dev
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import math
 import os
@@ -35,8 +34,6 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-# serving_helpers.ServerProcess: a server in a subprocess, shared with the tests
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "integration_tests"))
 from benchlib import (_pyplot, bench_parser, device_slug, environment, load_payload, log, md_table,  # noqa: E402
                       write_results)
 from serve_load import STATS, _key, bench_args, level_requests, server_args  # noqa: E402
@@ -49,7 +46,7 @@ DECODE_BATCHES = ((1, 8), (32, 95), (96, 128))
 def one_run(args, engine: str, pair: int) -> dict:
     from tp_overlap_plugin.serving.benchmarks.serve import run_benchmark
     from tp_overlap_plugin.serving.engine.step_trace import ENV, read_trace
-    from serving_helpers import ServerProcess
+    from tp_overlap_plugin.serving.entrypoints.server_process import ServerProcess
 
     tag = f"{engine}#{pair + 1}"
     fd, trace = tempfile.mkstemp(prefix="steps-", suffix=".jsonl")
@@ -86,13 +83,12 @@ def idle_probe(args, port: int, tag: str) -> dict:
     """The TTFT target's yardstick: the median prompt (--input-len tokens) alone on the idle server, one
     request at a time, two output tokens: its TTFT is the prefill alone (HTTP included), its TPOT one
     decode step at batch 1. Runs after the levels, so every kernel is compiled."""
-    from tp_overlap_plugin.serving.benchmarks.serve import add_bench_serve_args, run_benchmark
-    p = argparse.ArgumentParser()
-    add_bench_serve_args(p)
-    ns = p.parse_args(["--port", str(port), "--num-prompts", str(args.idle_requests), "--request-rate", "inf",
-                       "--max-concurrency", "1", "--dataset-name", "random", "--random-input-len", str(args.input_len),
-                       "--random-output-len", "2", "--seed", "7", "--label", f"{tag} idle probe"])
-    res = asyncio.run(run_benchmark(ns))
+    from tp_overlap_plugin.serving.benchmarks.serve import run_benchmark
+    from tp_overlap_plugin.serving.benchmarks.serve_config import BenchServeConfig
+    cfg = BenchServeConfig(port=port, num_prompts=args.idle_requests, max_concurrency=1, dataset_name="random",
+                           random_input_len=args.input_len, random_output_len=2, seed=7, label=f"{tag} idle probe",
+                           ignore_eos=True)
+    res = asyncio.run(run_benchmark(cfg))
     out = {"prompt_len": args.input_len, "requests": res["completed"], "ttft_ms_p50": res["median_ttft_ms"],
            "tpot_ms_p50": res["median_tpot_ms"]}
     out["ttft_bound_ms"] = 1.3 * (out["ttft_ms_p50"] + out["tpot_ms_p50"])

@@ -2,22 +2,21 @@
 in a subprocess (`ServerProcess`).
 
 Tests import it as `serving_helpers`: pyproject.toml puts integration_tests/ on sys.path (pytest runs with
---import-mode=importlib, where test modules cannot import each other). bench/serve_load.py and
-bench/serve_timeline.py put it there themselves for `ServerProcess`.
+--import-mode=importlib, where test modules cannot import each other). `ServerProcess` itself lives in
+the package (serving/entrypoints/server_process.py), where bench/ tools import it too.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Optional
 
 import torch
+
+# a server in a subprocess: in the package, shared with bench/ (serving/entrypoints/server_process.py)
+from tp_overlap_plugin.serving.entrypoints.server_process import ServerProcess, free_port  # noqa: F401
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=250, max_position_embeddings=256, rms_norm_eps=1e-6)
@@ -99,128 +98,32 @@ def run_under_interpreter(script: str, ok_marker: str, timeout: float) -> None:
     assert r.returncode == 0 and ok_marker in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 
-# ---- a server in a subprocess, for tests and benchmarks --------------------------------------------
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# ---- the OpenAI server tests' demo server (test_server_openai.py, test_server_processes.py) ----------
+DEMO_MAX_LEN = 256
+DEMO_SERVER_ARGS = ["--max-model-len", str(DEMO_MAX_LEN), "--max-num-seqs", "32", "--no-access-log", "--log-level",
+                    "warning", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+DEMO_PROMPTS = ["The tensor-parallel engine says:", "Hello, world", "0123456789"]
 
 
-def _die_with_parent() -> None:
-    # A test run that is killed outright (no fixture teardown) must not leave a server behind: the kernel
-    # sends SIGTERM to the server when its parent dies.
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+def greedy_completion(client, prompt, n_tokens=24, extra=None, **kw):
+    """`n_tokens` greedy tokens (past end-of-sequence) of `prompt` through an OpenAI client of the demo server."""
+    return client.completions.create(model="demo", prompt=prompt, max_tokens=n_tokens, temperature=0,
+                                     extra_body={"ignore_eos": True, **(extra or {})}, **kw)
 
 
-class ServerProcess:
-    """`tp-overlap serve ARGS` in its own process group on a free port; waits until /health answers 200.
-
-        with ServerProcess(["--max-model-len", "256"]) as srv:
-            httpx.get(srv.url + "/v1/models")
-
-    Exiting the block sends SIGTERM (graceful), then SIGKILL to the whole group (TP workers included)
-    if it has not exited within `stop_timeout`.
-    """
-
-    def __init__(self, args: list[str], start_timeout: float = 120.0, stop_timeout: float = 30.0,
-                 log_path: Optional[str] = None, env: Optional[dict] = None, launcher: Optional[list[str]] = None):
-        self.port = free_port()
-        self.host = "127.0.0.1"
-        self.url = f"http://{self.host}:{self.port}"
-        self.args = list(args)
-        self.start_timeout = start_timeout
-        self.stop_timeout = stop_timeout
-        self.log_path = log_path
-        self.env = env
-        # What runs `-m tp_overlap_plugin.serving.cli`: this Python, or e.g. ["torchrun", "--nproc-per-node", "2"].
-        self.launcher = list(launcher) if launcher else [sys.executable]
-        self.proc: Optional[subprocess.Popen] = None
-        self._log = None
-        self._own_log = log_path is None
-
-    def start(self) -> "ServerProcess":
-        import tempfile
-
-        import httpx
-
-        cmd = [*self.launcher, "-m", "tp_overlap_plugin.serving.cli", "serve", "--host", self.host, "--port",
-               str(self.port), *self.args]
-        if self.log_path is None:
-            fd, self.log_path = tempfile.mkstemp(prefix="tp-overlap-serve-", suffix=".log")
-            os.close(fd)
-        self._log = open(self.log_path, "w")
-        env = dict(os.environ if self.env is None else self.env)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        deadline = time.monotonic() + self.start_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode} during start-up:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.kill()
-                raise TimeoutError(f"the server did not become healthy within {self.start_timeout} s:\n"
-                                   f"{self.log_tail()}")
-            time.sleep(0.2)
-
-    def log_tail(self, n: int = 60) -> str:
-        try:
-            with open(self.log_path) as f:
-                return "".join(f.readlines()[-n:])
-        except OSError:
-            return "(no log)"
-
-    def terminate(self, sig: int = signal.SIGTERM) -> Optional[int]:
-        """Signal the server and wait up to stop_timeout; returns its exit code, or None if it had to be killed."""
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout=self.stop_timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            return None
-
-    def kill(self) -> None:
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)   # its own session: the server and its TP workers
-        with contextlib.suppress(Exception):
-            self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        try:
-            self.terminate()
-        finally:
-            # Workers of a server that exited cleanly are gone already; this catches anything left over.
-            self.kill()
-            if self._log is not None:
-                self._log.close()
-                self._log = None
-            if self._own_log and self.log_path is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(self.log_path)
-
-    def __enter__(self) -> "ServerProcess":
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+def assert_openai_error(r, status, *fragments, param=None):
+    """`r` (an httpx response) is OpenAI's error body with `status`, its message holding each fragment."""
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and isinstance(err["type"], str)
+    for f in fragments:
+        assert f in err["message"], err["message"]
+    if param is not None:
+        assert err["param"] == param
+    return err
 
 
 def fail_steps_once_flagged(flag_path: str, engine) -> None:

@@ -1,8 +1,8 @@
 """The benchmark scripts run end to end on the CPU at tiny size (stock and the flag interleaved, per-pair
 ratios, the HTTP rate sweep, the fused ops' benchmark and stress run), each is named in bench/README.md
 and run by a test, the README's headline table is what the newest results make, and the shipped
-dispatch and GEMM tables are exactly what tuning/ makes of the shipped results (rules.from_bench_runs,
-gemm_configs.build_table): the tables' evidence is reproducible."""
+dispatch and GEMM tables are exactly what tuning/ makes of the shipped results (rules.build on the
+stores of the tune runs that made them, gemm_configs.build_table): the tables' evidence is reproducible."""
 
 import re
 
@@ -17,25 +17,26 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 # the runs the shipped h200-tp2 table is made of
-SHIPPED_OVERLAP = RESULTS / "overlap-tp2-h200x2-2026-11-22-v3.json"
-SHIPPED_FOUNDATION = RESULTS / "foundation-tp2-h200x2-2026-11-23.json"
 
 
-def test_shipped_dispatch_table_is_reproducible():
-    from tp_overlap_plugin.tuning.rules import from_bench_runs, markdown
-    shipped = ROOT / "tp_overlap_plugin" / "dispatch_tables" / "h200-tp2.json"
-    # GEMM + all-reduce rows, once measured, come from the newest gemm-ar run on the device
-    gemm_ar = sorted(RESULTS.glob("gemm-ar-tp2-h200x2-*.json")) if "gemm_all_reduce" in json.loads(
-        shipped.read_text()) else []
-    # and the GEMV rows from the newest gemv run (by its date: file names of one-GPU and
-    # two-GPU runs do not sort by date)
-    gemv = sorted(RESULTS.glob("gemv-tp2-h200*.json"), key=lambda p: json.loads(p.read_text())["environment"]["date"]) \
-        if "gemv" in json.loads(shipped.read_text()) else []
-    built = from_bench_runs(json.loads(SHIPPED_OVERLAP.read_text()), json.loads(SHIPPED_FOUNDATION.read_text()),
-                            json.loads(gemm_ar[-1].read_text()) if gemm_ar else None,
-                            json.loads(gemv[-1].read_text()) if gemv else None)
-    assert json.loads(json.dumps(built)) == json.loads(shipped.read_text())
-    assert markdown(built) == (RESULTS / "dispatch-h200-tp2-2026-11-22.md").read_text()
+# the shipped dispatch tables `tp-overlap tune` made, and its store of each run (every phase's rows,
+# bench/results/tune-store-*): the table is what tune's rules make of them
+TUNE_MADE = {"h200-tp1.json": "tune-store-llama-3-8b-tp1-h200-2026-11-28.json",
+             "h200-tp4.json": "tune-store-llama-3-8b-tp4-h200x4-2026-11-28.json",
+             "h200-tp2.json": "tune-store-llama-3-8b-tp2-h200x2-2026-11-28.json"}
+
+
+@pytest.mark.parametrize("table", sorted(TUNE_MADE))
+def test_shipped_dispatch_table_is_reproducible(table):
+    from tp_overlap_plugin.tuning import rules
+    shipped = json.loads((ROOT / "tp_overlap_plugin" / "dispatch_tables" / table).read_text())
+    store = json.loads((RESULTS / TUNE_MADE[table]).read_text())
+    env = {**next(iter(store.values()))["environment"], "date": shipped["date"]}
+    built = rules.build({phase: data["rows"] for phase, data in store.items()}, env, command=shipped["command"],
+                        extra={"models": shipped["models"], "tuned_by": "tp-overlap tune"})
+    assert json.loads(json.dumps(built)) == shipped
+    # and the command it names is the one that made it: tune, with its defaults (both designs measured)
+    assert shipped["command"].startswith("tp-overlap tune --tp ") and "--fused-ops" not in shipped["command"]
 
 
 MAX_SCRIPTS = 12  # issue 45: maintained tools only; finished instruments are retired (bench/notes/README.md)
@@ -135,7 +136,7 @@ def test_serve_load_sweeps_poisson_rates_with_both_servers(tmp_path):
         assert not run.get("errors")
         for rate, lv in run["levels"].items():
             assert lv["failed"] == 0 and lv["completed"] == (6 if rate == "inf" else 4)
-            assert lv["dataset"] == "lognormal"
+            assert lv["dataset_name"] == "lognormal"
             for m in ("ttft", "tpot", "itl"):
                 assert 0 < lv[f"median_{m}_ms"] <= lv[f"p99_{m}_ms"]
     for s in res["summary"].values():
@@ -196,7 +197,7 @@ def test_lognormal_workload_is_seeded_long_tailed_and_fits_the_model():
 
 @pytest.mark.timeout(180)
 def test_bench_throughput_lognormal_repeats_rounds_until_min_seconds(tmp_path):
-    from tp_overlap_plugin.serving.cli import main
+    from tp_overlap_plugin.cli.main import main
     out = tmp_path / "bench.json"
     assert main(["bench", "throughput", "--model", "demo", "--dataset", "lognormal", "--num-prompts", "6",
                  "--input-len", "10", "--output-len", "4", "--max-model-len", "64", "--max-concurrency", "3",
@@ -207,7 +208,7 @@ def test_bench_throughput_lognormal_repeats_rounds_until_min_seconds(tmp_path):
     assert all(i + o <= 64 for i, o in zip(res["input_lens"], res["output_lens"]))
 
 
-GEMM_CONFIGS = "tp_overlap_plugin.tuning.gemm_configs"  # its command line: measure (results only; tune writes the table)
+GEMM_CONFIGS = "tp_overlap_plugin.cli.gemm_configs"  # gemm_configs' command line: measure (results only; tune writes the table)
 GEMM_TABLES = sorted((ROOT / "tp_overlap_plugin" / "gemm_tables").glob("*.json"))
 
 

@@ -8,14 +8,14 @@ import sys
 import pytest
 import torch
 
-from tp_overlap_plugin.serving.args import CliError
-from tp_overlap_plugin.tuning.cli import build_parser, main
+from tp_overlap_plugin.serving.user_errors import CliError
+from tp_overlap_plugin.cli.main import build_parser, main
 from serving_helpers import free_port
 
 
 @pytest.mark.timeout(180)
 def test_demo_subcommand_all_reduces_correctly():
-    proc = subprocess.run([sys.executable, "-m", "tp_overlap_plugin.serving.cli", "demo", "--tp", "2", "--iters", "2"],
+    proc = subprocess.run([sys.executable, "-m", "tp_overlap_plugin.cli", "demo", "--tp", "2", "--iters", "2"],
                           capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stderr[-2000:]
     errors = [float(line.split("rel. error ")[1].split(",")[0]) for line in proc.stdout.splitlines()
@@ -147,7 +147,7 @@ def test_serve_on_a_busy_port_ends_with_one_error_line():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc = subprocess.run([sys.executable, "-m", "tp_overlap_plugin.serving.cli", "serve", "--port", str(port),
+        proc = subprocess.run([sys.executable, "-m", "tp_overlap_plugin.cli", "serve", "--port", str(port),
                                "--max-model-len", "64", "--log-level", "warning"],
                               capture_output=True, text=True, timeout=110)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -159,7 +159,10 @@ def test_serve_on_a_busy_port_ends_with_one_error_line():
 def test_serve_checks_its_port_before_loading_the_engine(monkeypatch, capsys):
     import socket
 
+    from tp_overlap_plugin.serving.config import EngineConfig
     from tp_overlap_plugin.serving.engine import async_llm as engine
+    from tp_overlap_plugin.serving.entrypoints.openai.api_server import serve_main
+    from tp_overlap_plugin.serving.entrypoints.openai.server_config import ServerConfig
 
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--port", "99999"])
@@ -176,6 +179,9 @@ def test_serve_checks_its_port_before_loading_the_engine(monkeypatch, capsys):
         busy.listen()
         port = busy.getsockname()[1]
         assert main(["serve", "--port", str(port)]) == 1
+        # (issue 53: the server itself takes typed configs, as a program would call it)
+        with pytest.raises(CliError, match=f"could not listen on 127.0.0.1:{port}"):
+            serve_main(EngineConfig(), ServerConfig(port=port))
     error, hint = _error_lines(capsys)
     assert error == f"tp-overlap serve: error: the server could not listen on 127.0.0.1:{port}: Address already in use"
 
@@ -197,3 +203,22 @@ def test_readme_installs_from_the_checkout_and_has_a_gpu_quick_start():
     flat = " ".join(quick.split())  # a sentence may break its line anywhere
     assert re.search(r"takes (about )?\d+(-\d+)? minutes on 2 cores", flat) and "pytest integration_tests/test_" in flat
 
+
+def test_the_options_make_the_typed_configs():
+    """Issue 53: the command line is read in tp_overlap_plugin/cli/ alone; the server and the benchmarks take
+    typed configs, and the options make exactly those (their defaults are the configs' own)."""
+    from tp_overlap_plugin.cli.bench import offline_config_from_args
+    from tp_overlap_plugin.cli.serve import server_config_from_args
+    from tp_overlap_plugin.serving.benchmarks.offline import OfflineBenchConfig
+    from tp_overlap_plugin.serving.entrypoints.openai.server_config import ServerConfig
+
+    p = build_parser()
+    args = p.parse_args(["serve", "--port", "9", "--no-access-log", "--served-model-name", "x",
+                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--log-level", "debug"])
+    assert server_config_from_args(args) == ServerConfig(port=9, access_log=False, served_model_name="x",
+                                                         tool_parser="hermes", log_level="debug")
+    assert server_config_from_args(p.parse_args(["serve"])) == ServerConfig()
+    assert offline_config_from_args(p.parse_args(["bench", "latency", "--iters", "2"])) == \
+        OfflineBenchConfig(mode="latency", iters=2)
+    assert offline_config_from_args(p.parse_args(["bench", "throughput", "--dataset", "lognormal"])) == \
+        OfflineBenchConfig(dataset="lognormal")

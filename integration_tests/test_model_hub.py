@@ -19,7 +19,7 @@ SCRIPT = r"""
 import json, pathlib, sys, time
 from safetensors.torch import save_file
 from tp_overlap_plugin.serving import LLM, EngineConfig, SamplingParams
-from tp_overlap_plugin.serving.cli import main
+from tp_overlap_plugin.cli.main import main
 from tp_overlap_plugin.serving.config import resolve_model_dir
 from tp_overlap_plugin.serving.model.demo import demo_hf_config, demo_state_dict
 

@@ -31,7 +31,7 @@ def test_the_plugin_never_imports_the_engine():
 
 
 def test_the_command_imports_no_triton_before_it_runs():
-    loaded = _loaded_after("import tp_overlap_plugin.tuning.cli")
+    loaded = _loaded_after("import tp_overlap_plugin.cli.main")
     assert "triton" not in loaded and "tp_overlap_plugin.serving.engine" not in loaded
 
 

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tp_overlap_plugin.serving.cli import main as cli_main
+from tp_overlap_plugin.cli.main import main as cli_main
 from serving_helpers import ServerProcess
 
 pytestmark = pytest.mark.timeout(180)
@@ -138,10 +138,11 @@ def test_bench_serve_reports_throughput_and_latencies(server, tmp_path, capsys, 
     base = server.url + ("/v1" if endpoint == "/v1/chat/completions" else "")
     rc = cli_main(["bench", "serve", "--base-url", base, "--endpoint", endpoint, "--num-prompts", "12",
                    "--random-input-len", "32", "--random-output-len", "8", "--max-concurrency", "4",
-                   "--request-rate", "40", "--seed", "1", "--result-file", str(out), "--save-detailed"])
+                   "--request-rate", "40", "--seed", "1", "--result-file", str(out), "--save-detailed", "--ignore-eos",
+                   "--percentile-metrics", "ttft,tpot,itl,e2el"])
     assert rc == 0, capsys.readouterr().out
     res = json.loads(out.read_text())
-    assert res["completed"] == 12 and res["failed"] == 0 and res["model"] == "demo" and res["base_url"] == server.url
+    assert res["completed"] == 12 and res["failed"] == 0 and res["model_id"] == "demo" and res["base_url"] == server.url
     assert res["total_output_tokens"] == 12 * 8
     if endpoint == "/v1/completions":
         assert res["total_input_tokens"] == 12 * 32     # token-id prompts: exact lengths
@@ -154,8 +155,8 @@ def test_bench_serve_reports_throughput_and_latencies(server, tmp_path, capsys, 
         assert res[f"mean_{m}_ms"] > 0
     assert res["mean_e2el_ms"] > res["mean_ttft_ms"]
     # One chunk per token, except that a token decoding to no text yet rides with the next chunk.
-    assert len(res["requests"]) == 12 and all(len(r["itl"]) <= 7 for r in res["requests"])
-    assert sum(len(r["itl"]) for r in res["requests"]) >= 12 * 7 // 3, [len(r["itl"]) for r in res["requests"]]
+    assert len(res["itls"]) == 12 and all(len(itl) <= 7 for itl in res["itls"])
+    assert sum(len(itl) for itl in res["itls"]) >= 12 * 7 // 3, [len(itl) for itl in res["itls"]]
     captured = capsys.readouterr()
     assert "Output throughput (tok/s)" in captured.out
     assert "requests: 100%" in captured.err and "12/12" in captured.err    # the progress bar
@@ -169,4 +170,4 @@ def test_bench_serve_reports_failures(server, tmp_path, capsys):
     assert rc == 1
     res = json.loads(out.read_text())
     assert res["completed"] == 0 and res["failed"] == 3
-    assert any("HTTP 400" in e and "max_model_len" in e for e in res["errors"])
+    assert any("HTTP 400" in e and "max_model_len" in e for e in res["error_samples"])

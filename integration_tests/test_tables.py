@@ -203,17 +203,14 @@ SHIPPED = sorted(p.relative_to(tables.PACKAGE_DIR).as_posix() for k in tables.KI
                  for p in (tables.PACKAGE_DIR / k.folder).glob("*.json"))
 # tables measured by scripts since retired, or that name no command: the lead regenerates or removes
 # them (a test that passes once one is fixed fails here: strict)
-NO_COMMAND = {"dispatch_tables/h200-tp1.json": "bench/gemv.py, make_dispatch_table.py: retired",
-              "dispatch_tables/h200-tp2.json": "bench/foundation.py, make_dispatch_table.py: retired",
-              "decode_tables/h200.json": "bench/decode_configs.py: retired",
+NO_COMMAND = {"decode_tables/h200.json": "bench/decode_configs.py: retired",
               "gemm_tables/h200.json": "no command: bench/gemm_configs.py's results, made a table by hand"}
 
 
 def _console_script(name: str) -> list[str]:
-    """How to run pyproject's console script `name` as installed."""
-    from importlib.metadata import entry_points
-    (script,) = entry_points(group="console_scripts", name=name)
-    module, func = script.value.split(":")
+    """How to run pyproject's console script `name` from this checkout (its [project.scripts] line)."""
+    (target,) = re.findall(rf'^{re.escape(name)}\s*=\s*"([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    module, func = target.split(":")
     return [sys.executable, "-c", f"import sys, {module} as m; sys.exit(m.{func}())"]
 
 

@@ -108,9 +108,9 @@ def test_parser_registry_and_server_flags():
     assert set(PARSERS) >= {"hermes", "llama3_json"}
     with pytest.raises(ValueError, match="unknown tool-call parser 'mistral'; choose one of hermes, llama3_json"):
         get_parser("mistral")
-    from tp_overlap_plugin.serving.entrypoints.openai.api_server import tool_parser_from_args
-    from tp_overlap_plugin.serving.args import CliError
-    from tp_overlap_plugin.tuning.cli import build_parser   # the tp-overlap command's parser
+    from tp_overlap_plugin.cli.serve import tool_parser_from_args
+    from tp_overlap_plugin.serving.user_errors import CliError
+    from tp_overlap_plugin.cli.main import build_parser   # the tp-overlap command's parser
 
     p = build_parser()
     assert tool_parser_from_args(p.parse_args(["serve"])) is None
@@ -122,7 +122,7 @@ def test_parser_registry_and_server_flags():
 
 
 def test_unknown_parser_is_a_usage_error_listing_the_choices(capsys):
-    from tp_overlap_plugin.tuning.cli import build_parser   # the tp-overlap command's parser
+    from tp_overlap_plugin.cli.main import build_parser   # the tp-overlap command's parser
 
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])

@@ -90,7 +90,7 @@ def test_a_heap_size_that_cannot_be_allocated_gets_advice_that_fits(monkeypatch)
 def _cli(args, env_extra=None, timeout=150):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TP_OVERLAP")}
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "tp_overlap_plugin.serving.cli", *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tp_overlap_plugin.cli", *args], env=env, capture_output=True,
                           text=True, timeout=timeout, cwd=tempfile.gettempdir())
 
 

@@ -29,10 +29,16 @@ from tp_overlap_plugin.dispatch import Dispatcher
 pytestmark = pytest.mark.timeout(300)
 
 
-# the engine check's step times (ms) by the test hook: stock/flag per step size, the 16-token step's
-# replicated round included
-FAKE_STEP_MS = {"decode/1": {"stock": 2.0, "flag": 1.0}, "prefill/8": {"stock": 2.0, "flag": 1.0},
-                "prefill/16": {"stock": 1.0, "flag": 2.0, "replicated": 2.0}}
+# the engine check's step times (ms) by the test hook, per step size: stock, each design's sharded step
+# and the replicated layout's. 8 tokens: both designs win, chunked more (so the verdict chooses it); 16:
+# everything loses (stock); 1 token: not sharded in either design, the replicated layout wins
+FAKE_STEP_MS = {"decode/1": {"stock": 2.0, "replicated": 1.0},
+                "prefill/8": {"stock": 2.0, "kernel": 1.5, "chunked": 1.0, "replicated": 2.0},
+                "prefill/16": {"stock": 1.0, "kernel": 2.0, "chunked": 2.0, "replicated": 2.0}}
+# rows made to fail on purpose (the test hook of tuning/phases.py): a fused all-reduce + norm row's check
+# fails on every rank; the last rank dies while it measures a one-launch GEMM-RS row. tune goes on, those
+# rows are left out (stock) and listed, and the rest of the table is whole
+FAIL = {"all_reduce/norm/128x1": "check", "fused_ops/rs/4x64x128": "crash"}
 DEMO_OPS = (("ag", 128, 128), ("ag", 128, 256), ("rs", 64, 128), ("rs", 128, 128))  # the demo's at TP=2
 
 
@@ -40,7 +46,7 @@ def _tune(cache: Path, *args, timeout=240, env_extra=None):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(env_extra or {})
     env["TP_OVERLAP_CACHE"] = str(cache)
-    return subprocess.run([sys.executable, "-m", "tp_overlap_plugin.tuning.cli", "tune", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "tp_overlap_plugin.cli", "tune", *args], env=env,
                           capture_output=True, text=True, timeout=timeout, cwd=tempfile.gettempdir())
 
 
@@ -49,8 +55,9 @@ def tuned(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
     # a budget no CI machine reaches: the test is of the pipeline, not of the budget
     proc = _tune(cache, "--tp", "2", "--quick", "--device", "cpu", "--model", "demo", "--margin", "0",
-                 "--engine-margin", "1.01", "--budget-min", "30", env_extra={"TP_OVERLAP_TUNE_FAKE_STEP_MS": json.dumps(FAKE_STEP_MS)},
-                 timeout=480)
+                 "--engine-margin", "1.01", "--budget-min", "30", timeout=480,
+                 env_extra={"TP_OVERLAP_TUNE_FAKE_STEP_MS": json.dumps(FAKE_STEP_MS),
+                            "TP_OVERLAP_TUNE_FAIL": json.dumps(FAIL)})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return cache, proc
 
@@ -59,10 +66,20 @@ def tuned(tmp_path_factory):
 def test_tune_prints_its_estimate_first_and_writes_the_tables(tuned):
     cache, proc = tuned
     assert "leaked semaphore" not in proc.stderr, proc.stderr[-2000:]
+    # the rows failed on purpose: one line each as it happened, the list at the end, and the exit code 0
+    assert "all_reduce/norm/128x1 failed its check and runs stock" in proc.stderr, proc.stderr[-3000:]
+    assert "a rank died measuring fused_ops/rs/4x64x128" in proc.stderr, proc.stderr[-3000:]
+    assert "2 rows failed and run stock" in proc.stderr, proc.stderr[-3000:]
     first = proc.stderr.strip().splitlines()[0]
     assert first.startswith("tp-overlap tune: demo at TP=2 on cpu (quick)") and "estimated" in first, first
     table = json.loads((cache / "dispatch" / "cpu-tp2.json").read_text())
     assert table["models"] == ["demo"] and table["world"] == 2 and table["margin"] == 0
+    assert [(f["phase"], f["key"]) for f in table["failed"]] == [("all_reduce", "norm/128x1"),
+                                                                 ("fused_ops", "rs/4x64x128")], table["failed"]
+    assert "failed on purpose" in table["failed"][0]["why"] and "a rank died" in table["failed"][1]["why"]
+    # no row without a time: the all-reduce section holds the measured message sizes alone
+    assert [r["bytes"] for r in table["all_reduce"]] == [8192], table["all_reduce"]
+    assert all(r["ours_graph_us"] is not None or r["ours_eager_us"] is not None for r in table["all_reduce"])
     assert {k: table[k] for k in tables.VERSION_KEYS} == tables.versions("cpu")
     # every local matmul of the demo model at TP=2 has its GEMV rows and (column/row layers) fused rows
     d = Dispatcher.load("table", "cpu", 2, path=cache / "dispatch" / "cpu-tp2.json")
@@ -79,13 +96,18 @@ def test_tune_prints_its_estimate_first_and_writes_the_tables(tuned):
     evidence = (cache / "evidence" / "cpu-tp2.md").read_text()
     assert "Regenerate: `tp-overlap tune --tp 2 --model demo`" in evidence and "# GEMM core configs" in evidence
     assert "# Decode matmul configs" in evidence and "## gate_up + SiLU-mul" in evidence
-    # the engine's verdict: the 16-token step lost (sequence-parallel, then replicated too): stock there
-    assert table["engine_margin"] == 1.01
-    assert [(r["kind"], r["M"], r["layout"], r["runs"], "replicated_ms" in r) for r in table["engine"]] == [
-        ("decode", 1, "replicated", "flag", False), ("prefill", 8, "sharded", "flag", False),
-        ("prefill", 16, "sharded", "stock", True)]
-    assert [d.step_runs(m, DEMO_OPS) for m in (1, 3, 8, 9, 16, 64)] == ["flag", "flag", "flag", "stock", "stock",
-                                                                       "stock"]
+    # the engine's verdict: the chunked design chosen (it won 8 tokens); the 16-token step lost in every
+    # layout: stock there; one token is not sharded in either design: the replicated layout
+    assert table["engine_margin"] == 1.01 and table["fused_ops"] == "chunked" and d.fused_ops == "chunked"
+    assert all(r["key"].endswith("@chunked") for r in table["gemm"]), table["gemm"]
+    assert [(r["kind"], r["M"], r["layout"], r["runs"], r.get("design"), "kernel" in r, "chunked" in r)
+            for r in table["engine"]] == [
+        ("decode", 1, "replicated", "replicated", None, False, False),
+        ("prefill", 8, "sharded", "flag", "chunked", False, True),
+        ("prefill", 16, "sharded", "stock", None, False, True)]
+    # (the one-launch design lost its GEMM-RS row to the crash: it has no sharded layout, so no sharded round)
+    assert [d.step_runs(m, DEMO_OPS) for m in (1, 3, 8, 9, 16, 64)] == ["replicated", "replicated", "flag", "stock",
+                                                                       "stock", "stock"]
     assert d.step_runs(16, DEMO_OPS[2:]) == "stock"   # vLLM's question: its row layers' ops only
     assert "## The engine's verdict" in evidence and "# This run: wall time per phase" in evidence
     # CPU rows are a smoke run, not CUDA-graph timings of a GPU; no heading without rows under it
@@ -111,7 +133,8 @@ def test_a_server_with_the_flag_uses_the_cached_tables(tuned):
     env = {**os.environ, "TRITON_INTERPRET": "1", "TP_OVERLAP_CACHE": str(cache)}
     with ServerProcess(args, env=env, start_timeout=240) as srv:
         with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=240) as c:
-            c.completions.create(model="demo", prompt="Hi", max_tokens=2, temperature=0)  # 3 prompt tokens
+            # 8 prompt tokens: the step size whose sharded chunked step won; then 1-row decode steps
+            c.completions.create(model="demo", prompt="Hi ther", max_tokens=2, temperature=0)
             metrics = httpx.get(srv.url + "/metrics", timeout=30).text
             # 16 prompt tokens: a step size whose engine check lost, served stock
             c.completions.create(model="demo", prompt="Hi there, again", max_tokens=1, temperature=0)
@@ -120,8 +143,10 @@ def test_a_server_with_the_flag_uses_the_cached_tables(tuned):
     assert f"cache table {cache / 'dispatch' / 'cpu-tp2.json'}" in log, log
     assert "no dispatch table" not in log and "no rows for this model" not in log, log
     calls, calls_after = _op_calls(metrics), _op_calls(after)
-    # prefill (M >= 4 tokens): the sharded layout's fused ops; decode (1 row): our GEMV
-    assert calls.get("ag_gemm.kernel", 0) > 0 and calls.get("gemm_rs.kernel", 0) > 0, calls
+    # prefill (M >= 4 tokens): the sharded layout's fused ops, of the design the verdict chose (chunked);
+    # decode (1 row): our GEMV
+    assert calls.get("chunked_ag.kernel", 0) > 0 and calls.get("chunked_rs.kernel", 0) > 0, calls
+    assert "ag_gemm.kernel" not in calls, calls
     assert calls.get("gemv.kernel", 0) > 0, calls
     # the 16-token step: none of our kernels, counted as served stock by the verdict
     assert {k: v for k, v in calls_after.items() if k.endswith(".kernel")} == \
@@ -266,7 +291,7 @@ def test_only_measures_the_named_phases(tmp_path, capsys):
     """`tune --only PHASE` (what the retired bench/gemv.py, gemm_ar.py, ... ran): that phase's rows and
     no other's; the dispatch table is built (of them), the config tables' phases are not run; a phase
     that does not exist is a one-line usage error naming the phases, before any rank starts."""
-    from tp_overlap_plugin.tuning.cli import main
+    from tp_overlap_plugin.cli.main import main
     with pytest.raises(SystemExit) as exit_:
         main(["tune", "--tp", "1", "--device", "cpu", "--model", "demo", "--only", "gemv,bogus"])
     err = capsys.readouterr().err
@@ -294,7 +319,7 @@ def test_two_runs_at_once_leave_one_valid_file_with_both_runs_rows(tmp_path):
         "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}))
     cache = tmp_path / "cache"
     env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "TP_OVERLAP_CACHE": str(cache)}
-    procs = [subprocess.Popen([sys.executable, "-m", "tp_overlap_plugin.tuning.cli", "tune", "--tp", "1", "--quick",
+    procs = [subprocess.Popen([sys.executable, "-m", "tp_overlap_plugin.cli", "tune", "--tp", "1", "--quick",
                                "--device", "cpu", "--model", model, "--budget-min", "30"], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir()) for model in ("demo", str(tiny))]
     outs = [p.communicate(timeout=240) for p in procs]
@@ -317,15 +342,22 @@ def test_the_verdict_rule_and_its_lookup_per_step_size():
     """rules.step_verdict: the flag where it won by the margin in every repeat, else its ops replicated
     where those did (against their own round's stock times), else stock; Dispatcher.step_runs: the
     more cautious measured neighbour, rows of the model whose ops include the question's."""
-    from tp_overlap_plugin.tuning.rules import step_verdict
+    from tp_overlap_plugin.tuning.rules import choose_design, step_verdict
 
     stock, fast, tie = [1.1, 1.1, 1.1], [1.0, 1.0, 1.0], [1.0, 1.0, 1.09]
-    assert step_verdict({"stock_ms_repeats": stock, "flag_ms_repeats": fast}, 1.05) == "flag"
-    assert step_verdict({"stock_ms_repeats": stock, "flag_ms_repeats": tie}, 1.05) == "stock"  # one repeat short
-    lost = {"stock_ms_repeats": stock, "flag_ms_repeats": tie}
+    won = {"kernel_stock_ms_repeats": stock, "kernel_ms_repeats": fast}
+    assert step_verdict(won, 1.05, "kernel") == "flag"
+    assert step_verdict(won, 1.05, "chunked") == "stock"  # an engine of the other design: not measured sharded
+    assert step_verdict({"kernel_stock_ms_repeats": stock, "kernel_ms_repeats": tie}, 1.05) == "stock"  # one short
+    lost = {"kernel_stock_ms_repeats": stock, "kernel_ms_repeats": tie}
     assert step_verdict({**lost, "replicated_stock_ms_repeats": stock, "replicated_ms_repeats": fast}, 1.05) == \
         "replicated"
     assert step_verdict({**lost, "replicated_stock_ms_repeats": fast, "replicated_ms_repeats": fast}, 1.05) == "stock"
+    # the design: the most step sizes won, then the larger summed ratio; none measured: the first
+    both = {"a": {**won, "chunked_stock_ms_repeats": stock, "chunked_ms_repeats": [0.9] * 3},
+            "b": {**lost, "chunked_stock_ms_repeats": stock, "chunked_ms_repeats": fast}}
+    assert choose_design(both, 1.05) == "chunked"
+    assert choose_design({"a": won}, 1.05) == "kernel" and choose_design({}, 1.05, ("chunked", "kernel")) == "chunked"
 
     mine = [["ag", 16, 8], ["rs", 8, 16]]
     rows = [{"M": 1, "shapes": mine, "runs": "flag"}, {"M": 64, "shapes": mine, "runs": "replicated"},

@@ -201,6 +201,10 @@ def test_options_and_switches(monkeypatch):
         parse_options({"tp_overlap": {"max_byte": 1}})
     with pytest.raises(ValueError, match="must be an object"):
         parse_options({"tp_overlap": "yes"})
+    # an option the adapter would never read is refused, naming it (the default is accepted)
+    with pytest.raises(ValueError, match="fused_ops='chunked'.*all-reduce only"):
+        parse_options({"tp_overlap": {"fused_ops": "chunked"}})
+    assert parse_options({"tp_overlap": {"fused_ops": "auto"}}) == Options()
     monkeypatch.setenv("TP_OVERLAP", "1")
     assert parse_options({}) == Options()
     monkeypatch.setenv("TP_OVERLAP", "0")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 
-# Resolved on first use: the `tp-overlap` command (serving/cli.py) has to set TRITON_INTERPRET before
+# Resolved on first use: the `tp-overlap` command (tp_overlap_plugin/cli/) has to set TRITON_INTERPRET before
 # anything imports Triton, and the engine imports Triton through the kernels. An eager import here
 # would run before the command's first line.
 _EXPORTS = {"EngineConfig": ".config", "ModelConfig": ".config", "SamplingParams": ".config",

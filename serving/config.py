@@ -345,6 +345,14 @@ class SamplingParams(BaseModel):
     min_tokens: int = Field(0, ge=0, description="the end-of-sequence and stop_token_ids cannot be sampled, and "
                             "stop strings are not matched, until this many tokens were generated (vLLM's)")
     skip_special_tokens: bool = Field(True, description="leave special tokens out of the text")
+    # (apiext) vLLM's: the front end tokenizes bad_words (input_processor.py); the core bans each word's last
+    # token after its other tokens.
+    bad_words: list[str] = Field(default_factory=list, description="words whose tokens are never generated in "
+                                 "sequence (vLLM's bad_words)")
+    allowed_token_ids: Optional[list[int]] = Field(None, min_length=1, description="only these tokens can be "
+                                                   "generated")
+    cache_salt: Optional[str] = Field(None, min_length=1, description="prefix-cache blocks are shared only among "
+                                      "requests with the same salt")
 
     @model_validator(mode="before")
     @classmethod
@@ -372,6 +380,10 @@ class SamplingParams(BaseModel):
         if self.structured_output is not None and self.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with a structured output: the grammar ends the "
                              "output with the end-of-sequence token once the JSON is complete")
+        if any(t < 0 for t in self.allowed_token_ids or ()):
+            raise ValueError("allowed_token_ids must be non-negative")
+        if any(w == "" for w in self.bad_words):
+            raise ValueError("bad_words must be non-empty strings")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} is more than max_tokens={self.max_tokens}")
         if self.structured_output is not None and self.min_tokens:
@@ -387,7 +399,7 @@ class SamplingParams(BaseModel):
     @property
     def needs_token_state(self) -> bool:
         """Whether sampling reads per-sequence state kept on the device (sampler.TokenState)."""
-        return self.penalized or bool(self.logit_bias)
+        return self.penalized or bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def greedy(self) -> bool:

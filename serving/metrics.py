@@ -9,8 +9,10 @@ Each server owns its own registry, so several servers (or tests) in one process 
 
 Beside ours, the series vLLM's Grafana dashboard and alerts read, under vLLM's names (`vllm:` prefix) and
 labels (`model_name`, `engine`; one engine here, "0"): requests running and waiting, KV-cache usage,
-preemptions, prompt and generation tokens, finished requests, and the TTFT, inter-token (also under its
-older name, time_per_output_token), per-request TPOT and end-to-end latency histograms. Counters are declared without `_total`, which prometheus_client appends,
+preemptions, prompt and generation tokens (counters, and per request the request_prompt_tokens and
+request_generation_tokens histograms with vLLM's 1-2-5 buckets up to max_model_len), finished requests, and
+the TTFT, inter-token (also under its older name, time_per_output_token), per-request TPOT and end-to-end
+latency histograms. Counters are declared without `_total`, which prometheus_client appends,
 so the exposed names are exactly vLLM's (`vllm:generation_tokens_total`).
 """
 
@@ -76,8 +78,20 @@ class _EngineCollector:
         yield c
 
 
+def token_count_buckets(max_model_len: int) -> list[int]:
+    """vLLM's buckets of the token-count histograms: 1, 2, 5, 10, 20, 50, ... up to max_model_len."""
+    out, exponent = [], 0
+    while True:
+        for m in (1, 2, 5):
+            b = m * 10 ** exponent
+            if b > max_model_len:
+                return out
+            out.append(b)
+        exponent += 1
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], Optional[dict]]):
+    def __init__(self, model_name: str, stats: Callable[[], Optional[dict]], max_model_len: int = 4096):
         # The *_created timestamp series double the output and no dashboard reads them.
         disable_created_metrics()
         self.registry = CollectorRegistry()
@@ -100,7 +114,7 @@ class ServerMetrics:
                                "HTTP generation requests being served (includes tokenization and streaming)",
                                m, registry=r)
         r.register(_EngineCollector(stats, model_name))
-        self.vllm = _VllmSeries(r, model_name)
+        self.vllm = _VllmSeries(r, model_name, max_model_len)
 
     def observe_prompt(self, num_tokens: int) -> None:
         self.prompt_tokens.labels(self.model_name).inc(num_tokens)
@@ -114,9 +128,12 @@ class ServerMetrics:
             self.vllm.tpot.observe(gap_s / num_tokens)
 
     def observe_sequence(self, endpoint: str, finish_reason: Optional[str], arrival: float,
-                         first_token: Optional[float], last_token: Optional[float], num_generated: int) -> None:
-        """One finished (or aborted) choice of a request."""
+                         first_token: Optional[float], last_token: Optional[float], num_generated: int,
+                         num_prompt: int = 0) -> None:
+        """One finished (or aborted) choice of a request (one engine request, as vLLM counts them)."""
         name, v = self.model_name, self.vllm
+        v.request_prompt_tokens.observe(num_prompt)
+        v.request_generation_tokens.observe(num_generated)
         self.requests.labels(name, endpoint, finish_reason or "error").inc()
         v.request_success(finish_reason or "error").inc()
         self.generation_tokens.labels(name).inc(num_generated)
@@ -138,7 +155,7 @@ class ServerMetrics:
 class _VllmSeries:
     """The request-level series under vLLM's names, each bound to this server's labels."""
 
-    def __init__(self, r: CollectorRegistry, model_name: str):
+    def __init__(self, r: CollectorRegistry, model_name: str, max_model_len: int):
         lv = (model_name, ENGINE_INDEX)
 
         def hist(name, doc, buckets):
@@ -151,6 +168,10 @@ class _VllmSeries:
         success = Counter(f"{VLLM}request_success", "Finished sequences by finish reason",
                           VLLM_LABELS + ["finished_reason"], registry=r)
         self.request_success = lambda reason: success.labels(*lv, reason)
+        tokens = token_count_buckets(max_model_len)
+        self.request_prompt_tokens = hist("request_prompt_tokens", "Prompt tokens of each finished request", tokens)
+        self.request_generation_tokens = hist("request_generation_tokens", "Generated tokens of each finished "
+                                              "request", tokens)
         self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first token", _TTFT_BUCKETS)
         self.tpot = hist("time_per_output_token_seconds", "Time between consecutive output tokens of a sequence "
                          "(vLLM's older name of inter_token_latency_seconds)", _TPOT_BUCKETS)

@@ -99,8 +99,10 @@ class Dispatcher:
         its verdict (both were timed on ops this engine does not run), so the layout stays replicated
         and the rest of the table (all-reduces, decode matmuls) still applies; with a warning that
         names the tune command that measures this design."""
-        if self.mode != "table" or self.fused_ops == fused_ops:
+        if fused_ops in ("auto", self.fused_ops):
             return self
+        if self.mode != "table":  # no rows to leave out: the design the engine was told to run
+            return dataclasses.replace(self, fused_ops=fused_ops)
         if not (self.gemm or self.engine_rows):  # nothing of the other design; the advice names this one
             return dataclasses.replace(self, fused_ops=fused_ops, _layouts={}, _answers={})
         warning = (f"the dispatch table measured the {self.fused_ops!r} fused ops, and this engine runs "
@@ -130,7 +132,7 @@ class Dispatcher:
                  else f"no {self.missing} in the cache {cached.parent} nor shipped")
         return (f"tp_overlap: no dispatch table for {device_name} at TP={world} ({where}), so the flag runs "
                 f"the stock path for every op on this device. Run "
-                f"`{tables.tune_command(world, model, self.fused_ops)}` on this "
+                f"`{tables.tune_command(world, model)}` on this "
                 f"machine to measure one; or set the tp_overlap option \"dispatch\": \"overlap\" to force our kernels.")
 
     def missing_shapes(self, ops: Iterable[tuple[str, int, int]], world: int) -> list[tuple[str, int, int]]:
@@ -161,7 +163,7 @@ class Dispatcher:
         if lacking:
             out.append(f"tp_overlap: the dispatch table ({self.source}) has no rows for this model's "
                        f"{', '.join(f'{layer} K={k} N={n}' for layer, k, n in lacking)}, so those layers run stock. "
-                       f"Run `{tables.tune_command(world, model, self.fused_ops)}` to measure them.")
+                       f"Run `{tables.tune_command(world, model)}` to measure them.")
         return out
 
     @_remembered

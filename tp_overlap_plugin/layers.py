@@ -310,6 +310,11 @@ class TPLayers:
             reduce_into_norm: bool = False) -> RowParallelLinear:
         return RowParallelLinear(self.tp, input_size, output_size, bias, self.dtype, self.device)
 
+    def graph_step(self, tokens: int) -> bool:
+        """Whether a step of `tokens` above the engine's default graph size runs in a piecewise graph
+        (serving/worker/piecewise.large_buckets): never for the stock layers, which run such steps eagerly."""
+        return False
+
     def lm_head(self, vocab_size: int, hidden: int, tied_to: VocabParallelEmbedding | None = None) -> ParallelLMHead:
         return ParallelLMHead(self.tp, vocab_size, hidden, self.dtype, self.device, tied_to)
 

@@ -31,7 +31,11 @@ ENV_SWITCH = "TP_OVERLAP"
 DISPATCH_MODES = ("table", "overlap", "stock")
 CONFIG_KEY = "tp_overlap"
 BACKENDS = ("torch", "ipc", "shm")
-FUSED_OPS = ("kernel", "chunked")
+# The sequence-parallel layout's AG-GEMM / GEMM-RS designs (DESIGN.md; ops/ag_gemm.py and gemm_rs.py: one
+# launch each; ops/chunked.py: the vendor GEMM per peer's block, the copy engine pulling), and the option
+# that picks one: "auto", the design the dispatch table's verdict chose (tune measures both)
+DESIGNS = ("kernel", "chunked")
+FUSED_OPS = ("auto", *DESIGNS)
 # The all-reduce's capacity: larger messages take the stock all-reduce.
 DEFAULT_MAX_BYTES = 8 << 20
 # The heap's own control block (error slot, host-barrier flags), with room to spare.
@@ -47,7 +51,7 @@ _ON = ("1", "true", "on", "yes")
 
 
 def _option(default, help: str):
-    """A field with its one description, which --help prints (serving/args.py)."""
+    """A field with its one description, which --help prints (tp_overlap_plugin/cli/engine_args.py)."""
     return dataclasses.field(default=default, metadata={"help": help})
 
 
@@ -69,11 +73,12 @@ class TPOverlapOptions:
     dispatch_table: Optional[str] = _option(None, "a dispatch table JSON to use instead of the cached or shipped one")
     backend: Optional[Literal["torch", "ipc", "shm"]] = _option(
         None, "the heap backend; default per device: torch on CUDA, ipc on ROCm, shm on the CPU")
-    fused_ops: Literal["kernel", "chunked"] = _option(
-        "kernel", "the sequence-parallel layout's fused AG-GEMM / GEMM-RS: kernel: one Triton launch each, "
-                  "GEMM and pushes in it; chunked: the vendor GEMM per peer's block, the copy engine pulling the "
-                  "blocks beside it, every prefill step size in CUDA graphs (ops/chunked.py); tune it with "
-                  "`tp-overlap tune --fused-ops chunked`")
+    fused_ops: Literal["auto", "kernel", "chunked"] = _option(
+        "auto", "the sequence-parallel layout's fused AG-GEMM / GEMM-RS: auto: the design the dispatch table's "
+                "verdict chose (`tp-overlap tune` measures both in the engine); kernel: one Triton launch each, "
+                "GEMM and pushes in it; chunked: the vendor GEMM per peer's block, the copy engine pulling the "
+                "blocks beside it, its prefill step sizes in CUDA graphs (ops/chunked.py). An explicit design "
+                "the table did not choose runs without the table's fused-op rows and verdict (replicated layout)")
     max_bytes: int = _option(DEFAULT_MAX_BYTES, "the largest message our all-reduce takes; larger ones take the "
                                                 "stock all-reduce")
 
@@ -222,16 +227,31 @@ def env_step_trace() -> Optional[str]:
     return os.environ.get(STEP_TRACE_ENV) or None
 
 
-def env_api_key(openai_too: bool = False) -> Optional[str]:
-    """TP_OVERLAP_API_KEY: the server's key (and the load generator's); with `openai_too`, OPENAI_API_KEY
-    after it (the load generator talks to any OpenAI-compatible server)."""
+def env_api_key(openai_too: bool = False, vllm_too: bool = False) -> Optional[str]:
+    """TP_OVERLAP_API_KEY: the server's key (and the load generator's); with `vllm_too` (the server),
+    VLLM_API_KEY after it, as `vllm serve` reads it; with `openai_too`, OPENAI_API_KEY after it (the load
+    generator talks to any OpenAI-compatible server)."""
     key = os.environ.get("TP_OVERLAP_API_KEY")
+    if not key and vllm_too:
+        key = os.environ.get("VLLM_API_KEY")
     if not key and openai_too:
         key = os.environ.get("OPENAI_API_KEY")
     return key or None
+
+
+def env_max_request_body_bytes() -> Optional[int]:
+    """TP_OVERLAP_MAX_REQUEST_BODY_BYTES: the server's request body limit (--max-request-body-bytes' default)."""
+    raw = os.environ.get("TP_OVERLAP_MAX_REQUEST_BODY_BYTES")
+    return int(raw) if raw else None
 
 
 def env_tune_fake_step_ms() -> dict:
     """TP_OVERLAP_TUNE_FAKE_STEP_MS: a JSON object of engine-check step times that tests impose
     (tuning/engine_check.py); {} when unset."""
     return json.loads(os.environ.get("TP_OVERLAP_TUNE_FAKE_STEP_MS") or "{}")
+
+
+def env_tune_fail() -> dict:
+    """TP_OVERLAP_TUNE_FAIL: a JSON object {"<phase>/<key>": "check" | "crash"} of tune rows that tests make
+    fail on purpose (tuning/phases.py); {} when unset."""
+    return json.loads(os.environ.get("TP_OVERLAP_TUNE_FAIL") or "{}")

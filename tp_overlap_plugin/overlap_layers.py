@@ -182,6 +182,16 @@ class OverlapTPLayers(TPLayers):
             self._gemm_ar_norm[n] = GemmAllReduceNorm(self.gemm_ar_op(n))
         return self._gemm_ar_norm[n]
 
+    def graph_step(self, tokens: int) -> bool:
+        """A step of `tokens` above the default graph size runs in a piecewise graph where the flag runs it
+        with the chunked fused ops in the sharded layout (their ~20 host operations a call lose eagerly),
+        by the table and its verdict for that size; every other such step runs eagerly, as stock's does."""
+        w = self.tp.world_size
+        if w == 1 or self.fused_ops != "chunked":
+            return False
+        return (self.dispatcher.step_runs(tokens, tuple(sorted(self._ops))) == "flag"
+                and self.dispatcher.sequence_parallel(-(-tokens // w) * w, self._ops))
+
     def begin_step(self, tokens: int) -> None:
         if tokens > self.max_tokens:
             raise ValueError(f"step has {tokens} tokens, the overlap layers were sized for {self.max_tokens} "

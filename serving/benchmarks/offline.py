@@ -14,16 +14,14 @@ draws long-tailed lengths instead (serving/benchmarks/workloads.py), the same li
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
 import torch
 
-from ..args import CliError, add_debug_arg, add_engine_args, engine_config_from_args
 from ..config import EngineConfig, SamplingParams
 from ..engine.llm import LLM
 from .workloads import lognormal_lengths
@@ -154,43 +152,22 @@ def scenario(llm: LLM, batch: int, input_len: int, output_len: int, seed: int = 
     return res
 
 
-def add_bench_offline_subcommands(bench_sub) -> None:
-    """`throughput` and `latency` under `tp-overlap bench`."""
-    t = bench_sub.add_parser("throughput", help="offline throughput: num-prompts random requests at once")
-    add_engine_args(t)
-    g = t.add_argument_group("benchmark")
-    g.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (lognormal: the median)")
-    g.add_argument("--output-len", type=int, default=128, help="output tokens per request (lognormal: the median)")
-    g.add_argument("--num-prompts", type=int, default=64, help="requests per round")
-    g.add_argument("--dataset", default="fixed", choices=["fixed", "lognormal"],
-                   help="lognormal: long-tailed lengths (ShareGPT-like) with --input-len/--output-len as medians, "
-                        "clipped to max-model-len")
-    g.add_argument("--lognormal-sigma", type=float, default=1.0, help="shape of the lognormal lengths")
-    g.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: all)")
-    g.add_argument("--min-seconds", type=float, default=0.0,
-                   help="repeat the num-prompts round (fresh prompts) until this much time is measured")
-    g.add_argument("--output-json", default=None, metavar="PATH", help="also write the results as JSON here")
-    add_debug_arg(t)
-    t.set_defaults(func=_main, mode="throughput")
-    lat = bench_sub.add_parser("latency", help="one batch, end to end, repeated: TTFT and decode step time")
-    add_engine_args(lat)
-    g = lat.add_argument_group("benchmark")
-    g.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
-    g.add_argument("--output-len", type=int, default=128, help="output tokens per request")
-    g.add_argument("--batch-size", type=int, default=1, help="requests in the batch")
-    g.add_argument("--iters", type=int, default=3, help="times the batch runs (the first warms up)")
-    g.add_argument("--output-json", default=None, metavar="PATH", help="also write the results as JSON here")
-    add_debug_arg(lat)
-    lat.set_defaults(func=_main, mode="latency")
-
-
-def _check_args(args: argparse.Namespace) -> None:
-    names = ["input_len", "output_len"] + (["num_prompts"] if args.mode == "throughput" else ["batch_size", "iters"])
-    for name in names:
-        if getattr(args, name) < 1:
-            raise CliError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if getattr(args, "max_concurrency", None) is not None and args.max_concurrency < 1:
-        raise CliError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+@dataclass(frozen=True)
+class OfflineBenchConfig:
+    """What `bench throughput` / `bench latency` run (the engine is the EngineConfig beside it)."""
+    mode: Literal["throughput", "latency"] = "throughput"
+    input_len: int = 128          # prompt tokens per request (lognormal: the median)
+    output_len: int = 128         # output tokens per request (lognormal: the median)
+    # throughput
+    num_prompts: int = 64         # requests per round
+    dataset: Literal["fixed", "lognormal"] = "fixed"
+    lognormal_sigma: float = 1.0
+    max_concurrency: Optional[int] = None
+    min_seconds: float = 0.0      # repeat the round (fresh prompts) until this much time is measured
+    # latency
+    batch_size: int = 1
+    iters: int = 3                # times the batch runs (the first warms up)
+    output_json: Optional[str] = None
 
 
 def format_table(res: dict) -> str:
@@ -217,30 +194,29 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def _main(args: argparse.Namespace) -> int:
-    _check_args(args)
-    cfg: EngineConfig = engine_config_from_args(args)
+def bench_offline_main(cfg: EngineConfig, bench: OfflineBenchConfig) -> int:
+    """Run the benchmark on an engine of `cfg`, print the table, write the JSON where asked."""
     with LLM(cfg) as llm:
         if not llm.is_driver:
             return 0
-        if args.mode == "throughput" and args.dataset == "lognormal":
-            lengths = lognormal_lengths(args.num_prompts, args.input_len, args.output_len, args.lognormal_sigma,
+        if bench.mode == "throughput" and bench.dataset == "lognormal":
+            lengths = lognormal_lengths(bench.num_prompts, bench.input_len, bench.output_len, bench.lognormal_sigma,
                                         llm.engine.max_model_len, cfg.seed)
-            res = measure(llm, lengths, cfg.seed, max_concurrency=args.max_concurrency, min_seconds=args.min_seconds)
+            res = measure(llm, lengths, cfg.seed, max_concurrency=bench.max_concurrency, min_seconds=bench.min_seconds)
             res.update(dataset="lognormal", input_lens=[i for i, _ in lengths], output_lens=[o for _, o in lengths])
-        elif args.mode == "throughput":
-            res = scenario(llm, args.num_prompts, args.input_len, args.output_len, cfg.seed,
-                           max_concurrency=args.max_concurrency, min_seconds=args.min_seconds)
+        elif bench.mode == "throughput":
+            res = scenario(llm, bench.num_prompts, bench.input_len, bench.output_len, cfg.seed,
+                           max_concurrency=bench.max_concurrency, min_seconds=bench.min_seconds)
         else:
-            runs = [scenario(llm, args.batch_size, args.input_len, args.output_len, cfg.seed + i, warmup=i == 0)
-                    for i in range(args.iters)]
+            runs = [scenario(llm, bench.batch_size, bench.input_len, bench.output_len, cfg.seed + i, warmup=i == 0)
+                    for i in range(bench.iters)]
             res = {"runs": runs, "median_elapsed_s": statistics.median(r["elapsed_s"] for r in runs),
                    "median_tpot_ms": statistics.median(r["tpot_ms"].get("median", 0.0) for r in runs),
                    "median_ttft_ms": statistics.median(r["ttft_ms"]["median"] for r in runs)}
     res["config"] = json.loads(cfg.model_dump_json())
     print(format_table(res))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
+    if bench.output_json:
+        with open(bench.output_json, "w") as f:
             json.dump(res, f, indent=2)
-        print(f"results written to {args.output_json}")
+        print(f"results written to {bench.output_json}")
     return 0

@@ -9,6 +9,9 @@ tokens and the key of the block before it, so equal keys mean equal token prefix
 keys/values. When its last owner frees it, it stays in the free pool with its contents and its key;
 a later sequence with the same prefix takes it back instead of recomputing it. The free pool is
 LRU: a block is overwritten only when it is the least recently freed.
+
+A chain of keys starts at a root: None, or a request's cache salt (vLLM's cache_salt), so that requests
+with different salts never share a block, however alike their prompts.
 """
 
 from __future__ import annotations
@@ -84,14 +87,15 @@ class BlockManager:
             key = (hash(key), tuple(tokens[i * bs:(i + 1) * bs]))
             yield key
 
-    def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], Optional[tuple]]:
-        """Take the cached blocks that hold the longest full-block prefix of `tokens`, leaving at least
-        one token uncomputed (its logits are needed). Returns (block table, key of its last block)."""
+    def match_prefix(self, tokens: Sequence[int], root=None) -> tuple[list[int], Optional[tuple]]:
+        """Take the cached blocks that hold the longest full-block prefix of `tokens` under the key chain
+        that starts at `root`, leaving at least one token uncomputed (its logits are needed). Returns
+        (block table, key of its last block, or `root` when none matched)."""
         table: list[int] = []
-        last = None
+        last = root
         if not self.enable_prefix_caching:
             return table, last
-        for key in self._keys(tokens, (len(tokens) - 1) // self.block_size):
+        for key in self._keys(tokens, (len(tokens) - 1) // self.block_size, root):
             b = self.cached.get(key)
             if b is None:
                 break

@@ -100,7 +100,8 @@ class EngineCore:
         structured output, is compiled here unless the request carries it."""
         self._require_driver()
         params = request.params
-        seq = Sequence(request_id, request.prompt, request.prompt_ids, params, eos_ids=request.eos_ids)
+        seq = Sequence(request_id, request.prompt, request.prompt_ids, params, eos_ids=request.eos_ids,
+                       bad_words_ids=request.bad_words_ids)
         if params.structured_output is not None:
             grammar = request.grammar if request.grammar is not None else self.structured.compile(
                 params.structured_output)
@@ -215,7 +216,8 @@ class EngineCore:
             prompt_logits = [(seq, result.logits[r0:r0 + cnt].float()) for seq, r0, cnt in prompt_rows]
         except Exception as e:
             self._fail(e)
-        if pending is not None and any(s.grammar is not None and s.inflight for s in seqs):
+        if pending is not None and any(s.inflight and (s.grammar is not None or s.bad_words_ids and _has_long_bad_word(s))
+                                      for s in seqs):
             early = self._finalize(pending)
         try:
             sampling = None
@@ -288,6 +290,10 @@ class EngineCore:
         banned = [(i, t) for i, (s, ok) in enumerate(zip(seqs, live))
                   if ok and s.params.min_tokens and s.num_output + s.inflight < s.params.min_tokens
                   for t in _stop_ids(s)]
+        # (apiext) bad_words: a word's last token cannot follow its other tokens (a one-token word: never).
+        # A sequence with a longer word has all its tokens on the host here (see _launch).
+        banned += [(i, t) for i, (s, ok) in enumerate(zip(seqs, live)) if ok and s.bad_words_ids
+                   for t in _bad_word_ends(s)]
         if banned:
             kw.update(banned=torch.tensor(banned, dtype=torch.int64).T.to(self.device))
         masked = [i for i, (s, ok) in enumerate(zip(seqs, live)) if ok and s.grammar is not None]
@@ -365,6 +371,22 @@ class EngineCore:
     def _reaches_length(self, seq: Sequence, ahead: int) -> bool:
         """With `ahead` more tokens, `seq` has all it may have: max_tokens, or max_model_len in all."""
         return seq.num_output + ahead >= seq.params.max_tokens or len(seq.tokens) + ahead >= self.max_model_len
+
+
+def _has_long_bad_word(seq: Sequence) -> bool:
+    """Whether `seq` has a bad word of several tokens, whose ban depends on its latest tokens."""
+    return any(len(w) > 1 for w in seq.bad_words_ids)
+
+
+def _bad_word_ends(seq: Sequence) -> set[int]:
+    """The tokens `seq` may not sample next: the last token of each bad word whose other tokens end its
+    output (vLLM looks at the output only, not the prompt)."""
+    out, n = set(), seq.num_output
+    for word in seq.bad_words_ids:
+        k = len(word) - 1
+        if k == 0 or (n >= k and tuple(seq.tokens[len(seq.tokens) - k:]) == word[:-1]):
+            out.add(word[-1])
+    return out
 
 
 def _stop_ids(seq: Sequence) -> list[int]:

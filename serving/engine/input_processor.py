@@ -71,10 +71,34 @@ class InputProcessor:
         if bad:
             raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                                "logit_bias")
+        bad = [t for t in params.allowed_token_ids or () if t >= self.vocab_size]
+        if bad:
+            raise RequestError(f"allowed_token_ids has {bad[0]}, outside the vocabulary [0, {self.vocab_size})",
+                               "allowed_token_ids")
         grammar = None
         if params.structured_output is not None:
             grammar = self.compile_grammar(params)
-        return ProcessedRequest(text, ids, params, frozenset(self.eos_ids), grammar)
+        return ProcessedRequest(text, ids, params, frozenset(self.eos_ids), grammar,
+                                self.bad_words_ids(params.bad_words))
+
+    def bad_words_ids(self, words: list[str]) -> tuple:
+        """(apiext) vLLM's bad_words as token-id sequences: each word (leading spaces stripped) as it
+        tokenizes at the start of a text, and, where a tokenizer folds a space into a word's first token
+        (BPE's "Ġword"), as it tokenizes after a space."""
+        if not words:
+            return ()
+        if self.tokenizer is None:
+            raise RequestError("bad_words need a tokenizer; this model has none (use logit_bias)", "bad_words")
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            plain = tuple(self.encode(word.lstrip(), add_special_tokens=False))
+            if not plain:
+                raise RequestError(f"bad_words: {word!r} has no tokens", "bad_words")
+            spaced = tuple(self.encode(" " + word.lstrip(), add_special_tokens=False))
+            for seq in (plain, spaced) if len(spaced) == len(plain) and spaced[0] != plain[0] else (plain,):
+                if seq not in out:
+                    out.append(seq)
+        return tuple(out)
 
     def check_context(self, n_prompt: int, max_tokens: Optional[int] = None, param: str = "max_tokens",
                       prompt_param: str = "prompt") -> None:
@@ -104,11 +128,11 @@ class InputProcessor:
 
     def chat_text(self, messages: list[dict], add_generation_prompt: bool = True,
                   tools: Optional[list[dict]] = None, continue_final_message: bool = False,
-                  **template_kwargs) -> str:
+                  chat_template: Optional[str] = None, **template_kwargs) -> str:
         """The messages (and the tools offered, if any) through the model's chat template; ValueError when
         the model has no tokenizer (so no template) or the template rejects them (the message says which).
         (apiext) vLLM's continue_final_message leaves the last message open; template_kwargs are template
-        variables."""
+        variables, chat_template a request's own Jinja template."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template; send token ids to the "
                              "completions API")
@@ -119,7 +143,7 @@ class InputProcessor:
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                       tools=tools, continue_final_message=continue_final_message,
-                                                      **template_kwargs)
+                                                      chat_template=chat_template, **template_kwargs)
         except (ValueError, TypeError, TemplateError) as e:
             # (A template's own `raise_exception`, e.g. "only one tool call at a time", is a TemplateError.)
             raise ValueError(f"the chat template rejected the messages: {e}") from None

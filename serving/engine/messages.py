@@ -39,6 +39,8 @@ class ProcessedRequest:
     # that crosses into the core process arrives without it and the core compiles it again there
     # (from xgrammar's cache when the schema repeats); in one process it is compiled once.
     grammar: Any = field(default=None, compare=False, repr=False)
+    # (apiext) params.bad_words as token-id sequences (input_processor.py): the core has no tokenizer.
+    bad_words_ids: tuple = ()
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "grammar": None}

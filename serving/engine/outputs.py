@@ -5,7 +5,7 @@ core's token-id deltas."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 from .messages import TopLogprobs
 
@@ -22,6 +22,9 @@ class CompletionOutput:
     finish_reason: Optional[str]   # "stop" | "length" | "abort" | None while running
     # per token, its top_logprobs most likely (id, logprob), best first, when asked for
     top_logprobs: Optional[list[TopLogprobs]] = None
+    # vLLM's: the stop string that matched or the stop token id that ended it; None otherwise
+    # (end-of-sequence, length, abort)
+    stop_reason: Union[int, str, None] = None
 
 
 @dataclass

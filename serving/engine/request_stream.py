@@ -29,6 +29,7 @@ class RequestStream:
     def __init__(self, request_id: str, request: ProcessedRequest, tokenizer):
         self.request_id = request_id
         self.prompt, self.prompt_ids, self.params = request.prompt, request.prompt_ids, request.params
+        self.eos_ids = request.eos_ids
         self.detok = (IncrementalDetokenizer(tokenizer, request.prompt_ids, self.params.skip_special_tokens)
                       if tokenizer is not None else None)
         self.stops = list(self.params.stop)
@@ -42,6 +43,7 @@ class RequestStream:
         self.top_logprobs: list[TopLogprobs] = []
         self.prompt_logits = None
         self.finish_reason: Optional[str] = None
+        self.stop_reason = None   # vLLM's: the stop string that matched, or the stop token id
 
     @property
     def finished(self) -> bool:
@@ -68,6 +70,12 @@ class RequestStream:
             if self._add_text(piece, match=len(self.token_ids) + k + 1 > self.params.min_tokens):
                 taken, reason = k + 1, "stop"
                 break
+        if reason == "stop" and d.finish_reason == "stop" and taken == len(ids) and ids:
+            # The core stopped on a token: a stop token id is named, the end-of-sequence is not (vLLM's
+            # order: the end-of-sequence first).
+            tok, p = ids[-1], self.params
+            if tok in p.stop_token_ids and (p.ignore_eos or tok not in self.eos_ids):
+                self.stop_reason = tok
         new_ids = list(ids[:taken])
         self.token_ids += new_ids
         if d.logprobs:
@@ -81,7 +89,8 @@ class RequestStream:
         p = self.params
         comp = CompletionOutput(0, self.text[:self.sent], list(self.token_ids),
                                 list(self.logprobs) if p.logprobs else None, reason,
-                                list(self.top_logprobs) if p.top_logprobs else None)
+                                list(self.top_logprobs) if p.top_logprobs else None,
+                                self.stop_reason if reason == "stop" else None)
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), [comp], self.finished,
                              delta_text, new_ids, self.prompt_logits if self.finished else None,
                              d.num_preemptions)
@@ -102,6 +111,7 @@ class RequestStream:
         if not hits:
             return False
         i, s = min(hits)
+        self.stop_reason = s
         cut = i + len(s) if self.params.include_stop_str_in_output else i
         assert cut >= self.sent, "a stop string cut text that was already sent"
         self.text = self.text[:cut]

@@ -60,10 +60,18 @@ class Sequence:
     last_inflight: bool = False
     state_row: int = -1         # its row of the sampler's TokenState (penalties, logit_bias), -1: none
     grammar: Any = None         # structured output: the grammar matcher, advanced token by token
+    bad_words_ids: tuple = ()   # (apiext) vLLM's bad_words, tokenized by the front end
 
     def __post_init__(self):
         if not self.tokens:
             self.tokens = list(self.prompt_ids)
+        self.last_key = self.cache_root
+
+    @property
+    def cache_root(self) -> Any:
+        """Where this sequence's chain of prefix-cache keys starts: its cache_salt, so that requests with
+        different salts (or none) never share a block."""
+        return None if self.params.cache_salt is None else ("cache_salt", self.params.cache_salt)
 
     @property
     def num_tokens(self) -> int:
@@ -146,7 +154,7 @@ class Scheduler:
         self.bm.free(seq.block_table)
         seq.num_computed = 0
         seq.num_registered = 0
-        seq.last_key = None
+        seq.last_key = seq.cache_root
 
     def _preempt(self, seq: Sequence) -> None:
         # Its full blocks stay in the prefix cache, so the recompute is often mostly a cache hit.
@@ -195,7 +203,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table and not seq.params.prompt_logits:
-                seq.block_table, seq.last_key = self.bm.match_prefix(seq.tokens)
+                seq.block_table, seq.last_key = self.bm.match_prefix(seq.tokens, seq.cache_root)
                 seq.num_computed = seq.num_registered = len(seq.block_table)
                 seq.num_computed *= self.bm.block_size
             n = min(seq.remaining, budget)

@@ -5,6 +5,8 @@ repetition / frequency / presence penalties), then sampled (greedy, temperature,
 per-request seeds). Log-probabilities are of the raw model distribution, before any processing (vLLM's
 default): the sampled token's, and the top `top_logprobs` alternatives.
 
+vLLM's allowed_token_ids is a bias too: -inf on every other token.
+
 What the penalties and the bias read about a sequence lives in `TokenState`: rows of device tensors that
 the engine hands to sequences which need them. A step adds its sampled tokens to their rows on the
 device, so the next step, launched before the host has seen those tokens (async scheduling), already
@@ -33,7 +35,8 @@ class Sampled:
 
 class TokenState:
     """Per-sequence rows on the device: output token counts (frequency / presence penalties), the set
-    of prompt tokens (repetition penalty counts prompt and output), and the logit bias. A row belongs
+    of prompt tokens (repetition penalty counts prompt and output), and the logit bias (with -inf on the
+    tokens outside allowed_token_ids). A row belongs
     to one sequence from its first sampled token until it finishes or is preempted; a preempted
     sequence gets a fresh row, rebuilt from its tokens, when it samples again. Each buffer is
     allocated on the first request that needs it: max_num_seqs x vocabulary elements."""
@@ -58,7 +61,7 @@ class TokenState:
         if params.penalized and self.counts is None:
             self.counts = torch.zeros(shape, dtype=torch.int32, device=dev)
             self.in_prompt = torch.zeros(shape, dtype=torch.bool, device=dev)
-        if params.logit_bias and self.bias is None:
+        if (params.logit_bias or params.allowed_token_ids is not None) and self.bias is None:
             self.bias = torch.zeros(shape, dtype=torch.float32, device=dev)
         # Every buffer's row is reset, also those this sequence does not use: the sampler applies them
         # to every row it is given, and an unused row must be neutral.
@@ -75,6 +78,10 @@ class TokenState:
                 ids = torch.tensor(list(params.logit_bias), dtype=torch.int64, device=dev)
                 self.bias[row, ids] = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32,
                                                    device=dev)
+            if params.allowed_token_ids is not None:
+                others = torch.ones(self.vocab_size, dtype=torch.bool, device=dev)
+                others[torch.tensor(params.allowed_token_ids, dtype=torch.int64, device=dev)] = False
+                self.bias[row].masked_fill_(others, float("-inf"))
         return row
 
     def release(self, row: int) -> None:

@@ -69,12 +69,19 @@ class ByteTokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: Optional[list[dict]] = None, continue_final_message: bool = False,
-                            **template_kwargs) -> str:
-        """`<|role|>content<|end|>` per message. Tools, when offered, are a system turn of their own first;
+                            chat_template: Optional[str] = None, **template_kwargs) -> str:
+        """A request's own Jinja `chat_template` when given (chat_template.py); else the built-in format,
+        `<|role|>content<|end|>` per message. Tools, when offered, are a system turn of their own first;
         an assistant's tool calls follow its content as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
         blocks, and a tool's result is a user turn in `<tool_response>` tags, as Qwen2.5's template writes
         them: so the demo pairs with `--tool-call-parser hermes`. continue_final_message leaves the last turn
         open; like a Jinja template, it ignores variables it does not use."""
+        if chat_template is not None:
+            from .chat_template import render_chat_template
+
+            specials = {"bos_token": "<|bos|>", "eos_token": "<|eos|>"}
+            return render_chat_template(chat_template, messages, add_generation_prompt, tools,
+                                        continue_final_message, specials, **template_kwargs)
         parts = []
         if tools:
             listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
@@ -143,8 +150,12 @@ class HFTokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: Optional[list[dict]] = None, continue_final_message: bool = False,
-                            **template_kwargs) -> str:
-        if not self._hf or not getattr(self._tok, "chat_template", None):
+                            chat_template: Optional[str] = None, **template_kwargs) -> str:
+        if chat_template is not None:
+            if not self._hf:
+                raise ValueError("a request's chat_template needs the transformers library on the server")
+            template_kwargs["chat_template"] = chat_template   # (transformers renders it in its sandbox)
+        elif not self._hf or not getattr(self._tok, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
         # tools=None, not [], without tools: some templates write a tools section for any list.
         return self._tok.apply_chat_template(messages, tools=tools or None, tokenize=False,

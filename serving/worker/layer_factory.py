@@ -55,12 +55,13 @@ def make_layers(cfg: EngineConfig, mcfg: ModelConfig, tp: TPGroup, ctrl_group, d
     max_tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     dispatcher = Dispatcher.load(oc.dispatch, name, world, oc.dispatch_table, model=cfg.model).for_design(oc.fused_ops)
+    design = dispatcher.fused_ops  # "auto": the table's (its verdict chose it); else the one named
     if world == 1:
         # nothing to communicate, so no heap: the flag's layers run the local matmuls alone (the
         # decode matmul where the table's gemv rows pick it, F.linear elsewhere)
         _log_dispatch(cfg, mcfg, tp, device, dtype, dispatcher, name, "no heap at TP=1", interpreted)
         return OverlapTPLayers(tp, dtype, device, None, max_tokens, dispatcher, oc.max_bytes), None
-    needed = required_heap_bytes(mcfg.hidden_size, max_tokens, world, dtype, oc.max_bytes, oc.fused_ops)
+    needed = required_heap_bytes(mcfg.hidden_size, max_tokens, world, dtype, oc.max_bytes, design)
     size = oc.heap_bytes(needed)
     try:
         # ranks sharing a GPU map each other's heaps through IPC handles (as multirank.run_ranks)
@@ -79,7 +80,7 @@ def make_layers(cfg: EngineConfig, mcfg: ModelConfig, tp: TPGroup, ctrl_group, d
                            f"on {device} ({e}); {advice}") from e
     _log_dispatch(cfg, mcfg, tp, device, dtype, dispatcher, name, f"heap {size >> 20} MiB/rank (fused-op and "
                   f"all-reduce buffers for {max_tokens} tokens per step)", interpreted)
-    return OverlapTPLayers(tp, dtype, device, heap, max_tokens, dispatcher, oc.max_bytes, oc.fused_ops), heap
+    return OverlapTPLayers(tp, dtype, device, heap, max_tokens, dispatcher, oc.max_bytes, design), heap
 
 
 def _log_dispatch(cfg: EngineConfig, mcfg: ModelConfig, tp: TPGroup, device: torch.device, dtype: torch.dtype,

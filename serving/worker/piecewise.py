@@ -44,32 +44,34 @@ from ..model.attention import AttnMeta
 DEFAULT_MAX_GRAPH_TOKENS = 2048
 
 
-# Above DEFAULT_MAX_GRAPH_TOKENS, where a graph is asked for (the chunked fused ops: ~20 host operations a
-# call), buckets every 512 tokens: at most 25% padding at 2049 tokens, under 7% from 8192.
+# Above DEFAULT_MAX_GRAPH_TOKENS, the steps that the flag runs with the chunked fused ops (~20 host operations
+# a call: eager, an 8192-token step of Llama-3-8B at TP=4 was host-bound with them, bench/notes/prefill.md
+# section 4) run in graphs of buckets every 512 tokens: under 25% padding at 2049 tokens, under 7% from 8192.
 LARGE_BUCKET_STEP = 512
 
 
-def default_token_counts(max_tokens: int, limit: int = DEFAULT_MAX_GRAPH_TOKENS) -> list[int]:
-    """Buckets up to min(max_tokens, limit): powers of two to 64, then multiples of 64 to 1024, of 128
-    to 2048 and of LARGE_BUCKET_STEP beyond, and the limit itself. Padding a step to a power of two
-    would waste up to half its GEMM time; these keep it under 12.5% from 64 to 2048 tokens (30 buckets).
-    Below 64 tokens a step is launch-bound, and padding costs little."""
-    limit = min(max_tokens, limit)
+def default_token_counts(max_tokens: int, large=()) -> list[int]:
+    """Buckets up to min(max_tokens, DEFAULT_MAX_GRAPH_TOKENS): powers of two to 64, then multiples of 64
+    to 1024 and of 128 to 2048, and that limit itself; and `large`, the buckets above it (large_buckets).
+    Padding a step to a power of two would waste up to half its GEMM time; these keep it under 12.5% from
+    64 to 2048 tokens (30 buckets). Below 64 tokens a step is launch-bound, and padding costs little."""
+    limit = min(max_tokens, DEFAULT_MAX_GRAPH_TOKENS)
     counts = {c for c in (1, 2, 4, 8, 16, 32, 64) if c <= limit}
-    for lo, hi, step in ((64, 1024, 64), (1024, 2048, 128), (2048, limit, LARGE_BUCKET_STEP)):
+    for lo, hi, step in ((64, 1024, 64), (1024, 2048, 128)):
         counts.update(range(lo + step, min(hi, limit) + 1, step))
     counts.add(limit)
-    return sorted(counts)
+    return sorted(counts | {b for b in large if limit < b <= max_tokens})
 
 
-def graph_token_limit(tp_overlap, world: int) -> int:
-    """The largest step the default buckets put in graphs: DEFAULT_MAX_GRAPH_TOKENS, or every step the
-    budget allows where the flag runs the chunked fused ops (TP > 1), whose calls cost ~20 host
-    operations each (an eager 8192-token step of Llama-3-8B at TP=4 was host-bound with them:
-    bench/notes/prefill.md section 4)."""
-    if world > 1 and tp_overlap is not None and tp_overlap.enabled and tp_overlap.fused_ops == "chunked":
-        return 1 << 62
-    return DEFAULT_MAX_GRAPH_TOKENS
+def large_buckets(max_tokens: int, in_graph) -> list[int]:
+    """The buckets above DEFAULT_MAX_GRAPH_TOKENS, every LARGE_BUCKET_STEP tokens and the budget itself,
+    whose steps `in_graph(tokens)` says run in graphs: where the flag runs the chunked fused ops sharded
+    (OverlapTPLayers.graph_step). Every other step above the limit runs eagerly, as the stock engine's:
+    a step the verdict runs stock must be stock's step (no bucket padding, no graph of stock's ops)."""
+    sizes = set(range(DEFAULT_MAX_GRAPH_TOKENS + LARGE_BUCKET_STEP, max_tokens + 1, LARGE_BUCKET_STEP))
+    if max_tokens > DEFAULT_MAX_GRAPH_TOKENS:
+        sizes.add(max_tokens)
+    return sorted(b for b in sizes if in_graph(b))
 
 
 def check_token_counts(counts: list[int], max_tokens: int) -> None:
@@ -97,9 +99,10 @@ class PiecewiseGraphs:
     previous step (async scheduling), inside segment 0."""
 
     def __init__(self, model, kv_caches: list, token_counts: list[int], scratch_slot: int,
-                 resolve_refs: Callable[[torch.Tensor], None], capture: bool, pool=None):
+                 resolve_refs: Callable[[torch.Tensor], None], capture: bool, pool=None, near_large: bool = False):
         self.model, self.kv_caches = model, kv_caches
         self.counts = sorted(set(token_counts))
+        self.near_large = near_large  # the default buckets: a step above the limit takes only its own
         self.scratch_slot = scratch_slot
         self.resolve_refs = resolve_refs
         self.capture = capture
@@ -119,7 +122,14 @@ class PiecewiseGraphs:
         self.pool_bytes = 0
 
     def bucket(self, n: int) -> Optional[int]:
-        return bucket_for(self.counts, n)
+        """The bucket a step of n tokens replays, or None (eager). Above DEFAULT_MAX_GRAPH_TOKENS, with the
+        default buckets, only a bucket less than LARGE_BUCKET_STEP above n: between large buckets that
+        are not contiguous (the verdict runs the sizes between stock) a step runs eagerly, unpadded."""
+        b = bucket_for(self.counts, n)
+        if (b is not None and self.near_large and b > DEFAULT_MAX_GRAPH_TOKENS
+                and b - n >= LARGE_BUCKET_STEP):
+            return None
+        return b
 
     def _segment(self, i: int, b: int, residual: Optional[torch.Tensor]):
         """Segment i over the static buffers of bucket b -> the residual for segment i + 1; q goes

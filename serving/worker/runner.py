@@ -28,7 +28,7 @@ from .cuda_graphs import DecodeGraphs, graph_batch_sizes
 from .error_watch import ErrorWatch
 from .layer_factory import make_layers
 from ..model.model import CausalLM
-from .piecewise import PiecewiseGraphs, default_token_counts, graph_token_limit
+from .piecewise import PiecewiseGraphs, default_token_counts, large_buckets
 from .sampled_ids import SampledIds
 from ..model.sampler import Sampled, TokenState, sample_on_device
 from .step_layout import Staging, layout
@@ -95,8 +95,9 @@ class ModelRunner:
         self.block_size = cfg.block_size
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
 
-        layers, self.heap = make_layers(cfg, self.mcfg, TPGroup(rank, world_size, group), ctrl_group, device,
-                                        self.dtype)
+        self.layers, self.heap = make_layers(cfg, self.mcfg, TPGroup(rank, world_size, group), ctrl_group, device,
+                                             self.dtype)
+        layers = self.layers
         # the ids sampled by the latest step, for the next (async scheduling); shared over `group`
         self.sampled = SampledIds(cfg.max_num_seqs, device, group if world_size > 1 else None)
         self.generator = torch.Generator(device=device).manual_seed(cfg.seed)   # rank 0's sampling
@@ -258,10 +259,12 @@ class ModelRunner:
         return self.model.compute_logits(hidden, rows)
 
     def _piecewise(self, capture: bool) -> PiecewiseGraphs:
+        budget = self.cfg.max_num_batched_tokens
         counts = self.cfg.piecewise_graph_token_counts or default_token_counts(
-            self.cfg.max_num_batched_tokens, graph_token_limit(self.cfg.tp_overlap, self.cfg.tensor_parallel_size))
-        pw = PiecewiseGraphs(self.model, self.kv_caches, counts,
-                             self.scratch_block * self.block_size, self.sampled.resolve, capture, self.graph_pool)
+            budget, large_buckets(budget, self.layers.graph_step))
+        pw = PiecewiseGraphs(self.model, self.kv_caches, counts, self.scratch_block * self.block_size,
+                             self.sampled.resolve, capture, self.graph_pool,
+                             near_large=not self.cfg.piecewise_graph_token_counts)
         if capture:
             free0 = torch.cuda.mem_get_info(self.device)[0]
             pw.capture_all()

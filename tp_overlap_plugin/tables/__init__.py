@@ -119,8 +119,9 @@ def _driver_version() -> str:
     return "unknown"
 
 
-def tune_command(world: int | None = None, model: str | None = None, fused_ops: str = "kernel") -> str:
-    design = "" if fused_ops == "kernel" else f" --fused-ops {fused_ops}"
+def tune_command(world: int | None = None, model: str | None = None, fused_ops: str = "auto") -> str:
+    """The command that measures a table; with a fused-op design named, that design alone."""
+    design = "" if fused_ops == "auto" else f" --fused-ops {fused_ops}"
     return f"tp-overlap tune --tp {world or 'W'} --model {model or 'MODEL'}{design}"
 
 

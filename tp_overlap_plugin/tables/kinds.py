@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tp_overlap_plugin.options import FUSED_OPS
+from tp_overlap_plugin.options import DESIGNS
 from tp_overlap_plugin.tables.bucketed import BUCKETED_FIELDS, BucketedTable, GemmTable
 
 # the fields of a table's header that say what it was measured under (tables.versions() makes them)
@@ -53,8 +53,8 @@ def _dispatch_fields(data: dict, make: None = None) -> dict:
         fields[s.field] = rows
     fields["one_shot_max_bytes"] = data.get("one_shot_max_bytes")
     fields["fused_ops"] = data.get("fused_ops", "kernel")
-    if fields["fused_ops"] not in FUSED_OPS:
-        raise TypeError(f"'fused_ops' must be 'kernel' or 'chunked', got {fields['fused_ops']!r}")
+    if fields["fused_ops"] not in DESIGNS:
+        raise TypeError(f"'fused_ops' must be one of {DESIGNS}, got {fields['fused_ops']!r}")
     if "margin" in data:  # (else the Dispatcher's own)
         fields["margin"] = float(data["margin"])
     return fields

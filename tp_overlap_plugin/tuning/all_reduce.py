@@ -14,6 +14,7 @@ import torch.distributed as dist
 from tp_overlap_plugin.ops.all_reduce import HeapAllReduce
 from tp_overlap_plugin.ops.all_reduce_norm import HeapAllReduceNorm
 from tp_overlap_plugin.kernels import layer_ops
+from tp_overlap_plugin.tuning.checks import agreed, check_close
 from tp_overlap_plugin.tuning.timing import record, repeats_us
 
 SIZES = (8 << 10, 32 << 10, 128 << 10, 512 << 10, 2 << 20, 4 << 20, 8 << 20)
@@ -80,9 +81,7 @@ def all_reduce_sweep(ctx, comm: HeapAllReduce, symm, sizes, *, repeats: int = 1,
         for alg in algorithms:
             y.fill_(float("nan"))
             comm(x, out=y, algorithm=alg)
-            err = ((y.float() - ref).norm() / ref.norm()).item()
-            assert err < 1e-2, f"{alg} all-reduce wrong at {nbytes} B: rel err {err}"
-            row[f"{alg}_rel_err_vs_nccl_fp32"] = err
+            row.update(agreed(ctx, lambda alg=alg: check_close(f"{alg}_vs_nccl_fp32", y, ref, ctx.world_size)))
         ops = {f"ours_{alg}": lambda alg=alg: comm(x, out=y, algorithm=alg) for alg in algorithms}
         ops["nccl"] = lambda: dist.all_reduce(nccl_buf, group=ctx.device_group)
         if symm is not None:
@@ -117,11 +116,10 @@ def norm_sweep(ctx, symm, H: int, tokens, *, repeats: int = 1, samples: int = 15
         dist.all_reduce(reduced, group=ctx.device_group)
         ref_out, ref_res = layer_ops.rmsnorm(reduced, weight, EPS, residual)
         got_out, got_res = fused(x, residual, weight, EPS)
-        row = {"tokens": t, "hidden": H, "bytes": t * H * 2,
-               "residual_max_err": (got_res.float() - ref_res.float()).abs().max().item(),
-               "normed_max_err": (got_out.float() - ref_out.float()).abs().max().item()}
-        # NCCL sums bf16 in its own order: an ulp or two of the inputs' size
-        assert row["residual_max_err"] < 0.1 and row["normed_max_err"] < 0.1, row
+        row = {"tokens": t, "hidden": H, "bytes": t * H * 2}
+        # NCCL sums bf16 in its own order: a few ulps at the outputs' magnitude (checks.py)
+        row.update(agreed(ctx, lambda: {**check_close("residual", got_res, ref_res, ctx.world_size),
+                                        **check_close("normed", got_out, ref_out, ctx.world_size)}))
         nccl_buf = x.clone()
         y = torch.empty_like(x)
         ops = {"fused": lambda: fused(x, residual, weight, EPS), "ours_alone": lambda: comm(x, out=y),

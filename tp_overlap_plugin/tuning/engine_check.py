@@ -1,26 +1,27 @@
 """The last phase of `tp-overlap tune`: the engine's verdict. Every other phase times one op at a time;
 what users get is the engine's step, so this one builds the engine at the run's TP size for its model
-(dummy weights) twice, the stock layers and the flag's on the tables just written, and times real
-steps of both, interleaved, in repeats:
+(dummy weights): the stock layers once, then in turn the flag's layers with each fused-op design
+(options.DESIGNS, on a table of that design's per-op rows) and the flag's ops in the replicated
+layout, and times real steps of each against the stock engine, interleaved, in repeats:
 
   prefill  a step of the token budget (vLLM's 8192 by default) and one of 2048 tokens, of fresh
            prompts of PROMPT_LEN tokens (e2e.py's prefill scenarios);
   decode   batches of 1, 16 and 64 sequences of DECODE_CONTEXT tokens each, in the whole-step CUDA graphs
            the engine serves them from (steps that fit a piecewise bucket run in it, as served).
 
-Steps are launched back to back and the device waited for at the end, as the engine serves them with
-async scheduling (the host builds step i+1 while step i runs). A step size where the flag's step lost
-(rules.step_verdict: it must win by rules.ENGINE_MARGIN in every repeat) and was sequence-parallel is
-timed once more with the flag's ops in the replicated layout (the flag's engine built again on a table
-that says so at those sizes); where that loses too, the size runs stock. The rows go into the store
-(phase "engine"), and from there into the dispatch table's "engine" rows, which the layers (overlap_
-layers.begin_step) and the vLLM plugin honour through Dispatcher.step_runs.
+A design's round times the step sizes where its table makes the layout sharded (elsewhere its step is
+the replicated one); the replicated round times every size. Steps are launched back to back and the
+device waited for at the end, as the engine serves them with async scheduling (the host builds step
+i+1 while step i runs). The rules (rules.choose_design, step_verdict) then choose the design the engine
+runs and, per step size, whether it runs that design sharded, the replicated layout, or stock. The rows
+go into the store (phase "engine"), and from there into the dispatch table's "engine" rows, which the
+layers (overlap_layers.begin_step) and the vLLM plugin honour through Dispatcher.step_runs.
 
 A row is measured again when the tables it ran on change (its fingerprint) or with --force. On the
 CPU (the interpreter) the demo model at the smallest sizes runs the whole procedure eagerly, one
 repeat by wall clock: a check of the logic, not a measurement. TP_OVERLAP_TUNE_FAKE_STEP_MS (a test
-hook: {"<kind>/<tokens>": {"stock" | "flag" | "replicated": ms}}) reports those times for the steps it
-names, which still run.
+hook: {"<kind>/<tokens>": {"stock" | "kernel" | "chunked" | "replicated": ms}}) reports those times for
+the steps it names, which still run.
 """
 
 from __future__ import annotations
@@ -62,38 +63,44 @@ def plan_items(model: str, world: int, device: str, budget: int | None) -> list[
     return items
 
 
-def fingerprint(device_name: str, world: int) -> str:
-    """What the flag's steps ran on: the dispatch table's per-op rows and the config tables in the cache
-    (not the verdict, dates or provenance)."""
-    parts = []
-    for kind, w in (("dispatch", world), ("gemm", None), ("decode", None)):
-        data = tables.read(kind, device_name, w) or {}
-        drop = ("engine", "engine_margin", "date", "command", "models", "tuned_by", "source")
-        parts.append({k: v for k, v in data.items() if k not in drop})
+def fingerprint(device_name: str, design_tables: dict) -> str:
+    """What the flag's steps ran on: each design's dispatch table of per-op rows (tune._engine builds
+    them from the store) and the config tables in the cache, not the verdict, dates or provenance. Of
+    every design's rows, so that the verdict choosing a design (and the cached table then holding its
+    rows) does not make the next run measure the verdict again."""
+    drop = ("engine", "engine_margin", "date", "command", "models", "tuned_by", "source", "failed")
+    parts = [VERDICT_FORMAT] + [{k: v for k, v in design_tables[d].items() if k not in drop} for d in sorted(design_tables)]
+    for kind in ("gemm", "decode"):
+        parts.append(tables.read(kind, device_name) or {})
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def todo(plan, device_name: str, stored: dict, force: bool) -> list[dict]:
+# the store's engine rows as this module writes them: per design measured sharded `<design>_ms` and
+# `<design>_stock_ms`, the replicated round's `replicated_ms` and `replicated_stock_ms`, `layouts`
+VERDICT_FORMAT = "verdict-v2: per design"
+
+
+def todo(plan, stored: dict, fp: str, force: bool) -> list[dict]:
     """The plan's step sizes the store lacks under this fingerprint (all of them with --force)."""
-    fp = fingerprint(device_name, plan.world)
     return [it for it in plan.items.get("engine", [])
             if force or stored.get(it["key"], {}).get("fingerprint") != fp]
 
 
 # ---- the ranks ----------------------------------------------------------------------------------
 
-def engine_rank(ctx, plan, items: list, table_path: str, fp: str, deadline: float, cache: str):
-    """One rank of the engine phase: both engines built, the steps of `items` timed, stock against the
-    flag. Returns rank 0's rows ({key: row}), what stopped it (None: nothing) and its environment."""
+def engine_rank(ctx, plan, items: list, design_tables: dict, fp: str, deadline: float, cache: str):
+    """One rank of the engine phase: the stock engine built, then in turn the flag's engine of each design
+    ({design: table path}, per-op rows without a verdict) and the flag's ops in the replicated layout,
+    each timed against the stock engine, step size by step size, interleaved. Returns rank 0's rows
+    ({key: row}), what stopped it (None: nothing) and its environment."""
     import torch
     os.environ["TP_OVERLAP_CACHE"] = cache
-    from tp_overlap_plugin.tuning import rules
     from tp_overlap_plugin.multirank import agree
     from tp_overlap_plugin.tuning.store import environment
     env = environment(plan)
     items = _fitted(items, _max_len(plan))
     t0 = time.monotonic()
-    stock = _runner(ctx, plan, None)
+    stock = _runner(ctx, plan, None, None, ())
     if ctx.device.type == "cuda":
         # the flag's engine is a second copy of the model: it must fit beside the stock one
         need = 1.2 * torch.cuda.memory_reserved(ctx.device)
@@ -103,36 +110,42 @@ def engine_rank(ctx, plan, items: list, table_path: str, fp: str, deadline: floa
             return {}, (f"the flag's engine ({need / 2**30:.1f} GiB a rank, as much as the stock one) does not fit "
                         f"beside the stock engine ({free / 2**30:.1f} GiB free): the engine check did not run; "
                         f"run it at a larger TP size"), env
-    flag = _runner(ctx, plan, table_path)
-    built_s = time.monotonic() - t0
-    layouts = _layouts(plan, table_path)
-    rows, stopped = {}, None
-    for it in items:
-        if not agree(ctx, time.time() < deadline if ctx.rank == 0 else None):
-            stopped = "the time budget ran out"
-            break
-        step = _step(it, plan.dims.vocab)
-        times = _interleaved(ctx, plan, it, step, {"stock": stock, "flag": flag})
-        rows[it["key"]] = {"model": plan.model, "kind": it["kind"], "tokens": it["tokens"], "budget": it["budget"],
-                           "shapes": [list(s) for s in _ops(plan)], "layout": layouts[it["tokens"]],
-                           "fingerprint": fp, **_recorded(times)}
-    # the layout first, then the ops: a sequence-parallel step that lost, once more replicated
-    again = agree(ctx, [k for k, r in rows.items() if rules.step_verdict(r, plan.engine_margin) != "flag"
-                        and r["layout"] == "sharded"] if ctx.rank == 0 else None)
-    if again and stopped is None:
+    layouts = {d: _layouts(plan, path) for d, path in design_tables.items()}
+    rows = {it["key"]: {"model": plan.model, "kind": it["kind"], "tokens": it["tokens"], "budget": it["budget"],
+                        "shapes": [list(s) for s in _ops(plan)], "fingerprint": fp,
+                        "layouts": {d: layouts[d][it["tokens"]] for d in design_tables}} for it in items}
+    rounds = [(d, path, [it for it in items if layouts[d][it["tokens"]] == "sharded"])
+              for d, path in design_tables.items()]
+    # the replicated layout at every step size: decode's layout, and the fallback where no design's sharded
+    # step wins (a table whose verdict runs "replicated" everywhere)
+    first = next(iter(design_tables))
+    rounds.append(("replicated", _provisional(design_tables[first], items, _ops(plan)), items))
+    stopped, built_s = None, time.monotonic() - t0
+    for name, path, todo_ in rounds:
+        if not todo_:
+            continue
+        t1 = time.monotonic()
+        design = first if name == "replicated" else name
+        flag = _runner(ctx, plan, path, design, [it["tokens"] for it in todo_ if it["kind"] == "prefill"])
+        built_s += time.monotonic() - t1
+        for it in todo_:
+            if not agree(ctx, time.time() < deadline if ctx.rank == 0 else None):
+                stopped = "the time budget ran out"
+                break
+            times = _interleaved(ctx, plan, it, _step(it, plan.dims.vocab), {"stock": stock, name: flag})
+            # each round's own stock times: its ratios are taken against them, repeat by repeat
+            rows[it["key"]].update(_recorded({name: times[name], f"{name}_stock": times["stock"]}))
         flag.release()
         flag = None  # its weights go before the next engine's come
         _free()
-        flag = _runner(ctx, plan, _provisional(table_path, [rows[k] for k in again]))
-        for it in (it for it in items if it["key"] in again):
-            times = _interleaved(ctx, plan, it, _step(it, plan.dims.vocab), {"stock": stock, "replicated": flag})
-            # this round's own stock times: its ratios are taken against them, repeat by repeat
-            rows[it["key"]].update(_recorded({"replicated": times["replicated"], "replicated_stock": times["stock"]}))
-    flag.release()
+        if stopped:
+            break
     stock.release()
-    for r in rows.values():
+    # a step size is measured once every round that applies to it ran (the replicated one last)
+    done = {k: r for k, r in rows.items() if "replicated_ms" in r}
+    for r in done.values():
         r["build_s"] = built_s
-    return (rows if ctx.rank == 0 else {}), stopped, env
+    return (done if ctx.rank == 0 else {}), stopped, env
 
 
 def _ops(plan) -> list[tuple]:
@@ -148,31 +161,29 @@ def _layouts(plan, table_path: str) -> dict:
             else "replicated" for it in plan.items["engine"]}
 
 
-def _provisional(table_path: str, lost: list[dict]) -> str:
-    """A copy of the table whose verdict runs the flag's ops replicated at the step sizes that lost."""
+def _provisional(table_path: str, items: list[dict], ops: list) -> str:
+    """A copy of the table whose verdict runs the flag's ops replicated at every step size of `items`."""
     table = tables.read("dispatch", path=table_path)
-    table["engine"] = [{"M": r["tokens"], "shapes": r["shapes"], "runs": "replicated"} for r in lost]
+    table["engine"] = [{"M": it["tokens"], "shapes": [list(s) for s in ops], "runs": "replicated"} for it in items]
     return str(tables.write("dispatch", table["device"], table["world"], table, path=f"{table_path}.replicated.json"))
 
 
-def _runner(ctx, plan, table_path: str | None):
-    """The engine's model runner on this rank (the stock layers, or the flag's on `table_path`), which
-    every rank drives with the same steps: no step messages between them."""
+def _runner(ctx, plan, table_path: str | None, design: str | None, graph_steps):
+    """The engine's model runner on this rank (the stock layers, or the flag's of `design` on `table_path`),
+    which every rank drives with the same steps: no step messages between them. Prefill steps in CUDA
+    graphs as served: up to the default graph size, and `graph_steps` above it where the chunked design
+    runs them sharded (serving/worker/piecewise.py)."""
     from tp_overlap_plugin.serving.config import EngineConfig
-    from tp_overlap_plugin.options import TPOverlapOptions
-    from tp_overlap_plugin.serving.worker.piecewise import DEFAULT_MAX_GRAPH_TOKENS, graph_token_limit
+    from tp_overlap_plugin.serving.worker.piecewise import DEFAULT_MAX_GRAPH_TOKENS
     from tp_overlap_plugin.serving.worker.runner import ModelRunner
     max_len = _max_len(plan)
     items = _fitted(plan.items["engine"], max_len)
     budget = items[0]["budget"]
     decode = [it for it in items if it["kind"] == "decode"]
     blocks = max(max(sum(map(len, _step(it, 2).block_tables)) for it in items), -(-max_len // BLOCK)) + 1
-    # each engine as served: the flag with its fused-op design and the step sizes it runs in graphs (all
-    # of them with the chunked ops), stock with the default graph sizes
-    overlap = {"fused_ops": plan.fused_ops, **({"dispatch_table": table_path} if table_path is not None else {})}
-    limit = (graph_token_limit(TPOverlapOptions(fused_ops=plan.fused_ops), plan.world) if table_path is not None
-             else DEFAULT_MAX_GRAPH_TOKENS)
-    graphs = [t for t in (it["tokens"] for it in items if it["kind"] == "prefill") if t <= min(budget, limit)]
+    big = set(graph_steps) if design == "chunked" and table_path is not None else set()
+    graphs = [t for t in (it["tokens"] for it in items if it["kind"] == "prefill")
+              if t <= min(budget, DEFAULT_MAX_GRAPH_TOKENS) or t in big]
     cfg = EngineConfig(model=plan.model_spec, load_format="dummy", tensor_parallel_size=plan.world,
                        device=plan.device, dtype="auto" if plan.device == "cuda" else "float16",
                        max_model_len=max_len, max_num_seqs=max(it["tokens"] for it in decode),
@@ -180,7 +191,7 @@ def _runner(ctx, plan, table_path: str | None):
                        enable_prefix_caching=False, cuda_graph_batch_sizes=[it["tokens"] for it in decode],
                        piecewise_graph_token_counts=graphs or None, piecewise_cuda_graphs=bool(graphs),
                        show_progress=False,
-                       tp_overlap=overlap if table_path is not None else None)
+                       tp_overlap={"fused_ops": design, "dispatch_table": table_path} if table_path is not None else None)
     runner = ModelRunner(cfg, ctx.rank, plan.world, ctx.device_group, ctx.group, ctx.device)
     runner.messages = None
     return runner

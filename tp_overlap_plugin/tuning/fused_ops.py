@@ -19,6 +19,7 @@ from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm
 from tp_overlap_plugin.ops.chunked import ChunkedAllGatherGemm, ChunkedGemmReduceScatter
 from tp_overlap_plugin.ops.gemm import gemm
 from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter
+from tp_overlap_plugin.tuning.checks import agreed, check_close
 from tp_overlap_plugin.tuning.timing import repeats_us
 
 ALL = ("cublas", "nccl", "sequential", "triton_gemm", "ours", "ours_graph", "sequential_graph", "chunked",
@@ -53,7 +54,7 @@ def measure_shape(ctx, op, m, k, n, gname, row: dict, calls, torch_fused=False, 
     gpu = dev.type == "cuda"
     rows = m // W
     gen = torch.Generator(device=dev).manual_seed(1234 + ctx.rank)
-    row.update({"op": op, "M": m, "K": k, "N": n, "design": design})
+    row.update({"op": op, "M": m, "K": k, "N": n, "design": design, "graphs": gpu})
     t0 = time.perf_counter()
     if ctx.rank == 0 and log:
         print(f"[bench] {op} M={m} K={k} N={n} {'torch_fused' if torch_fused else ''}", file=sys.stderr, flush=True)
@@ -114,10 +115,12 @@ def measure_shape(ctx, op, m, k, n, gname, row: dict, calls, torch_fused=False, 
             fns = {name: fn for name, fn in fns.items() if name in variants}
         for name in ("ours", "chunked"):
             if name in fns:
-                got = fns[name]().float()
+                got = fns[name]()
                 if gpu:
                     torch.cuda.synchronize()
-                row[f"{name}_rel_err"] = ((got - ref).norm() / ref.norm()).item()
+                # ulps of bf16 against the fp32 sequential result (checks.py); a wrong op is never timed
+                figures = agreed(ctx, lambda: check_close(name, got, ref, W, torch.bfloat16))
+                row[f"{name}_rel_err"], row[f"{name}_ulps"] = figures[f"{name}_rel_err"], figures[f"{name}_ulps"]
         timed = dict(fns)
         if gpu and "ours" in fns:
             # the fused ops are capturable: the same calls replayed from a CUDA graph, beside

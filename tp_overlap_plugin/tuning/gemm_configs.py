@@ -1,10 +1,10 @@
 """The GEMM core against cuBLAS on one GPU, and the rules that make the config table `pick_config` reads
 of the measurements (`build_table`, pure). `tp-overlap tune` runs it as its gemm_configs phase and is the
 one writer of the table (`tp-overlap tune --only gemm_configs` measures this phase alone); the command
-line here measures and writes results only:
+line (tp_overlap_plugin/cli/gemm_configs.py) measures and writes results only:
 
   measure (one GPU, ~4-6 min on an H200, bounded by --budget-s):
-    python -m tp_overlap_plugin.tuning.gemm_configs measure [--out DIR] [--budget-s 420]
+    python -m tp_overlap_plugin.cli.gemm_configs measure [--out DIR] [--budget-s 420]
 
 measure times a compact set of candidate configs (TMA and pointer, warp-specialized, subtiled,
 split-K) on every Llama-3 8B/70B linear layer at TP = 1, 2, 4, 8 (32 distinct (K, N)) and
@@ -32,7 +32,6 @@ within --margin (1.10) of cuBLAS at every larger measured M.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import math
 import os
@@ -40,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 from tp_overlap_plugin.tuning.results import md_table
 
@@ -112,7 +112,18 @@ def _estimate_ms(torch, fn, device) -> float:
     return start.elapsed_time(end) / 3
 
 
-def measure(args) -> None:
+@dataclass(frozen=True)
+class MeasureRun:
+    """What `measure` runs: its results directory, time budget, TP sizes, M values in the order measured,
+    and the CPU dry run."""
+    out: str = "."
+    budget_s: float = 420.0
+    tp: tuple[int, ...] = (1, 2, 4, 8)
+    m: tuple[int, ...] = M_PASSES
+    dry_run: bool = False
+
+
+def measure(args: MeasureRun) -> None:
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
@@ -292,8 +303,9 @@ def preflight_in_subprocess(cands, log: list, dry_run: bool = False) -> dict[str
     todo = [c.label() for c in cands]
     crashed = {}
     while todo:
-        cmd = [sys.executable, "-m", "tp_overlap_plugin.tuning.gemm_configs", "preflight", "--labels", "|".join(todo)]
-        cmd += ["--dry-run"] if dry_run else []
+        # the child runs `preflight` itself (labels, dry run): plumbing of this module, not a command
+        cmd = [sys.executable, "-c", "import sys; from tp_overlap_plugin.tuning.gemm_configs import preflight; "
+               "preflight(sys.argv[1].split('|'), sys.argv[2] == '1')", "|".join(todo), "1" if dry_run else "0"]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=PREFLIGHT_TIMEOUT_S)
             out, err, rc = r.stdout, r.stderr, r.returncode
@@ -444,27 +456,3 @@ def _markdown(payload, rows, entries, crossover, margin) -> str:
         out.append("\n## Failures\n")
         out.append("\n".join(f"- `{lb}`: {t}" for lb, t in errors) + "\n")
     return "\n".join(out)
-
-
-def main(argv=None, results_dir: str | os.PathLike = "."):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    m = sub.add_parser("measure", help="time the candidates against cuBLAS on this GPU, write the results")
-    m.add_argument("--out", default=str(results_dir), help="results directory (JSON + md)")
-    m.add_argument("--budget-s", type=float, default=420.0, help="stop starting new shapes after this many seconds")
-    m.add_argument("--tp", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
-    m.add_argument("--m", type=lambda s: [int(x) for x in s.split(",")], default=list(M_PASSES),
-                   help="M values, in the order they are measured")
-    m.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes")
-    f = sub.add_parser("preflight", help="(used by measure) run each candidate once, in this process")
-    f.add_argument("--labels", required=True, help="candidate labels separated by |")
-    f.add_argument("--dry-run", action="store_true")
-    args = p.parse_args(argv)
-    if args.cmd == "measure":
-        measure(args)
-    else:
-        preflight(args.labels.split("|"), args.dry_run)
-
-
-if __name__ == "__main__":
-    main()

@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 from tp_overlap_plugin import tables
 from tp_overlap_plugin.tuning import report
@@ -50,8 +51,10 @@ def _bar(ctx, phase: str, total: int, done: int):
                 bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]")
 
 
-def tune_rank(ctx, plan: Plan, deadline: float, force: bool, crashed: dict, cache: str):
-    """One rank of a tune run. Rank 0 keeps the store; returns rank 0's summary per phase."""
+def tune_rank(ctx, plan: Plan, deadline: float, force: bool, crashed: dict, cache: str, failed_before: dict):
+    """One rank of a tune run. Rank 0 keeps the store; returns rank 0's summary per phase.
+    `failed_before`: {"<phase>/<key>": why} rows a rank of an earlier start died measuring (tune.run
+    restarts the ranks): recorded as failed, not measured again in this run."""
     import torch
     import torch.distributed as dist
     os.environ["TP_OVERLAP_CACHE"] = cache  # the parent's cache, whatever this process inherited
@@ -67,7 +70,10 @@ def tune_rank(ctx, plan: Plan, deadline: float, force: bool, crashed: dict, cach
         have = agree(ctx, set() if force or ctx.rank else _kept(ctx, directory, phase, env))
         todo = [it for it in items if it["key"] not in have]
         bar = _bar(ctx, phase, len(items), len(items) - len(todo))
-        state = {"measured": 0, "stopped": None}
+        state = {"measured": 0, "stopped": None, "failed": 0}
+        died = {it["key"]: failed_row(it, failed_before[f"{phase}/{it['key']}"]) for it in todo
+                if f"{phase}/{it['key']}" in failed_before}
+        todo = [it for it in todo if it["key"] not in died]
 
         def keep(rows: dict, extra=None, _phase=phase, _state=state, _bar=bar, _dir=directory):
             if ctx.rank == 0 and rows:
@@ -81,26 +87,75 @@ def tune_rank(ctx, plan: Plan, deadline: float, force: bool, crashed: dict, cach
             if not ok:
                 state["stopped"] = "the time budget ran out"
             return ok
+        attempt = _attempt(ctx, phase, cache, state)
+        if died:
+            keep(died)
+            state["failed"] += len(died)
         try:
-            PHASE_RUNNERS[phase](ctx, plan, todo, keep, go, crashed)
+            PHASE_RUNNERS[phase](ctx, plan, todo, keep, go, crashed, attempt)
         finally:
             if bar is not None:
                 bar.close()
         if phase in TABLES_AFTER:
             _write_table(ctx, phase, env, plan.world)
-        summary["phases"][phase] = {"items": len(items), "resumed": len(items) - len(todo),
-                                    "measured": state["measured"], "stopped": state["stopped"],
-                                    "wall_s": time.monotonic() - t0}
+        summary["phases"][phase] = {"items": len(items), "resumed": len(items) - len(todo) - len(died),
+                                    "measured": state["measured"] - state["failed"], "failed": state["failed"],
+                                    "stopped": state["stopped"], "wall_s": time.monotonic() - t0}
         dist.barrier(group=ctx.group)
     if ctx.heap is not None:
         ctx.heap.check()
     return summary
 
 
+def failed_row(it: dict, why: str) -> dict:
+    """A row that failed (its check, or a rank died measuring it): what it was, and why; no times, so
+    the rules leave it out of the table (it runs stock), and the evidence lists it."""
+    return {**{k: v for k, v in it.items() if k != "key"}, "row_failed": why}
+
+
+def _attempt(ctx, phase: str, cache: str, state: dict):
+    """attempt(item, measure) -> {key: row}: `measure()` run with this rank's in-progress mark set (tune.run
+    reads the marks of a rank that died, and starts the ranks again without those rows); a failed check
+    (checks.CheckFailed, agreed by every rank of a collective phase) gives the row as failed, and tune
+    goes on. TP_OVERLAP_TUNE_FAIL (a test hook, options.env_tune_fail): {"<phase>/<key>": "check" |
+    "crash"} fails that row's check on every rank, or kills the last rank while it measures the row."""
+    from tp_overlap_plugin import options
+    from tp_overlap_plugin.tuning.checks import CheckFailed
+    forced = options.env_tune_fail()
+
+    def attempt(it: dict, measure) -> dict:
+        name = f"{phase}/{it['key']}"
+        mark_in_progress(cache, ctx.rank, name)
+        try:
+            if forced.get(name) == "check":
+                raise CheckFailed("failed on purpose (TP_OVERLAP_TUNE_FAIL)")
+            if forced.get(name) == "crash" and ctx.rank == ctx.world_size - 1:
+                os._exit(3)
+            rows = measure()
+        except CheckFailed as e:
+            rows = {it["key"]: failed_row(it, str(e))}
+            state["failed"] += 1
+            if ctx.rank == 0:
+                print(f"tp-overlap tune: {name} failed its check and runs stock: {e}", file=sys.stderr, flush=True)
+        mark_in_progress(cache, ctx.rank, None)
+        return rows
+    return attempt
+
+
+def mark_in_progress(cache: str, rank: int, name: str | None) -> None:
+    """This rank's in-progress mark (tune.in_progress reads it): the row it is measuring, or none."""
+    path = Path(cache) / "tune-in-progress" / f"rank{rank}"
+    if name is None:
+        path.unlink(missing_ok=True)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(name)
+
+
 def _kept(ctx, directory, phase: str, env: dict) -> set:
     """The keys of the phase's stored rows that need no measuring again: measured under these versions,
     and a GEMV row only if it timed the config the decode table picks now."""
-    rows = load_rows(directory, phase, env)
+    rows = {key: r for key, r in load_rows(directory, phase, env).items() if "row_failed" not in r}  # (tried again)
     if phase == "gemv":
         from tp_overlap_plugin.decode_config import pick_decode_config
         return {key for key, r in rows.items()
@@ -121,7 +176,7 @@ def _write_table(ctx, phase: str, env: dict, world: int) -> None:
     decode_config.load_table.cache_clear()
 
 
-def _shared_out(ctx, todo: list, measure, keep, go) -> None:
+def _shared_out(ctx, todo: list, measure, keep, go, attempt) -> None:
     """A single-GPU phase: rank r measures items r, r + W, ...; after each round rank 0 keeps them all."""
     import torch.distributed as dist
     W = ctx.world_size
@@ -129,13 +184,13 @@ def _shared_out(ctx, todo: list, measure, keep, go) -> None:
         if not go():
             return
         mine = todo[start + ctx.rank] if start + ctx.rank < len(todo) else None
-        got = measure(mine) if mine is not None else {}
+        got = attempt(mine, lambda: measure(mine)) if mine is not None else {}
         parts = [None] * W
         dist.all_gather_object(parts, got, group=ctx.group)
         keep({k: v for part in parts for k, v in part.items()})
 
 
-def _gemm_configs(ctx, plan, todo, keep, go, crashed):
+def _gemm_configs(ctx, plan, todo, keep, go, crashed, attempt):
     import torch
 
     from tp_overlap_plugin.tuning import gemm_configs as gc
@@ -157,10 +212,10 @@ def _gemm_configs(ctx, plan, todo, keep, go, crashed):
         return {it["key"]: entry}
     extra = {"candidates": {"large": [c.to_dict() for c in large], "small": [c.to_dict() for c in small]},
              "crashed": crashed}
-    _shared_out(ctx, todo, measure, lambda rows: keep(rows, extra), go)
+    _shared_out(ctx, todo, measure, lambda rows: keep(rows, extra), go, attempt)
 
 
-def _decode_configs(ctx, plan, todo, keep, go, crashed):
+def _decode_configs(ctx, plan, todo, keep, go, crashed, attempt):
     import torch
 
     from tp_overlap_plugin.tuning import decode_configs as dc
@@ -174,10 +229,10 @@ def _decode_configs(ctx, plan, todo, keep, go, crashed):
         return {it["key"]: dc.measure_entry(it["M"], it["K"], it["N"], it["names"], cands, ctx.device, stream,
                                             failed, gen)}
     extra = {"candidates": {c.label(): c.to_dict() for c in cands}}
-    _shared_out(ctx, todo, measure, lambda rows: keep(rows, extra), go)
+    _shared_out(ctx, todo, measure, lambda rows: keep(rows, extra), go, attempt)
 
 
-def _silu_mul(ctx, plan, todo, keep, go, crashed):
+def _silu_mul(ctx, plan, todo, keep, go, crashed, attempt):
     import torch
 
     from tp_overlap_plugin.tuning import silu_mul
@@ -186,20 +241,20 @@ def _silu_mul(ctx, plan, todo, keep, go, crashed):
     def measure(it):
         return {it["key"]: silu_mul.measure_row(it["shape"], it["M"], it["K"], it["N"], ctx.device,
                                                 repeats=plan.repeats, gen=gen)}
-    _shared_out(ctx, todo, measure, keep, go)
+    _shared_out(ctx, todo, measure, keep, go, attempt)
 
 
-def _gemv(ctx, plan, todo, keep, go, crashed):
+def _gemv(ctx, plan, todo, keep, go, crashed, attempt):
     from tp_overlap_plugin.tuning import gemv
     gpu = plan.device == "cuda"
 
     def measure(it):
         (row,) = gemv.measure([(it["shape"], it["K"], it["N"])], [it["M"]], gpu, repeats=plan.repeats)
         return {it["key"]: row}
-    _shared_out(ctx, todo, measure, keep, go)
+    _shared_out(ctx, todo, measure, keep, go, attempt)
 
 
-def _all_reduce(ctx, plan, todo, keep, go, crashed):
+def _all_reduce(ctx, plan, todo, keep, go, crashed, attempt):
     from tp_overlap_plugin.ops.all_reduce import HeapAllReduce
     from tp_overlap_plugin.tuning import all_reduce
     sizes = [it for it in todo if "bytes" in it]
@@ -215,9 +270,8 @@ def _all_reduce(ctx, plan, todo, keep, go, crashed):
             for it in sizes:
                 if not go():
                     return
-                (row,) = all_reduce.all_reduce_sweep(ctx, comm, symm, [it["bytes"]], repeats=plan.repeats,
-                                                    samples=samples)
-                keep({it["key"]: row})
+                keep(attempt(it, lambda it=it: {it["key"]: all_reduce.all_reduce_sweep(
+                    ctx, comm, symm, [it["bytes"]], repeats=plan.repeats, samples=samples)[0]}))
             _quiesce(ctx)
     if norms:
         symm = all_reduce.torch_symm_all_reduce(ctx, max(it["tokens"] for it in norms) * plan.dims.hidden * 2)
@@ -225,10 +279,10 @@ def _all_reduce(ctx, plan, todo, keep, go, crashed):
             if not go():
                 return
             with ctx.heap.scope():  # each size's buffers, then the space back (heap_bytes holds one)
-                (row,) = all_reduce.norm_sweep(ctx, symm, it["hidden"], [it["tokens"]], repeats=plan.repeats,
-                                              samples=samples)
+                rows = attempt(it, lambda it=it: {it["key"]: all_reduce.norm_sweep(
+                    ctx, symm, it["hidden"], [it["tokens"]], repeats=plan.repeats, samples=samples)[0]})
                 _quiesce(ctx)
-            keep({it["key"]: row})
+            keep(rows)
 
 
 def _quiesce(ctx) -> None:
@@ -241,30 +295,34 @@ def _quiesce(ctx) -> None:
     dist.barrier(group=ctx.group)
 
 
-def _fused_ops(ctx, plan, todo, keep, go, crashed):
+def _fused_ops(ctx, plan, todo, keep, go, crashed, attempt):
     from tp_overlap_plugin.tuning import fused_ops
     gpu = plan.device == "cuda"
     for it in todo:
         if not go():
             return
-        row: dict = {}
         calls = (10 if it["M"] <= 1024 else 5) if gpu else 1
-        fused_ops.measure_shape(ctx, it["op"], it["M"], it["K"], it["N"], None, row, calls,
-                                variants=fused_ops.TABLE + (("ours_graph", "sequential_graph") if gpu else ()),
-                                repeats=plan.repeats, samples=7 if gpu else 1, log=False, design=plan.fused_ops)
-        keep({it["key"]: row})
+
+        def measure(it=it, calls=calls):
+            row: dict = {}
+            fused_ops.measure_shape(ctx, it["op"], it["M"], it["K"], it["N"], None, row, calls,
+                                    variants=fused_ops.TABLE + (("ours_graph", "sequential_graph") if gpu else ()),
+                                    repeats=plan.repeats, samples=7 if gpu else 1, log=False, design=it["design"])
+            return {it["key"]: row}
+        keep(attempt(it, measure))
 
 
-def _gemm_ar(ctx, plan, todo, keep, go, crashed):
+def _gemm_ar(ctx, plan, todo, keep, go, crashed, attempt):
     from tp_overlap_plugin.tuning import gemm_ar
     for it in todo:
         if not go():
             return
         with ctx.heap.scope():  # each row's buffers, then the space back (heap_bytes holds the largest)
-            (row,) = gemm_ar.measure(ctx, [(it["shape"], it["K"], it["N"])], [it["M"]], repeats=plan.repeats,
-                                     samples=10 if plan.device == "cuda" else 1)
+            rows = attempt(it, lambda it=it: {it["key"]: gemm_ar.measure(
+                ctx, [(it["shape"], it["K"], it["N"])], [it["M"]], repeats=plan.repeats,
+                samples=10 if plan.device == "cuda" else 1)[0]})
             _quiesce(ctx)
-        keep({it["key"]: row})
+        keep(rows)
 
 
 PHASE_RUNNERS = {"gemm_configs": _gemm_configs, "decode_configs": _decode_configs, "gemv": _gemv,

@@ -32,6 +32,8 @@ START_SECONDS = {"cuda": 40.0, "cpu": 8.0}  # rank start-up, and on GPUs the con
 # warm-up steps. Guesses until a GPU run times them (bench/notes/tune.md); CPU: the demo model.
 ENGINE_START_SECONDS = {"cuda": 60.0, "cpu": 10.0}
 ENGINE_SECONDS_PER_ITEM = {"cuda": 4.0, "cpu": 8.0}
+# one more engine built per design measured, and one for the replicated layout (engine_check.engine_rank)
+ENGINE_BUILD_SECONDS = {"cuda": 30.0, "cpu": 8.0}
 
 
 @dataclass(frozen=True)
@@ -48,9 +50,15 @@ class Plan:
     margin: float
     engine_margin: float
     items: dict = field(default_factory=dict)
-    # the sequence-parallel layout's AG-GEMM / GEMM-RS design the fused_ops phase and the engine's verdict
-    # measure (tp_overlap.fused_ops): the table holds one design's rows, and says which
-    fused_ops: str = "kernel"
+    # the sequence-parallel layout's AG-GEMM / GEMM-RS designs the fused_ops phase and the engine's verdict
+    # measure (options.DESIGNS; one where `tune --fused-ops` names it): the verdict chooses one, and the
+    # table holds that design's rows and says which
+    designs: tuple = ("kernel", "chunked")
+
+    @property
+    def fused_ops(self) -> str:
+        """What `tune --fused-ops` was given: "auto" (every design), or the one design."""
+        return self.designs[0] if len(self.designs) == 1 else "auto"
 
     def estimate_s(self) -> float:
         return sum(self.phase_estimates_s().values())
@@ -63,7 +71,8 @@ class Plan:
         out.update({p: per[p] * len(self.items[p]) / (self.world if p in SHARED_OUT else 1)
                     for p in PHASES if self.items.get(p)})
         if self.items.get("engine"):
-            out["engine"] = ENGINE_START_SECONDS[dev] + ENGINE_SECONDS_PER_ITEM[dev] * len(self.items["engine"])
+            out["engine"] = (ENGINE_START_SECONDS[dev] + ENGINE_BUILD_SECONDS[dev] * (len(self.designs) + 1)
+                             + ENGINE_SECONDS_PER_ITEM[dev] * len(self.items["engine"]) * (len(self.designs) + 1))
         return out
 
 
@@ -77,12 +86,16 @@ def _by_shape(model: str, world: int, layers: list, ms) -> list[dict]:
 
 def make_plan(model: str, dims: ModelDims, world: int, device: str, quick: bool, margin: float,
               engine_margin: float, model_spec: str | None = None, step_budget: int | None = None,
-              fused_ops: str = "kernel") -> Plan:
+              fused_ops: str = "auto") -> Plan:
     """`step_budget`: the engine's step token budget the engine check runs prefill steps of (default
-    engine_check.DEFAULT_BUDGET). `fused_ops`: the AG-GEMM / GEMM-RS design measured ("kernel",
-    "chunked"); its rows are stored apart (a key suffix), so switching designs keeps both."""
+    engine_check.DEFAULT_BUDGET). `fused_ops`: the AG-GEMM / GEMM-RS designs measured ("auto": all of
+    options.DESIGNS; or one); each design's rows are stored apart (a key suffix)."""
+    from tp_overlap_plugin.options import DESIGNS
     from tp_overlap_plugin.tuning import engine_check, gemm_ar, gemm_configs, gemv
     dims.check_tp(world)
+    if fused_ops != "auto" and fused_ops not in DESIGNS:
+        raise ValueError(f"fused_ops must be 'auto' or one of {DESIGNS}, got {fused_ops!r}")
+    designs = DESIGNS if fused_ops == "auto" else (fused_ops,)
     gpu = device == "cuda"
     layers = dims.layers(world)
     if gpu:
@@ -111,16 +124,22 @@ def make_plan(model: str, dims: ModelDims, world: int, device: str, quick: bool,
     if world > 1:
         items["all_reduce"] = ([{"key": f"ar/{b}", "bytes": b} for b in sizes]
                                + [{"key": f"norm/{dims.hidden}x{t}", "hidden": dims.hidden, "tokens": t} for t in tokens])
-        design = "" if fused_ops == "kernel" else f"@{fused_ops}"
-        items["fused_ops"] = [{"key": f"{LAYER_OPS[layer]}/{m}x{k}x{n}{design}", "layer": layer, "op": LAYER_OPS[layer],
-                               "M": m, "K": k, "N": n} for layer, k, n in layers for m in fused_ms]
+        items["fused_ops"] = [{"key": f"{LAYER_OPS[layer]}/{m}x{k}x{n}{design_key(d)}", "layer": layer,
+                               "op": LAYER_OPS[layer], "M": m, "K": k, "N": n, "design": d}
+                              for d in designs for layer, k, n in layers for m in fused_ms]
         # the interpreter: one row layer shows the pipeline (and eagerly the rule says stock anyway)
         row_layers = [x for x in layers if LAYER_OPS[x[0]] == "rs"][:None if gpu else 1]
         items["gemm_ar"] = [{"key": f"{m}x{k}x{n}", "shape": f"{model} {layer}", "M": m, "K": k, "N": n}
                             for layer, k, n in row_layers for m in ar_rows]
     items["engine"] = engine_check.plan_items(model, world, device, step_budget)
     return Plan(model, model_spec or model, dims, world, device, quick, GPU_REPEATS if gpu else 1, margin,
-                engine_margin, items, fused_ops)
+                engine_margin, items, designs)
+
+
+def design_key(design: str) -> str:
+    """A fused-op row's key suffix in the store: none for the one-launch design (rows stored before there
+    were two), "@<design>" for the others."""
+    return "" if design == "kernel" else f"@{design}"
 
 
 
@@ -140,6 +159,7 @@ def heap_bytes(plan: Plan) -> int:
 
     from tp_overlap_plugin.ops.all_reduce import HeapAllReduce
     from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm
+    from tp_overlap_plugin.ops.chunked import ChunkedAllGatherGemm, ChunkedGemmReduceScatter
     from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter
     from tp_overlap_plugin.tuning import all_reduce, gemm_ar
     if plan.world == 1:
@@ -155,8 +175,10 @@ def heap_bytes(plan: Plan) -> int:
     fused = 0
     for it in plan.items.get("fused_ops", []):  # one op's buffers at a time (a heap scope per shape)
         rows = -(-it["M"] // W)
-        need = (AllGatherGemm.heap_bytes(W, rows, it["K"], torch.bfloat16) if it["op"] == "ag"
-                else GemmReduceScatter.heap_bytes(W, rows, it["N"], torch.bfloat16)) + (1 << 20)
+        ag, rs = ((ChunkedAllGatherGemm, ChunkedGemmReduceScatter) if it["design"] == "chunked"
+                  else (AllGatherGemm, GemmReduceScatter))
+        need = (ag.heap_bytes(W, rows, it["K"], torch.bfloat16) if it["op"] == "ag"
+                else rs.heap_bytes(W, rows, it["N"], torch.bfloat16)) + (1 << 20)
         fused = max(fused, need)
     size = max(size, fused)
     if plan.items.get("gemm_ar"):

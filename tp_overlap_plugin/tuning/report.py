@@ -14,6 +14,18 @@ from tp_overlap_plugin.shapes import LAYER_OPS
 from tp_overlap_plugin.tuning.store import load_phase, store_dir
 
 
+def design_tables(device_name: str, world: int, plan: Plan) -> dict:
+    """{design: the dispatch table of that design's per-op rows, without a verdict} for each design the
+    plan measures, from the store: what the engine check runs each design's flag engine on."""
+    from tp_overlap_plugin.tuning import rules
+    stored = {p: d for p in PHASES if (d := load_phase(device_name, world, p)) is not None}
+    if not stored:
+        return {}
+    env = {**next(iter(stored.values()))["environment"], "date": datetime.date.today().isoformat()}
+    return {d: rules.build({p: x["rows"] for p, x in stored.items()}, env, margin=plan.margin, command="",
+                           fused_ops=d) for d in plan.designs}
+
+
 def build_tables(device_name: str, world: int, plan: Plan, summary: dict | None = None) -> dict:
     """The dispatch table (with the engine's verdict) and the config tables from everything in the
     store (every model tuned here at this TP size), written atomically into the cache under their
@@ -34,7 +46,8 @@ def build_tables(device_name: str, world: int, plan: Plan, summary: dict | None 
                         extra={"models": models, "tuned_by": "tp-overlap tune"}, fused_ops=plan.fused_ops)
     out["dispatch"] = tables.write("dispatch", device_name, world, table)
     md = rules.markdown(table, [(LAYER_OPS[layer], k, n) for layer, k, n in plan.dims.layers(world)], plan.model)
-    norm_rows = [r for r in stored.get("all_reduce", {"rows": {}})["rows"].values() if "tokens" in r]
+    norm_rows = [r for r in stored.get("all_reduce", {"rows": {}})["rows"].values()
+                 if "tokens" in r and "row_failed" not in r]
     if norm_rows:
         md += _norm_markdown(norm_rows)
     for kind, phase, title, write in (("gemm", "gemm_configs", "GEMM core configs", write_gemm_table),
@@ -62,7 +75,8 @@ def write_gemm_table(device_name: str, world: int, command: str) -> tuple[Path, 
         return None
     payload = {"environment": {**stored["environment"], "tp": world},
                "candidates": stored.get("candidates", {"large": [], "small": []}),
-               "results": sorted(stored["rows"].values(), key=lambda e: (-e["M"], e["K"], e["N"])),
+               "results": sorted((e for e in stored["rows"].values() if "row_failed" not in e),
+                                 key=lambda e: (-e["M"], e["K"], e["N"])),
                "stopped": None, "crashed": stored.get("crashed", {})}
     gtable, gmd = gc.build_table(payload)
     gtable.update(source="tp-overlap tune", command=command)
@@ -80,7 +94,7 @@ def write_decode_table(device_name: str, world: int, command: str) -> tuple[Path
     stored = load_phase(device_name, world, "decode_configs")
     if not stored or not stored["rows"]:
         return None
-    rows = list(stored["rows"].values())
+    rows = [e for e in stored["rows"].values() if "row_failed" not in e]
     env = {**stored["environment"], "date": datetime.date.today().isoformat()}
     path = tables.write("decode", device_name, None, dc.build_table(rows, stored.get("candidates", {}), env, command))
     return path, dc.markdown(rows, timed="one eager call, CPU" if device_name == "cpu" else "CUDA graphs")

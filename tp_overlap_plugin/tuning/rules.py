@@ -1,8 +1,8 @@
 """The dispatcher's table from measurements: the one copy of its decision rules ("never slower than
 stock"). `build` reads the rows as `tp-overlap tune`'s store holds them, per phase {key: row}
-(tuning/store.py); tune calls it on its store, the one writer of the table. `from_bench_runs` makes
-the same of bench runs put into that form: what the shipped tables were made of, rebuilt to check them
-(integration_tests/test_bench_scripts.py), never written.
+(tuning/store.py); tune calls it on its store, the one writer of the table. The shipped tables are
+tune's, and integration_tests/test_bench_scripts.py builds each again from its run's store (shipped in
+bench/results/tune-store-*).
 
 A row picks ours only when ours wins by MARGIN (the run-to-run noise seen here is ~2%) in every
 interleaved repeat: with repeats, each repeat's ratio stock/ours must reach the margin, and the table
@@ -17,6 +17,7 @@ import statistics
 from tp_overlap_plugin import tables
 from tp_overlap_plugin.ops.all_reduce import DEFAULT_ONE_SHOT_BYTES
 from tp_overlap_plugin.dispatch import Dispatcher
+from tp_overlap_plugin.options import DESIGNS
 from tp_overlap_plugin.tuning.results import md_table
 
 MARGIN = 1.02
@@ -156,11 +157,12 @@ DESIGN_COLUMNS = {"kernel": ("sequential", "ours"), "chunked": ("sequential_grap
 def gemm_rows(measured: dict, margin: float = MARGIN, design: str = "kernel") -> list[dict]:
     """Per measured (op, M, K, N) of `design` (rows of the other design are left out): our AG-GEMM /
     GEMM-RS against the sequential collective + GEMM, in the design's columns (DESIGN_COLUMNS)."""
-    stock, ours = DESIGN_COLUMNS[design]
     gemm = []
     for key, r in measured.items():
         if r.get("design", "kernel") != design:
             continue
+        # the CPU has no CUDA graphs: there the interpreter's eager calls (a check of the pipeline)
+        stock, ours = DESIGN_COLUMNS["kernel" if r.get("graphs") is False else design]
         if not isinstance(r.get(ours), float) or not isinstance(r.get(stock), float):
             continue
         rs = ratios(_repeats(r, stock), _repeats(r, ours))
@@ -177,7 +179,7 @@ def all_reduce_rows(measured: dict, margin: float = MARGIN) -> list[dict]:
     """Per message size: our all-reduce as "auto" runs it against NCCL, in CUDA graphs and eager (the
     phase's fused all-reduce + norm rows are the evidence's, not the table's)."""
     ar = []
-    rows = sorted((r for r in measured.values() if "bytes" in r), key=lambda r: r["bytes"])
+    rows = sorted(message_rows(measured), key=lambda r: r["bytes"])
     crossover = one_shot_crossover(rows)
     for r in rows:
         algorithm = auto_algorithm(r, crossover)
@@ -195,92 +197,108 @@ def all_reduce_rows(measured: dict, margin: float = MARGIN) -> list[dict]:
     return ar
 
 
+def measured_rows(phases: dict) -> dict:
+    """{phase: {key: row}} without the rows that failed (phases.failed_row: "row_failed")."""
+    return {p: {k: r for k, r in rows.items() if "row_failed" not in r} for p, rows in phases.items()}
+
+
+def message_rows(measured: dict) -> list[dict]:
+    """The all_reduce phase's rows of the plain all-reduce (its fused all-reduce + norm rows, which have
+    "tokens" and also say their bytes, are the evidence's: counted here they made rows with no time)."""
+    return [r for r in measured.values() if "bytes" in r and "tokens" not in r]
+
+
 def build(phases: dict, env: dict, *, command: str, margin: float = MARGIN, engine_margin: float = ENGINE_MARGIN,
-          extra: dict | None = None, fused_ops: str = "kernel") -> dict:
+          extra: dict | None = None, fused_ops: str = "auto") -> dict:
     """The table from the measurements there are, per phase as tune's store holds them ({phase: {key:
     row}}; TP=1 has no collectives: its table has the local matmuls' rows only). "gemm" and
     "all_reduce" are always there (empty where unmeasured); the other sections where their phase is,
     the engine's verdict ("engine", by `engine_margin`) too. `env`: the runs' environment (device, TP
-    size, date, versions)."""
+    size, date, versions). `fused_ops`: the designs measured ("auto": options.DESIGNS), of which the
+    verdict chooses one (choose_design): the table holds its fused-op rows. Rows that failed are left
+    out of every section (they run stock) and listed under "failed"."""
     table = {"device": env["device"], "world": env["tp"], "date": env["date"], "torch": env["torch"],
              "triton": env["triton"]}
     if "driver" in env:
         table["driver"] = env["driver"]
-    measured_ar = [r for r in phases.get("all_reduce", {}).values() if "bytes" in r]
+    failed = sorted(({"phase": p, "key": k, "why": r["row_failed"]} for p, rows in phases.items()
+                     for k, r in rows.items() if "row_failed" in r), key=lambda f: (f["phase"], f["key"]))
+    # a row is measured or absent: one that failed runs stock, and the table lists it apart
+    phases = measured_rows(phases)
+    measured_ar = message_rows(phases.get("all_reduce", {}))
     table.update({"margin": margin,
                   "one_shot_max_bytes": one_shot_crossover(measured_ar) if measured_ar else DEFAULT_ONE_SHOT_BYTES,
                   "command": command})
-    if fused_ops != "kernel":  # a table without the field holds the one-launch design's rows
-        table["fused_ops"] = fused_ops
+    designs = DESIGNS if fused_ops == "auto" else (fused_ops,)
+    design = choose_design(phases.get("engine", {}), engine_margin, designs)
+    if design != "kernel":  # a table without the field holds the one-launch design's rows
+        table["fused_ops"] = design
     # how each section's rows are made of its phase's measurements (which phase makes which section,
     # and which sections a table always has: tables.DISPATCH.sections)
-    make = {"gemm": lambda m: gemm_rows(m, margin, fused_ops), "all_reduce": lambda m: all_reduce_rows(m, margin),
+    make = {"gemm": lambda m: gemm_rows(m, margin, design), "all_reduce": lambda m: all_reduce_rows(m, margin),
             "gemm_all_reduce": lambda m: gemm_all_reduce_rows(m, margin), "gemv": lambda m: gemv_rows(m, margin),
-            "gemm_silu_mul": lambda m: gemm_silu_mul_rows(m, margin), "engine": lambda m: engine_rows(m, engine_margin)}
+            "gemm_silu_mul": lambda m: gemm_silu_mul_rows(m, margin),
+            "engine": lambda m: engine_rows(m, engine_margin, design)}
     for s in tables.DISPATCH.sections:
         if s.phase in phases or s.always:
             table[s.key] = make[s.key](phases.get(s.phase, {}))
     if "engine" in table:
         table["engine_margin"] = engine_margin
+    if failed:
+        table["failed"] = failed
     table.update(extra or {})
     return table
 
 
-# the command each shipped table made of bench runs names (its "command" field), as it was run then
-BENCH_COMMAND = ("python bench/overlap.py --tp W && python bench/foundation.py --tp W && "
-                 "python bench/make_dispatch_table.py --overlap ... --foundation ...")
-TP1_COMMAND = "python bench/gemv.py --tp 1 && python bench/make_dispatch_table.py --gemv ..."
+def design_ratios(r: dict, design: str) -> list[float]:
+    """stock/flag per repeat of a step size's round with `design`'s fused ops in the sharded layout ([]
+    where that design's step was not sharded, so not measured: its step is the replicated one)."""
+    return ratios(_repeats(r, f"{design}_stock_ms"), _repeats(r, f"{design}_ms"))
 
 
-def from_bench_runs(overlap: dict | None, foundation: dict | None, gemm_ar: dict | None = None,
-                    gemv: dict | None = None) -> dict:
-    """The table of bench runs (bench/overlap.py, foundation.py, gemm_ar.py, gemv.py results): their rows
-    put as tune's store holds them ({phase: {key: row}}), then `build`. Without an overlap run (TP=1)
-    the environment is the gemv run's. ValueError where a run is of another device or TP size."""
-    env = overlap["environment"] if overlap is not None else gemv["environment"]
-    phases, command = {}, BENCH_COMMAND if overlap is not None else TP1_COMMAND
-    if overlap is not None:
-        phases["fused_ops"] = {**overlap.get("shapes", {}), **overlap.get("sweep", {})}
-    if foundation is not None:
-        phases["all_reduce"] = {f"ar/{r['bytes']}": r for r in foundation["rank0"]["all_reduce"]}
-    for flag, run, phase in (("--gemm-ar", gemm_ar, "gemm_ar"), ("--gemv", gemv, "gemv")):
-        if run is None:
-            continue
-        if overlap is not None:
-            renv = run["environment"]
-            if (renv["device"], renv["tp"]) != (env["device"], env["tp"]):
-                raise ValueError(f"{flag} ran on {renv['device']} at TP={renv['tp']}, --overlap on {env['device']} "
-                                 f"at TP={env['tp']}: one table is for one device and world size")
-            command += f" {flag} ... (python bench/{phase}.py --tp W)"
-        phases[phase] = {f"{r['shape']}/{r['M']}x{r['K']}x{r['N']}": r for r in run["rows"]}
-    return build(phases, env, command=command)
-
-
-def step_verdict(r: dict, margin: float = ENGINE_MARGIN) -> str:
-    """How a measured step size runs (one of dispatch.STEP_RUNS): "flag" where the flag's step (its layout and
-    per-op choices, as the table makes them) beat the stock engine's by the margin in every repeat;
-    else "replicated" where the flag's per-op choices in the replicated layout did (measured where the
-    flag's step was sequence-parallel: the layout, then the ops, are the suspects in turn; against
-    the stock engine's times of that round); else "stock", every op of the step."""
-    if wins(ratios(_repeats(r, "stock_ms"), _repeats(r, "flag_ms")), margin):
+def step_verdict(r: dict, margin: float = ENGINE_MARGIN, design: str = "kernel") -> str:
+    """How a measured step size runs (one of dispatch.STEP_RUNS) in an engine of `design`: "flag" where that
+    design's step in the sharded layout (its per-op choices, as the table makes them) beat the stock
+    engine's by the margin in every repeat; else "replicated" where the flag's per-op choices in the
+    replicated layout did (against the stock engine's times of that round; also where the design's own
+    layout is the replicated one, decode sizes: a step between a replicated size and a sharded one
+    then runs replicated, the cautious neighbour, as measured); else "stock", every op of the step."""
+    if wins(design_ratios(r, design), margin):
         return "flag"
     if wins(ratios(_repeats(r, "replicated_stock_ms"), _repeats(r, "replicated_ms")), margin):
         return "replicated"
     return "stock"
 
 
-def engine_rows(measured: dict, margin: float = ENGINE_MARGIN) -> list[dict]:
-    """Per model and measured step size: the stock engine's step, the flag's, and (where measured) the
-    flag's ops in the replicated layout, ms per step in CUDA graphs as served; the verdict ("runs")."""
+def choose_design(measured: dict, margin: float = ENGINE_MARGIN, designs: tuple = DESIGNS) -> str:
+    """The fused-op design an engine runs (it runs one): the one whose sharded step won at the most step
+    sizes, then the one with the higher median stock/flag summed over the step sizes it was measured
+    at; without a verdict, the first of `designs`."""
+    def score(d: str):
+        rs = [design_ratios(r, d) for r in measured.values()]
+        return (sum(wins(x, margin) for x in rs), sum(statistics.median(x) for x in rs if x))
+    return max(designs, key=score) if measured else designs[0]
+
+
+def engine_rows(measured: dict, margin: float = ENGINE_MARGIN, design: str = "kernel") -> list[dict]:
+    """Per model and measured step size: the stock engine's step, the flag's with each design measured
+    (where its layout was sharded), and the flag's ops in the replicated layout, ms per step in CUDA
+    graphs as served; the verdict ("runs") for an engine of `design`, and that design where it runs the
+    flag ("design")."""
     rows = []
     for r in measured.values():
-        row = {"model": r["model"], "kind": r["kind"], "M": r["tokens"], "shapes": r["shapes"], "layout": r["layout"],
-               "stock_ms": r["stock_ms"], "flag_ms": r["flag_ms"]}
-        _spread(row, "ratio", ratios(_repeats(r, "stock_ms"), _repeats(r, "flag_ms")))
+        row = {"model": r["model"], "kind": r["kind"], "M": r["tokens"], "shapes": r["shapes"],
+               "layout": r["layouts"].get(design, "replicated")}
+        for d in r["layouts"]:
+            if f"{d}_ms" in r:
+                row[d] = {"flag_ms": r[f"{d}_ms"], "stock_ms": r[f"{d}_stock_ms"]}
+                _spread(row[d], "ratio", design_ratios(r, d))
         if "replicated_ms" in r:
             row.update(replicated_ms=r["replicated_ms"], replicated_stock_ms=r["replicated_stock_ms"])
             _spread(row, "replicated_ratio", ratios(_repeats(r, "replicated_stock_ms"), _repeats(r, "replicated_ms")))
-        row["runs"] = step_verdict(r, margin)
+        row["runs"] = step_verdict(r, margin, design)
+        if row["runs"] == "flag":
+            row["design"] = design
         rows.append(row)
     rows.sort(key=lambda r: (r["model"], r["M"], r["kind"]))
     return rows
@@ -320,20 +338,32 @@ def _all_reduce_markdown(t: dict) -> str:
 
 
 def engine_markdown(t: dict) -> str:
-    spread = any("ratio" in r for r in t["engine"])
     timed = "one eager step each, CPU" if t["device"] == "cpu" else "CUDA graphs as served"
+    design = t.get("fused_ops", "kernel")
+    designs = [d for d in DESIGNS if any(d in r for r in t["engine"])]
     md = (f"\n## The engine's verdict: whole steps, stock engine against the flag (ms per step, {timed})"
-          f"\n\nA step size keeps the flag only where its step beat stock's by {t['engine_margin']}x in every "
-          "interleaved repeat; else the flag's ops in the replicated layout where they did (measured where the flag's "
-          "step was sequence-parallel), else it runs stock. Between measured sizes a step runs as the more cautious of "
-          "its neighbours.\n\n")
-    return md + md_table(
-        ["model", "step", "tokens", "flag's layout", "stock", "flag"] + (["stock/flag [min–max]"] if spread else [])
-        + ["flag's ops replicated", "stock/that", "runs"],
-        [[r["model"], r["kind"], r["M"], r["layout"], r["stock_ms"], r["flag_ms"]]
-         + ([_ratio(r, "ratio", r["stock_ms"] / r["flag_ms"])] if spread else [])
-         + [r.get("replicated_ms", "-"), _ratio(r, "replicated_ratio", r["replicated_stock_ms"] / r["replicated_ms"])
-            if "replicated_ms" in r else "-", r["runs"]] for r in t["engine"]])
+          f"\n\nPer step size, each fused-op design's step in the sharded layout (where its layout was sharded; each "
+          f"round against its own stock times) and the flag's ops in the replicated layout. The engine runs one design: "
+          f"**{design}**, the one that won the most step sizes. A step size runs it sharded only where its step beat "
+          f"stock's by {t['engine_margin']}x in every interleaved repeat; else the replicated layout where that did; "
+          "else stock. Between measured sizes a step runs as the more cautious of its neighbours.\n\n")
+    cols = ["model", "step", "tokens"]
+    for d in designs:
+        cols += [f"{d}: stock", f"{d}: flag", f"{d}: stock/flag"]
+    cols += ["replicated: stock", "replicated", "stock/replicated", "runs"]
+
+    def cells(r):
+        out = [r["model"], r["kind"], r["M"]]
+        for d in designs:
+            x = r.get(d)
+            out += ([x["stock_ms"], x["flag_ms"], _ratio(x, "ratio", x["stock_ms"] / x["flag_ms"])] if x
+                    else ["-", "not sharded", "-"])
+        rep = "replicated_ms" in r
+        out += [r["replicated_stock_ms"] if rep else "-", r["replicated_ms"] if rep else "-",
+                _ratio(r, "replicated_ratio", r["replicated_stock_ms"] / r["replicated_ms"]) if rep else "-",
+                f"{r['runs']} ({r['design']}, sharded)" if r["runs"] == "flag" else r["runs"]]
+        return out
+    return md + md_table(cols, [cells(r) for r in t["engine"]])
 
 
 def _ratio(row: dict, key: str, value: float):
@@ -385,6 +415,9 @@ def markdown(t: dict, layer_ops=None, layer_name: str = "Llama-3-8B") -> str:
     timed = "one eager call, CPU" if t["device"] == "cpu" else "CUDA graphs, one GPU"
     if t.get("engine"):
         md += engine_markdown(t)
+    if t.get("failed"):
+        md += ("\n## Rows that failed (they run stock; the next `tp-overlap tune` measures them again)\n\n"
+               + md_table(["phase", "row", "why"], [[f["phase"], f["key"], f["why"]] for f in t["failed"]]))
     if t.get("gemm_silu_mul"):
         md += f"\n## gate_up + SiLU-mul: cuBLAS + the SiLU-mul kernel against the fused kernel (ms, {timed})\n\n"
         md += md_table(["layer", "M", "K", "N", "stock", "fused", "stock/fused", "chosen"],

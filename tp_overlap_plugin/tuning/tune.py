@@ -41,7 +41,7 @@ from tp_overlap_plugin import tables
 from tp_overlap_plugin.tuning import engine_check
 from tp_overlap_plugin.tuning.plan import PHASES, Plan, heap_bytes, make_plan, plan_candidates
 from tp_overlap_plugin.tuning.phases import tune_rank
-from tp_overlap_plugin.tuning.report import build_tables
+from tp_overlap_plugin.tuning.report import build_tables, design_tables
 from tp_overlap_plugin.shapes import ModelDims
 from tp_overlap_plugin.tuning.store import load_rows, save_rows, store_dir
 
@@ -49,10 +49,11 @@ from tp_overlap_plugin.tuning.store import load_rows, save_rows, store_dir
 def run(model: str, dims: ModelDims, world: int, device: str, quick: bool = False, budget_min: float | None = None,
         force: bool = False, margin: float | None = None, timeout_s: float | None = None, *,
         engine_margin: float | None = None, model_spec: str | None = None, step_budget: int | None = None,
-        only: tuple[str, ...] | None = None, fused_ops: str = "kernel") -> int:
+        only: tuple[str, ...] | None = None, fused_ops: str = "auto") -> int:
     """`margin` sets the engine check's margin too, unless `engine_margin` is given. `only`: the phases
     to measure (plan.ONLY_CHOICES), the others' stored rows kept; the tables are built from every stored
-    row either way. `fused_ops`: the AG-GEMM / GEMM-RS design measured (plan.make_plan)."""
+    row either way. `fused_ops`: the AG-GEMM / GEMM-RS designs measured ("auto": every one, the verdict
+    choosing; or one: plan.make_plan)."""
     from tp_overlap_plugin.tuning import rules
     cache = tables.cache_dir()
     if engine_margin is None:
@@ -77,18 +78,32 @@ def run(model: str, dims: ModelDims, world: int, device: str, quick: bool = Fals
     if ops_todo:
         # the measuring phases leave the engine check its estimated time within the budget
         ops_deadline = deadline - plan.phase_estimates_s().get("engine", 0.0)
-        got, interrupted = _ranks(tune_rank, plan, (plan, ops_deadline, force, _preflight(plan, summary), str(cache)),
-                                  timeout, heap_bytes(plan) if world > 1 else None)
+        crashed, died = _preflight(plan, summary), {}
+        while True:
+            _clear_marks(cache)
+            got, interrupted = _ranks(tune_rank, plan, (plan, ops_deadline, force, crashed, str(cache), died),
+                                      timeout, heap_bytes(plan) if world > 1 else None)
+            # a rank that died took the run down: the rows it was measuring are recorded as failed (they
+            # run stock), and the ranks start again on the rest (the rows kept so far stay measured)
+            dead = {} if got is not None or interrupted.startswith("interrupted") else _marked(cache)
+            if not dead or len(died) >= MAX_DEAD_ROWS or set(dead) <= set(died):
+                break
+            why = interrupted.strip().splitlines()[-1][-300:] if interrupted.strip() else "a rank died"
+            died.update({name: f"a rank died measuring it ({why})" for name in dead})
+            print(f"tp-overlap tune: a rank died measuring {', '.join(sorted(dead))}: recorded as failed (stock); "
+                  f"starting the ranks again for the rest", file=sys.stderr, flush=True)
+        _clear_marks(cache)
         if got is not None:
             summary["phases"].update(got["phases"])
             device_name = got["environment"]["device"]
     build_tables(device_name, world, plan)  # the flag's engine runs on these
     if interrupted is None and plan.items.get("engine"):
-        engine_todo = _engine_todo(plan, device_name, force)
+        designs = design_tables(device_name, world, plan)
+        engine_todo = _engine_todo(plan, device_name, designs, force)
         if not ops_todo and not engine_todo:
             print("tp-overlap tune: every row is measured already (--force measures them again)", file=sys.stderr)
         elif engine_todo:
-            interrupted = _engine(plan, device_name, engine_todo, deadline, timeout, summary)
+            interrupted = _engine(plan, device_name, designs, engine_todo, deadline, timeout, summary)
     return _finish(plan, device_name, summary, interrupted, t0)
 
 
@@ -104,6 +119,21 @@ def _ranks(fn, plan: Plan, args: tuple, timeout: float, heap_size: int | None):
         return None, ("interrupted (Ctrl-C)" if "KeyboardInterrupt" in str(e) else f"a rank failed: {str(e)[-2000:]}")
 
 
+# rows a run records as failed because a rank died measuring them before it gives up altogether
+MAX_DEAD_ROWS = 3
+
+
+def _marked(cache) -> dict:
+    """{"<phase>/<key>": rank} of the rows ranks were measuring when the run stopped (phases.mark_in_progress)."""
+    marks = cache / "tune-in-progress"
+    return {p.read_text(): int(p.name[4:]) for p in marks.glob("rank*")} if marks.is_dir() else {}
+
+
+def _clear_marks(cache) -> None:
+    for p in (cache / "tune-in-progress").glob("rank*"):
+        p.unlink(missing_ok=True)
+
+
 def _todo(plan: Plan, device_name: str) -> int:
     """How many of the plan's rows of the measuring phases the store lacks (under this process's versions)."""
     env = {"device": device_name, **tables.versions(plan.device)}
@@ -112,27 +142,29 @@ def _todo(plan: Plan, device_name: str) -> int:
                for phase in PHASES if plan.items.get(phase))
 
 
-def _engine_todo(plan: Plan, device_name: str, force: bool) -> list[dict]:
-    if not tables.cached_path("dispatch", device_name, plan.world).exists():
+def _engine_todo(plan: Plan, device_name: str, designs: dict, force: bool) -> list[dict]:
+    if not designs:
         return []  # nothing measured for the flag to run on
     env = {"device": device_name, **tables.versions(plan.device)}
     stored = load_rows(store_dir(device_name, plan.world, "engine"), "engine", env)
-    return engine_check.todo(plan, device_name, stored, force)
+    return engine_check.todo(plan, stored, engine_check.fingerprint(device_name, designs), force)
 
 
-def _engine(plan: Plan, device_name: str, todo: list, deadline: float, timeout: float, summary: dict) -> str | None:
-    """The engine phase's ranks on the dispatch table just written (its verdict rows left out: the flag's
-    steps as the per-op rows make them); its rows into the store. Returns why it stopped, if it did."""
+def _engine(plan: Plan, device_name: str, designs: dict, todo: list, deadline: float, timeout: float,
+            summary: dict) -> str | None:
+    """The engine phase's ranks on each design's table of per-op rows (no verdict: the flag's steps as
+    those rows make them); its rows into the store. Returns why it stopped, if it did."""
     t0 = time.monotonic()
-    table = tables.read("dispatch", device_name, plan.world)
-    table.pop("engine", None)
-    base = tables.cache_dir() / "engine-check" / f"{tables.device_key(device_name)}-tp{plan.world}-{os.getpid()}.json"
-    tables.write("dispatch", device_name, plan.world, table, path=base)
-    print(f"tp-overlap tune: the engine's verdict: {len(todo)} step sizes, stock against the flag", file=sys.stderr,
-          flush=True)
+    base = tables.cache_dir() / "engine-check" / f"{tables.device_key(device_name)}-tp{plan.world}-{os.getpid()}"
+    paths = {}
+    for d, table in designs.items():
+        paths[d] = str(base) + f"-{d}.json"
+        tables.write("dispatch", device_name, plan.world, table, path=paths[d])
+    print(f"tp-overlap tune: the engine's verdict: {len(todo)} step sizes, stock against the flag with "
+          f"{' and '.join(designs)} fused ops and replicated", file=sys.stderr, flush=True)
     try:
         got, interrupted = _ranks(engine_check.engine_rank, plan,
-                                  (plan, todo, str(base), engine_check.fingerprint(device_name, plan.world), deadline,
+                                  (plan, todo, paths, engine_check.fingerprint(device_name, designs), deadline,
                                    str(tables.cache_dir())), timeout, None)
     finally:
         for leftover in base.parent.glob(base.name + "*"):
@@ -155,7 +187,8 @@ def _finish(plan: Plan, device_name: str, summary: dict, interrupted: str | None
         print(f"  {name}: {p}", file=sys.stderr)
     for phase, s in summary["phases"].items():
         note = f"; stopped: {s['stopped']}" if s["stopped"] else ""
-        print(f"  {phase}: {s['measured']} measured, {s['resumed']} kept from before, of {s['items']}, in "
+        failed_note = f", {s['failed']} failed" if s.get("failed") else ""
+        print(f"  {phase}: {s['measured']} measured{failed_note}, {s['resumed']} kept from before, of {s['items']}, in "
               f"{s['wall_s']:.0f} s{note}", file=sys.stderr)
     took = time.monotonic() - t0
     if interrupted:
@@ -163,6 +196,12 @@ def _finish(plan: Plan, device_name: str, summary: dict, interrupted: str | None
         print(f"tp-overlap tune: {error}{interrupted} after {took:.0f} s; the rows measured so far are kept in the "
               f"cache, and `tp-overlap tune --tp {world} --model {model}` resumes from there.", file=sys.stderr)
         return 130 if interrupted.startswith("interrupted") else 1
+    failed = tables.read("dispatch", path=paths["dispatch"]).get("failed", []) if "dispatch" in paths else []
+    if failed:
+        print(f"tp-overlap tune: {len(failed)} rows failed and run stock (the evidence lists why; the next run "
+              f"measures them again):", file=sys.stderr)
+        for f in failed:
+            print(f"  {f['phase']} {f['key']}: {f['why']}", file=sys.stderr)
     stopped = any(s["stopped"] for s in summary["phases"].values())
     print(f"tp-overlap tune: done in {took:.0f} s" + (" (stopped early: run it again to measure the rest)"
                                                      if stopped else "") + f". `tp-overlap serve --tp {world} "

@@ -5,6 +5,6 @@ middlewares (server_middleware.py), the graceful shutdown (server_shutdown.py) a
 each API's shape (server_logprobs.py).
 
 It may import the engine's front end (`serving.engine.async_llm`, `input_processor`, `outputs`),
-`serving.config`, `serving.args` and `serving.metrics`, and FastAPI / uvicorn / pydantic; never the
-worker or the model. Only the command (serving/cli.py) imports it.
+`serving.config`, `serving.user_errors` and `serving.metrics`, and FastAPI / uvicorn / pydantic; never
+the worker or the model. Only the command (tp_overlap_plugin/cli/) imports it.
 """

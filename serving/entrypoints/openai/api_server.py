@@ -4,17 +4,18 @@
     tp-overlap serve --model /models/Llama-3.1-8B --tp 2 --api-key secret
 
 Routes: POST /v1/completions (serving_completion.py), POST /v1/chat/completions (serving_chat.py), both
-streaming as SSE with `stream: true`; GET /v1/models and /v1/models/{model}; POST /tokenize and
+streaming as SSE with `stream: true`; POST /v1/responses, GET and DELETE /v1/responses/{id} (OpenAI's
+Responses API, serving_responses.py); GET /v1/models and /v1/models/{model}; POST /tokenize and
 /detokenize (vLLM's shapes, serving_tokenization.py); GET and HEAD /health, GET /metrics (Prometheus),
 GET /version. Errors use OpenAI's body (server_errors.py); the middlewares are in server_middleware.py,
 the shutdown in server_shutdown.py.
 
-This module assembles the app and runs it from the command line.
+This module assembles the app and runs it (`serve_main`, with the configs the command line made:
+tp_overlap_plugin/cli/serve.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 import socket
@@ -23,8 +24,9 @@ from typing import Optional
 
 from tp_overlap_plugin import options
 
-from ...args import DEBUG_HINT, CliError, engine_config_from_args
-from .tool_parsers import PARSERS
+from ...config import EngineConfig
+from ...user_errors import DEBUG_HINT, CliError
+from .server_config import DEFAULT_MAX_BODY_BYTES, ServerConfig, configure_logging
 
 try:
     from fastapi import FastAPI, Request
@@ -36,12 +38,14 @@ try:
     from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                            DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                            TokenizeResponse, VersionResponse)
+    from .protocol_responses import ResponseDeleted, ResponseObject, ResponsesRequest
     from .server_errors import (ERROR_RESPONSES, ApiError, check_encodable, describe_validation_errors,
                                 error_response, internal_error_body, is_json_media_type)
     from .server_middleware import ApiKeyGuard, BodyCheck, ErrorBarrier, ResponseCounter
     from .server_shutdown import ABORT_GRACE_S, DrainGuard, DrainingServer, InFlight
     from .serving_chat import OpenAIServingChat
     from .serving_completion import OpenAIServingCompletion
+    from .serving_responses import OpenAIServingResponses
     from .serving_tokenization import OpenAIServingTokenization
     _MISSING_EXTRA: Optional[ImportError] = None
 except ImportError as _e:   # the `serve` extra is not installed: the CLI parser still works, serving does not
@@ -64,18 +68,22 @@ class OpenAIServer:
     `app.fastapi`)."""
 
     def __init__(self, engine, served_model_name: str, api_key: Optional[str] = None,
-                 model_root: Optional[str] = None, tool_parser: Optional[str] = None):
+                 model_root: Optional[str] = None, tool_parser: Optional[str] = None,
+                 trust_request_chat_template: bool = False, max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.engine = engine
+        self.max_request_body_bytes = max_request_body_bytes
         self.model_name = served_model_name
         self.model_root = model_root
         self.api_key = api_key
         self.max_model_len = engine.max_model_len
-        self.metrics = ServerMetrics(served_model_name, self._stats)
+        self.metrics = ServerMetrics(served_model_name, self._stats, engine.max_model_len)
         self.in_flight = InFlight()
         shared = (engine, served_model_name, self.metrics, self.in_flight)
         self.completion = OpenAIServingCompletion(*shared)
-        self.chat = OpenAIServingChat(*shared, tool_parser=tool_parser)
-        self.tokenization = OpenAIServingTokenization(*shared)
+        self.chat = OpenAIServingChat(*shared, tool_parser=tool_parser,
+                                      trust_request_chat_template=trust_request_chat_template)
+        self.responses = OpenAIServingResponses(*shared, tool_parser=tool_parser)
+        self.tokenization = OpenAIServingTokenization(*shared, trust_request_chat_template=trust_request_chat_template)
         self.app = self._build_app()
 
     def _stats(self) -> Optional[dict]:
@@ -129,6 +137,22 @@ class OpenAIServer:
             check_encodable(req)
             return _with_request_id(await server.chat.create(req, request), request, response)
 
+        @app.post("/v1/responses", response_model=ResponseObject, responses={
+            **ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when streaming"}})
+        async def responses(req: ResponsesRequest, request: Request, response: Response):
+            check_encodable(req)
+            return _with_request_id(await server.responses.create(req, request), request, response)
+
+        @app.get("/v1/responses/{response_id}", response_model=ResponseObject,
+                 responses={401: ERROR_RESPONSES[401], 404: ERROR_RESPONSES[404]})
+        async def get_response(response_id: str):
+            return server.responses.retrieve(response_id)
+
+        @app.delete("/v1/responses/{response_id}", response_model=ResponseDeleted,
+                    responses={401: ERROR_RESPONSES[401], 404: ERROR_RESPONSES[404]})
+        async def delete_response(response_id: str):
+            return server.responses.delete(response_id)
+
         @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
         async def tokenize(req: TokenizeRequest):
             check_encodable(req)
@@ -169,7 +193,8 @@ class OpenAIServer:
         async def version_route():
             return VersionResponse(version=version)
 
-        inner = ApiKeyGuard(BodyCheck(app), self.api_key) if self.api_key else BodyCheck(app)
+        checked = BodyCheck(app, self.max_request_body_bytes)
+        inner = ApiKeyGuard(checked, self.api_key) if self.api_key else checked
         wrapped = ResponseCounter(ErrorBarrier(DrainGuard(inner, self.in_flight)), server.metrics)
         # Route tables and the OpenAPI schema stay reachable on the FastAPI object.
         wrapped.fastapi = app
@@ -186,61 +211,17 @@ def _with_request_id(result, request: Request, response: Response):
 
 
 def build_app(engine, served_model_name: str, api_key: Optional[str] = None, model_root: Optional[str] = None,
-              tool_parser: Optional[str] = None):
+              tool_parser: Optional[str] = None, trust_request_chat_template: bool = False,
+              max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
     """The ASGI app for an AsyncLLM (the FastAPI object is its `.fastapi`, the requests in flight its
     `.in_flight`). `tool_parser`: the parser of tool_choice 'auto' (--enable-auto-tool-choice); None: off."""
-    server = OpenAIServer(engine, served_model_name, api_key, model_root, tool_parser)
+    server = OpenAIServer(engine, served_model_name, api_key, model_root, tool_parser, trust_request_chat_template,
+                          max_request_body_bytes)
     server.app.in_flight = server.in_flight
     return server.app
 
 
-# ---- command line ---------------------------------------------------------------------------------
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port number") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a TCP port: it must be in 0-65535")
-    return port
-
-
-def add_server_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 for all)")
-    g.add_argument("--port", type=_port, default=8000, help="TCP port")
-    # Read from the environment at start, not as the option's default: --help would print the key.
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
-                        "(default: $TP_OVERLAP_API_KEY, else none)")
-    g.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the --model value)")
-    g.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="on the first SIGINT/SIGTERM the server takes no new requests (they get a 503) and gives "
-                        "those in flight this many seconds to finish; then it aborts them (streams end with "
-                        "finish_reason 'abort' and [DONE]) and exits. A second signal aborts at once")
-    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   help="the server's and uvicorn's log level")
-    g.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="serve tool_choice 'auto' (the default when a request has tools): calls are parsed out of "
-                        "the reply with --tool-call-parser. 'required' and a named function work without it")
-    g.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
-                   help="the format of the model's tool calls: hermes (Qwen2.5, Qwen3, the demo model), "
-                        "llama3_json (Llama 3.1, 3.2)")
-
-
-def tool_parser_from_args(a: argparse.Namespace) -> Optional[str]:
-    """The parser tool_choice 'auto' uses, or None when it is off; CliError for a flag without the other."""
-    if a.enable_auto_tool_choice and a.tool_call_parser is None:
-        raise CliError("--enable-auto-tool-choice needs --tool-call-parser to say how the model writes its calls",
-                       hint=f"add --tool-call-parser with one of: {', '.join(sorted(PARSERS))}")
-    if a.tool_call_parser is not None and not a.enable_auto_tool_choice:
-        logger.warning("--tool-call-parser %s is not used without --enable-auto-tool-choice: tool_choice 'auto' "
-                       "is refused", a.tool_call_parser)
-    return a.tool_call_parser if a.enable_auto_tool_choice else None
-
-
+# ---- running it ----------------------------------------------------------------------------------
 def _listen(host: str, port: int) -> socket.socket:
     """The server's socket, bound before the engine loads: a port that cannot be had fails in a second,
     not after minutes of loading weights. (uvicorn starts listening on it once it serves.)"""
@@ -255,7 +236,9 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_main(a: argparse.Namespace) -> int:
+def serve_main(cfg: EngineConfig, server: ServerConfig = ServerConfig()) -> int:
+    """Start the engine and serve it until SIGINT/SIGTERM; 0 once it has drained and stopped. `cfg` has been
+    checked (tp_overlap_plugin/cli/engine_args.py's check_engine_config) where a user typed it."""
     if _MISSING_EXTRA is not None:
         raise CliError(f"the server needs the serve extra: {_MISSING_EXTRA}", hint="pip install 'tp-overlap[serve]'")
     import uvicorn
@@ -263,9 +246,7 @@ def serve_main(a: argparse.Namespace) -> int:
     from ...config import env_rank_world
     from ...engine.async_llm import AsyncLLM
 
-    logging.basicConfig(level=getattr(logging, a.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = engine_config_from_args(a)
-    tool_parser = tool_parser_from_args(a)
+    configure_logging(server.log_level)
     t0 = time.perf_counter()
 
     def _interrupt(signum, frame):
@@ -282,7 +263,7 @@ def serve_main(a: argparse.Namespace) -> int:
                                                                  launched[0], signum))
         AsyncLLM(cfg)
         return 0
-    sock = _listen(a.host, a.port)
+    sock = _listen(server.host, server.port)
     # Until uvicorn takes over the signals, a SIGTERM must unwind the engine start (which then stops the
     # workers it spawned) instead of killing this process and orphaning them.
     previous = signal.signal(signal.SIGTERM, _interrupt)
@@ -295,20 +276,23 @@ def serve_main(a: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     try:
-        name = a.served_model_name or cfg.model
-        app = build_app(engine, name, a.api_key or options.env_api_key(), model_root=cfg.model,
-                        tool_parser=tool_parser)
+        name = server.served_model_name or cfg.model
+        body_limit = server.max_request_body_bytes or options.env_max_request_body_bytes() or DEFAULT_MAX_BODY_BYTES
+        app = build_app(engine, name, server.api_key or options.env_api_key(vllm_too=True), model_root=cfg.model,
+                        tool_parser=server.tool_parser, trust_request_chat_template=server.trust_request_chat_template,
+                        max_request_body_bytes=body_limit)
         logger.info("engine ready in %.1f s: model %s, tp=%d, max_model_len=%d, %d KV blocks of %d tokens",
                     time.perf_counter() - t0, cfg.model, cfg.tensor_parallel_size, engine.max_model_len,
                     engine.num_blocks, cfg.block_size)
         # By then every request has ended (server_shutdown.py); this only bounds the closing of connections.
-        config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=not a.no_access_log,
+        config = uvicorn.Config(app, host=server.host, port=server.port, log_level=server.log_level,
+                                access_log=server.access_log,
                                 timeout_graceful_shutdown=ABORT_GRACE_S, lifespan="off")
         # DrainingServer handles SIGINT/SIGTERM while serving (server_shutdown.py); the engine and its workers
         # stop below. A signal after it returns, while the engine stops, only logs.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda signum, frame: logger.info("signal %d: the engine is stopping", signum))
-        DrainingServer(config, app.in_flight, a.shutdown_timeout).run(sockets=[sock])
+        DrainingServer(config, app.in_flight, server.shutdown_timeout).run(sockets=[sock])
     finally:
         sock.close()
         engine.shutdown()

@@ -1,13 +1,15 @@
 """Request and response schemas of the OpenAI-compatible server.
 
-The request models list exactly the fields the engine can honour and forbid everything else: a client
-that sends `functions` or asks for `audio` gets a 400 that names the field, instead of an answer that
-quietly differs from what it asked for. Fields that OpenAI clients send with their neutral defaults
-(`suffix: null`, `audio: null`, ...) are accepted at those values only; fields that SDKs and agent
-frameworks send and that change nothing here (`store`, `metadata`, `reasoning_effort`, ...) are accepted
-and ignored (ChatCompletionRequest.IGNORED). vLLM's request extensions are honoured: guided decoding,
-min_tokens, request_id, ... (protocol_vllm.py), `best_of` of n or more (the n likeliest of best_of are
-returned), chat's echo / continue_final_message / chat_template_kwargs.
+The request models list the fields the engine honours, and those it cannot honour: a client that sends
+`functions` or asks for `audio` gets a 400 that names the field, instead of an answer that quietly differs
+from what it asked for. Fields that clients send with their neutral defaults (`suffix: null`, `audio: null`,
+`priority: 0`, ...) are accepted at those values only; fields that SDKs and agent frameworks send and that
+change nothing here (`store`, `metadata`, `reasoning_effort`, ...) are accepted and ignored
+(ChatCompletionRequest.IGNORED); a field no model lists is ignored and logged once by name, as vLLM ignores
+it (protocol_base.py). vLLM's request extensions are honoured: guided decoding, min_tokens, request_id,
+truncate_prompt_tokens, bad_words, allowed_token_ids, ... (protocol_vllm.py, protocol_vllm_fields.py),
+`best_of` of n or more (the n likeliest of best_of are returned), add_special_tokens, chat's echo /
+continue_final_message / chat_template / chat_template_kwargs / documents.
 
 Strict mode: `"max_tokens": "10"` or `"prompt": [true]` are type errors, as in the OpenAI API.
 """
@@ -49,9 +51,10 @@ class ErrorResponse(_Response):
 
 # ---- shared request pieces -------------------------------------------------------------------------
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: Optional[bool] = Field(False, description="null: false")
     include_obfuscation: Optional[bool] = Field(None, description="accepted and ignored: chunks carry no padding")
-    continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, usage on every chunk too")
+    continuous_usage_stats: Optional[bool] = Field(False, description="vLLM's: with include_usage, usage on every "
+                                                   "chunk too; null: false")
 
 
 class JsonSchemaFormat(_Request):
@@ -179,7 +182,8 @@ class _SamplingFields(VllmExtensions):
             kw["structured_output"] = self.response_format.structured_output()
         if self.extension_structured_output() is not None:
             kw["structured_output"] = self.extension_structured_output()
-        kw.update(min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens)
+        kw.update(min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
+                  **self.vllm_sampling_kwargs())
         return kw
 
     def structured_param(self) -> str:
@@ -194,10 +198,14 @@ Prompt = Union[str, list[str], list[int], list[list[int]]]
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt = Field(..., description="a string, a list of strings, token ids, or a list of token-id lists")
-    max_tokens: int = Field(16, ge=1, description="tokens to generate per choice")
+    max_tokens: Optional[int] = Field(16, ge=1, description="tokens to generate per choice; null: what is left "
+                                                            "of the context")
     logprobs: Optional[TopLogprobs] = Field(None, description="the sampled token's log-probability and this many "
                                             "most likely tokens' at each position (raw model distribution)")
-    echo: bool = False
+    echo: Optional[bool] = Field(False, description="null: false")
+    add_special_tokens: Optional[bool] = Field(True, description="the tokenizer's special tokens (e.g. BOS) "
+                                               "around a text prompt; null: true")
+    prompt_embeds: null_only("prompt embeddings are not supported; send text or token ids") = None
     best_of: Optional[int] = Field(None, ge=1, le=128, description="generate this many per prompt and return the "
                                    "n with the highest cumulative log-probability (not with stream)")
     suffix: Optional[str] = Field(None, description="not supported; only null is accepted")
@@ -248,6 +256,12 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
+# vLLM's stop_reason: the stop string that matched, the stop token id that was generated, or null (the
+# end-of-sequence token, length, abort).
+StopReason = Annotated[Optional[Union[int, str]], Field(description="the matched stop string or stop token id; "
+                                                                    "null otherwise")]
+
+
 class CompletionLogprobs(_Response):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[Optional[float]] = Field(default_factory=list)
@@ -260,6 +274,7 @@ class CompletionChoice(_Response):
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+    stop_reason: StopReason = None
     prompt_logprobs: Optional[PromptLogprobs] = None
 
 
@@ -297,6 +312,7 @@ class CompletionStreamChoice(_Response):
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+    stop_reason: StopReason = None
 
 
 class CompletionStreamResponse(_Response):
@@ -341,6 +357,16 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = Field(False, description="the last message is left open and the reply "
                                                             "continues it (needs add_generation_prompt=false)")
     chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description="extra variables for the chat template")
+    chat_template: Optional[str] = Field(None, min_length=1, description="a Jinja chat template for this request "
+                                         "(needs --trust-request-chat-template, as in vLLM)")
+    documents: Optional[list[dict[str, str]]] = Field(None, description="the chat template's `documents` (RAG); "
+                                                      "templates that do not use them ignore them")
+    add_special_tokens: Optional[bool] = Field(
+        None, description="true: the tokenizer's special tokens (e.g. BOS) on top of the template's text; false: "
+                          "the template's text alone; null: the tokenizer's prefix only where the template did "
+                          "not write it")
+    include_reasoning: Optional[bool] = Field(None, description="accepted: no reasoning parser runs here, so the "
+                                              "reply is never split into reasoning and content")
     # ---- fields that OpenAI's SDKs and agent frameworks send and that change nothing here: accepted,
     # logged at debug level (IGNORED), and otherwise ignored ----
     store: Optional[bool] = Field(None, description="ignored: this server keeps no completions")
@@ -462,6 +488,7 @@ class ChatCompletionChoice(_Response):
     message: ChatResponseMessage
     logprobs: Optional[ChatChoiceLogprobs] = None
     finish_reason: Optional[ChatFinishReason] = None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionResponse(_Response):
@@ -485,6 +512,7 @@ class ChatCompletionStreamChoice(_Response):
     delta: DeltaMessage
     logprobs: Optional[ChatChoiceLogprobs] = None
     finish_reason: Optional[ChatFinishReason] = None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionStreamResponse(_Response):
@@ -525,6 +553,10 @@ class TokenizeRequest(_Request):
     tools: Optional[list[ChatTool]] = Field(None, max_length=MAX_TOOLS, description="messages only: rendered by "
                                             "the chat template, as /v1/chat/completions does")
     add_generation_prompt: bool = Field(True, description="messages only")
+    continue_final_message: bool = Field(False, description="messages only: as /v1/chat/completions takes it")
+    chat_template: Optional[str] = Field(None, min_length=1, description="messages only: as /v1/chat/completions "
+                                                                        "takes it")
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description="messages only")
     add_special_tokens: Optional[bool] = Field(
         None, description="default: true for a prompt; for messages, the ids /v1/chat/completions would use")
     return_token_strs: bool = False
@@ -535,6 +567,14 @@ class TokenizeRequest(_Request):
             raise ValueError("send exactly one of 'prompt' and 'messages'")
         if self.tools is not None and self.messages is None:
             raise ValueError("'tools' go with 'messages' (the chat template renders them), not with a prompt")
+        if self.prompt is not None:
+            for name in ("continue_final_message", "chat_template", "chat_template_kwargs"):
+                if getattr(self, name) not in (None, False):
+                    raise ValueError(f"unsupported parameter '{name}' with a prompt: it goes with 'messages' "
+                                     f"(the chat template)")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=false: a reply either starts "
+                             "a new message or continues the last one")
         return self
 
 

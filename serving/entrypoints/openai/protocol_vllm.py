@@ -1,5 +1,5 @@
 """vLLM's request extensions that both endpoints take (guided decoding, min_tokens, skip_special_tokens,
-prompt_logprobs, request_id). The endpoint-specific ones (`best_of` above n, chat's `echo`,
+prompt_logprobs, request_id; the fields of issue 54 in protocol_vllm_fields.py). The endpoint-specific ones (`best_of` above n, chat's `echo`,
 `continue_final_message`, `chat_template_kwargs`) are in protocol.py beside their endpoint. vLLM's protocol gave the semantics; serving/README.md lists them."""
 
 from __future__ import annotations
@@ -10,22 +10,32 @@ from typing import Any, Optional, Union
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from ...config import MAX_TOP_LOGPROBS
-from .protocol_base import REQUEST_CONFIG
+from .protocol_base import RequestModel
+from .protocol_vllm_fields import VllmRequestFields, neutral_only
 
 # A request id a client chooses is echoed in the X-Request-Id header: printable ASCII, bounded.
 MAX_REQUEST_ID_CHARS = 256
 
 
-class StructuredOutputsParams(BaseModel):
-    """vLLM's `structured_outputs` object: exactly one constraint."""
-
-    model_config = REQUEST_CONFIG
+class StructuredOutputsParams(RequestModel):
+    """vLLM's `structured_outputs` object: exactly one constraint, and vLLM's options."""
 
     json_: Optional[Union[str, dict[str, Any]]] = Field(None, alias="json", description="a JSON schema")
     json_object: Optional[bool] = None
     regex: Optional[str] = None
     choice: Optional[list[str]] = None
     grammar: Optional[str] = Field(None, description="EBNF (xgrammar's dialect, root rule `root`)")
+    # JSON is always generated compact here (xgrammar without free whitespace), which both values allow.
+    disable_any_whitespace: Optional[bool] = Field(None, description="JSON without whitespace between its tokens: "
+                                                   "what this server generates either way")
+    # vLLM applies it to its guidance backend only, to match xgrammar, whose strict mode (used here) allows no
+    # property the schema does not list.
+    disable_additional_properties: Optional[bool] = Field(None, description="accepted (vLLM's guidance backend "
+                                                          "only)")
+    disable_fallback: Optional[bool] = Field(None, description="accepted: there is no other backend to fall back to")
+    whitespace_pattern: neutral_only((), "JSON is generated compact here (xgrammar without free whitespace); a "
+                                         "whitespace pattern cannot be applied", str) = None
+    structural_tag: neutral_only((), "structural tags are not supported", str) = None
 
     @field_validator("json_")
     @classmethod
@@ -46,10 +56,8 @@ def _schema(v: Optional[Union[str, dict]]) -> Optional[dict]:
     return out
 
 
-class VllmExtensions(BaseModel):
+class VllmExtensions(VllmRequestFields):
     """vLLM's extensions that both endpoints take (the sampling ones are in SamplingParams too)."""
-
-    model_config = REQUEST_CONFIG
 
     guided_json: Optional[Union[str, dict[str, Any]]] = Field(None, description="a JSON schema the output follows")
     guided_regex: Optional[str] = Field(None, description="a regular expression the whole output matches")

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from .chat_messages import MESSAGE_TAGS
 from .protocol import ErrorInfo, ErrorResponse
+from .protocol_responses import ITEM_TAGS
 
 ERROR_RESPONSES: dict[Union[int, str], dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "invalid request"},
@@ -62,14 +63,15 @@ _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
 
 def _clean_loc(loc) -> list[str]:
     # pydantic names the union branch it tried in the location (`content.str`, `prompt.list[int]`), and
-    # a message's role after its index (`messages.0.user.content`); a client wants the field it sent.
+    # a message's role or an item's type after its index (`messages.0.user.content`, `input.0.message.content`);
+    # a client wants the field it sent.
     out, after_index = [], False
     for x in loc:
-        tagged, after_index = after_index and out[-2:-1] in (["messages"], ["content"]), isinstance(x, int)
+        tagged, after_index = after_index and out[-2:-1] in (["messages"], ["content"], ["input"]), isinstance(x, int)
         x = str(x)
         if x == "body" and not out:
             continue
-        if x in _UNION_TAGS or "[" in x or (tagged and x in MESSAGE_TAGS):
+        if x in _UNION_TAGS or "[" in x or (tagged and x in MESSAGE_TAGS | ITEM_TAGS):
             continue
         out.append(x)
     return out

@@ -16,13 +16,17 @@ class LogprobFormatter:
 
     A token's text is its bytes, decoded; a token whose bytes are not whole UTF-8 (a piece of a character,
     as byte-level tokenizers make) is written `bytes:\\xe2\\x80`, as OpenAI writes it. Decoded, every such
-    piece would read U+FFFD, and the legacy API's {text: logprob} would keep one of them for all."""
+    piece would read U+FFFD, and the legacy API's {text: logprob} would keep one of them for all.
 
-    def __init__(self, tokenizer):
+    `as_token_ids` (vLLM's return_tokens_as_token_ids): every token is written `token_id:<id>`, its bytes
+    those of that string, as vLLM sends them."""
+
+    def __init__(self, tokenizer, as_token_ids: bool = False):
         self.tokenizer = tokenizer
+        self.as_token_ids = as_token_ids
 
     def token_str(self, t: int) -> str:
-        if self.tokenizer is None:
+        if self.tokenizer is None or self.as_token_ids:
             return f"token_id:{t}"
         raw = self.tokenizer.token_bytes(t)
         try:
@@ -31,6 +35,8 @@ class LogprobFormatter:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def token_bytes(self, t: int) -> Optional[list[int]]:
+        if self.as_token_ids:
+            return list(self.token_str(t).encode())
         return list(self.tokenizer.token_bytes(t)) if self.tokenizer is not None else None
 
     def offsets(self, start: int = 0) -> "TextOffsets":

@@ -1,7 +1,8 @@
 """ASGI middlewares of the server, outermost first: `ResponseCounter` (responses by route and status for
 /metrics), `ErrorBarrier` (an exception no handler answered becomes OpenAI's 500, or an error event in a
 stream), `DrainGuard` (503 while the server shuts down), `ApiKeyGuard` (the bearer token), `BodyCheck`
-(a JSON body that is not UTF-8 or nests too deep, named before the JSON parser gives up on it)."""
+(a body over the size limit is a 413; a JSON body that is not UTF-8 or nests too deep is named before the
+JSON parser gives up on it)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from fastapi.responses import JSONResponse
 
 from ...metrics import ServerMetrics
 from .protocol import sse
+from .server_config import DEFAULT_MAX_BODY_BYTES
 from .server_errors import error_response, internal_error_body, is_json_media_type
 
 logger = logging.getLogger("tp_overlap.server")
@@ -89,34 +91,53 @@ def json_body_problem(body: bytes) -> Optional[str]:
 
 
 class BodyCheck:
-    """ASGI middleware: a POST with a JSON body is read whole (as FastAPI would) and checked by
-    json_body_problem; a problem is a 400 that says what and where, else the body is handed on."""
+    """ASGI middleware: a POST body is read whole (as FastAPI would), but never more than `max_bytes` of it:
+    a body that its Content-Length or its bytes so far put over the limit is a 413 at once, nothing more of
+    it is read, and the connection closes (a client still sending learns so). A JSON body is then checked
+    by json_body_problem; a problem is a 400 that says what and where, else the body is handed on."""
 
-    def __init__(self, app):
+    def __init__(self, app, max_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.app = app
+        self.max_bytes = max_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
-        ctype = dict(scope.get("headers") or []).get(b"content-type", b"").decode("latin-1")
-        if not is_json_media_type(ctype):
-            await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(scope, receive, send, f"{int(declared)} bytes")
             return
-        chunks, more = [], True
+        chunks, size, more = [], 0, True
         while more:
             message = await receive()
             if message["type"] != "http.request":   # the client left: let the app see it
                 await self.app(scope, _replay([message], receive), send)
                 return
-            chunks.append(message.get("body", b""))
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:   # (a chunked body, or one longer than it said)
+                await self._too_large(scope, receive, send, f"more than {self.max_bytes} bytes")
+                return
+            chunks.append(chunk)
             more = message.get("more_body", False)
         body = b"".join(chunks)
-        problem = json_body_problem(body)
-        if problem is not None:
-            await error_response(400, problem)(scope, receive, send)
-            return
+        if is_json_media_type(headers.get(b"content-type", b"").decode("latin-1")):
+            problem = json_body_problem(body)
+            if problem is not None:
+                await error_response(400, problem)(scope, receive, send)
+                return
         await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send)
+
+    async def _too_large(self, scope, receive, send, size: str) -> None:
+        logger.warning("%s: a request body of %s refused (the limit is %d bytes, --max-request-body-bytes)",
+                       scope.get("path"), size, self.max_bytes)
+        resp = error_response(413, f"the request body ({size}) is larger than this server's limit of "
+                                   f"{self.max_bytes} bytes (the server's --max-request-body-bytes)",
+                              code="request_too_large")
+        resp.headers["Connection"] = "close"   # the rest of the body is never read: this connection is done
+        await resp(scope, receive, send)
 
 
 def _replay(messages: list, receive):

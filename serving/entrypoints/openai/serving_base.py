@@ -22,6 +22,7 @@ from ...config import ContextLengthError, RequestError, SamplingParams
 from ...metrics import ServerMetrics
 from .protocol import UsageInfo, new_id, sse
 from .protocol_vllm import MAX_REQUEST_ID_CHARS
+from .protocol_vllm_fields import truncated
 from .server_errors import API_PARAM, ApiError, describe_validation_errors, error_body, internal_error_body
 from .server_logprobs import LogprobFormatter
 from .server_shutdown import InFlight
@@ -64,6 +65,7 @@ class Choice:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     text: str = ""
     finish_reason: Optional[str] = None
+    stop_reason: Any = None   # vLLM's: the matched stop string or stop token id, else None
     prompt_logits: Any = None
     observed: bool = False
     request: Any = None   # the engine's ProcessedRequest, once _make_choices has processed it
@@ -97,14 +99,23 @@ class OpenAIServing:
     """The state every handler reads: the engine, the served model's name and limits, the metrics, the
     requests in flight."""
 
-    def __init__(self, engine, model_name: str, metrics: ServerMetrics, in_flight: InFlight):
+    def __init__(self, engine, model_name: str, metrics: ServerMetrics, in_flight: InFlight,
+                 trust_request_chat_template: bool = False):
         self.engine = engine
+        # vLLM's --trust-request-chat-template: a request's own Jinja template runs only when the operator
+        # allows it (a template is code: it can loop for as long as it likes).
+        self.trust_request_chat_template = trust_request_chat_template
         self.model_name = model_name
         self.metrics = metrics
         self.in_flight = in_flight
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.logprobs = LogprobFormatter(engine.tokenizer)
+        self._logprobs_as_ids = LogprobFormatter(engine.tokenizer, as_token_ids=True)
+
+    def logprob_formatter(self, req) -> LogprobFormatter:
+        """The formatter of a request's logprobs: tokens as text, or as `token_id:<id>` when it asked."""
+        return self._logprobs_as_ids if req.return_tokens_as_token_ids else self.logprobs
 
     def check_model(self, name: Optional[str]) -> None:
         if name is not None and name != self.model_name:
@@ -119,13 +130,34 @@ class OpenAIServing:
             raise ApiError(400, str(e), param="prompt") from None
 
     def _chat_ids(self, messages: list[dict], add_generation_prompt: bool, tools: Optional[list[dict]] = None,
-                  continue_final_message: bool = False, template_kwargs: Optional[dict] = None) -> list[int]:
+                  continue_final_message: bool = False, template_kwargs: Optional[dict] = None,
+                  chat_template: Optional[str] = None, add_special_tokens: Optional[bool] = None) -> list[int]:
         """The ids /v1/chat/completions feeds the model for these messages (and tools)."""
-        return self.engine.input_processor.encode_chat(
-            self._chat_text(messages, add_generation_prompt, tools, continue_final_message, template_kwargs))
+        text = self._chat_text(messages, add_generation_prompt, tools, continue_final_message, template_kwargs,
+                               chat_template)
+        return self._chat_text_ids(text, add_special_tokens)
+
+    def _chat_text_ids(self, text: str, add_special_tokens: Optional[bool]) -> list[int]:
+        """A rendered chat's ids: with the tokenizer's special tokens (true), without (false), or (None) with
+        its prefix only where the template did not write it."""
+        if add_special_tokens is None:
+            return self.engine.input_processor.encode_chat(text)
+        return self._encode(text, add_special_tokens)
+
+    def _truncate(self, ids: list[int], keep: Optional[int]) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` ids."""
+        try:
+            return truncated(ids, keep, self.max_model_len)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="truncate_prompt_tokens") from None
 
     def _chat_text(self, messages: list[dict], add_generation_prompt: bool, tools: Optional[list[dict]] = None,
-                   continue_final_message: bool = False, template_kwargs: Optional[dict] = None) -> str:
+                   continue_final_message: bool = False, template_kwargs: Optional[dict] = None,
+                   chat_template: Optional[str] = None) -> str:
+        if chat_template is not None and not self.trust_request_chat_template:
+            raise ApiError(400, "a chat_template was sent with the request, but this server runs only its model's "
+                                "template: start it with --trust-request-chat-template to allow templates from "
+                                "requests", param="chat_template")
         reserved = sorted(set(template_kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
         if reserved:
             raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets "
@@ -133,13 +165,15 @@ class OpenAIServing:
                                 f"continue_final_message and tools are request fields)", param="chat_template_kwargs")
         try:
             return self.engine.input_processor.chat_text(messages, add_generation_prompt, tools,
-                                                         continue_final_message, **(template_kwargs or {}))
+                                                         continue_final_message, chat_template=chat_template,
+                                                         **(template_kwargs or {}))
         except ValueError as e:
-            raise ApiError(400, str(e), param="messages") from None
+            raise ApiError(400, str(e), param="chat_template" if chat_template is not None else "messages") from None
         except _TEMPLATE_ERRORS as e:
             # A template that fails on a client's variable (chat_template_kwargs) is the request's fault.
-            raise ApiError(400, f"the chat template failed: {type(e).__name__}: {e}",
-                           param="chat_template_kwargs" if template_kwargs else "messages") from None
+            param = "chat_template" if chat_template is not None else \
+                "chat_template_kwargs" if template_kwargs else "messages"
+            raise ApiError(400, f"the chat template failed: {type(e).__name__}: {e}", param=param) from None
 
     def _check_context(self, n_prompt: int, max_tokens: Optional[int], param: str, prompt_param: str) -> None:
         """A 400 naming what to change when the prompt and `param`=max_tokens (None: the rest of the
@@ -257,6 +291,7 @@ class OpenAIServing:
                 c.text = comp.text
                 if out.finished:
                     c.finish_reason = comp.finish_reason
+                    c.stop_reason = comp.stop_reason
                     c.prompt_logits = out.prompt_logits
                     remaining -= 1
                     self._observe(c, endpoint)
@@ -275,7 +310,7 @@ class OpenAIServing:
         if not c.observed:
             c.observed = True
             self.metrics.observe_sequence(endpoint, c.finish_reason, c.arrival, c.first_token, c.last_token,
-                                          len(c.token_ids))
+                                          len(c.token_ids), len(c.prompt_ids))
 
     async def _collect(self, choices: list[Choice], endpoint: str, request: Request) -> None:
         """Run to completion; a client that disconnects meanwhile cancels (and so aborts) the request."""

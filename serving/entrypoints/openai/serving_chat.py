@@ -20,8 +20,8 @@ logger = logging.getLogger("tp_overlap.server")
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, *shared, tool_parser: Optional[str] = None):
-        super().__init__(*shared)
+    def __init__(self, *shared, tool_parser: Optional[str] = None, trust_request_chat_template: bool = False):
+        super().__init__(*shared, trust_request_chat_template=trust_request_chat_template)
         # The --tool-call-parser that tool_choice 'auto' uses; None: --enable-auto-tool-choice is off.
         self.tool_parser = tool_parser
 
@@ -32,8 +32,14 @@ class OpenAIServingChat(OpenAIServing):
             logger.debug("chat request: ignoring %s (they change nothing on this server)",
                          ", ".join(f"{k}={v!r}" for k, v in ignored.items()))
         plan = plan_tools(req, self.tool_parser)
+        template_kwargs = dict(req.chat_template_kwargs or {})
+        if req.documents is not None:
+            template_kwargs["documents"] = req.documents
         ids = self._chat_ids([m.for_template() for m in req.messages], req.add_generation_prompt,
-                             plan.template_tools, req.continue_final_message, req.chat_template_kwargs)
+                             plan.template_tools, req.continue_final_message, template_kwargs or None,
+                             req.chat_template, req.add_special_tokens)
+        ids = self._truncate(ids, req.truncate_prompt_tokens)
+        lpf = self.logprob_formatter(req)
         requested = req.requested_max_tokens()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         self._check_context(len(ids), requested, param, "messages")
@@ -78,12 +84,12 @@ class OpenAIServingChat(OpenAIServing):
                         if not (text or tool_deltas or finish or (req.logprobs and new_ids)):
                             continue
                         k = sent[c.index]
-                        lp = self.logprobs.chat(new_ids, c.logprobs[k:], c.top_logprobs[k:]) if req.logprobs else None
+                        lp = lpf.chat(new_ids, c.logprobs[k:], c.top_logprobs[k:]) if req.logprobs else None
                         sent[c.index] = len(c.token_ids)
                         delta = DeltaMessage(content=text or None, tool_calls=tool_deltas or None)
                         chunk = ChatCompletionStreamResponse(id=base, model=self.model_name, choices=[
-                            ChatCompletionStreamChoice(index=c.index, delta=delta, logprobs=lp,
-                                                       finish_reason=finish)]).model_dump()
+                            ChatCompletionStreamChoice(index=c.index, delta=delta, logprobs=lp, finish_reason=finish,
+                                                       stop_reason=c.stop_reason if finish else None)]).model_dump()
                         # OpenAI leaves unset delta fields out rather than sending nulls.
                         chunk["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
                         yield chunk
@@ -99,7 +105,8 @@ class OpenAIServingChat(OpenAIServing):
                 message.content = echoed + (message.content or "")
             out_choices.append(ChatCompletionChoice(
                 index=c.index, message=message, finish_reason=finish_reason(plan, called, c.text, c.finish_reason),
-                logprobs=self.logprobs.chat(c.token_ids, c.logprobs, c.top_logprobs) if req.logprobs else None))
+                stop_reason=c.stop_reason,
+                logprobs=lpf.chat(c.token_ids, c.logprobs, c.top_logprobs) if req.logprobs else None))
         plp = None if req.prompt_logprobs is None else \
             self.logprobs.prompt(ids, choices[0].prompt_logits, req.prompt_logprobs)
         return ChatCompletionResponse(id=base, model=self.model_name, choices=out_choices, usage=self._usage(choices),

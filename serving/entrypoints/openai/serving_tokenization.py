@@ -14,11 +14,10 @@ class OpenAIServingTokenization(OpenAIServing):
             ids = self._encode(req.prompt, req.add_special_tokens is not False)
         else:
             tools = [t.for_template() for t in req.tools] if req.tools else None
-            text = self._chat_text([m.for_template() for m in req.messages], req.add_generation_prompt, tools)
-            if req.add_special_tokens is None:     # what /v1/chat/completions feeds the model
-                ids = self.engine.input_processor.encode_chat(text)
-            else:
-                ids = self._encode(text, req.add_special_tokens)
+            # what /v1/chat/completions feeds the model
+            ids = self._chat_ids([m.for_template() for m in req.messages], req.add_generation_prompt, tools,
+                                 req.continue_final_message, req.chat_template_kwargs, req.chat_template,
+                                 req.add_special_tokens)
         strs = [self.tokenizer.decode([t]) for t in ids] if req.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
 

@@ -1,22 +1,22 @@
-"""The `tp-overlap` command whole (pyproject's console script): serving's subcommands (serve, generate,
-bench, demo: serving/cli.py) and `tune`, added here. `tune` builds engines, so tuning sits above
-serving/ and the command is put together on this floor; serving/ never imports tuning.
+"""`tp-overlap tune`: measure the --tp-overlap tables for this machine, TP size and model
+(tuning/tune.py), into the per-user cache.
 
-    python -m tp_overlap_plugin.tuning.cli tune --tp 2 --model llama-3-8b   # what `tp-overlap tune` runs
+    tp-overlap tune --tp 2 --model llama-3-8b
 
-Nothing of Triton is imported before the command has parsed its arguments (serving/cli.py decides on
-TRITON_INTERPRET first): the measuring code is imported when `tune` runs.
+The measuring code (Triton) is imported when `tune` runs, not when the parser is built.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-from tp_overlap_plugin.serving import cli as serving_cli
-from tp_overlap_plugin.serving.args import CliError, check_tp_option
+from tp_overlap_plugin.serving.user_errors import CliError
 from tp_overlap_plugin.tuning.plan import ONLY_CHOICES   # (no Triton: the plan's shapes only)
+from tp_overlap_plugin.options import FUSED_OPS
+
+from .engine_args import check_tp_option
+from .parser import add_debug_arg
 
 
 def run_tune(args: argparse.Namespace) -> int:
@@ -85,20 +85,9 @@ def add_tune_subcommand(sub) -> argparse.ArgumentParser:
     t.add_argument("--only", type=_phases, default=None, metavar="PHASE[,PHASE]",
                    help=f"measure these phases only ({', '.join(ONLY_CHOICES)}); the tables are built from every "
                         f"row stored before too")
-    t.add_argument("--fused-ops", choices=["kernel", "chunked"], default="kernel",
-                   help="the AG-GEMM / GEMM-RS design to measure, as the engine's tp_overlap.fused_ops runs it "
-                        "(the table holds one design; an engine running the other leaves those rows out)")
+    t.add_argument("--fused-ops", choices=list(FUSED_OPS), default="auto",
+                   help="the AG-GEMM / GEMM-RS designs to measure: auto (default): every design, and the engine's "
+                        "verdict chooses the one the table holds (and the engine runs); or one design alone")
+    add_debug_arg(t)
     t.set_defaults(func=run_tune)
     return t
-
-
-def build_parser() -> argparse.ArgumentParser:
-    return serving_cli.build_parser(more=(add_tune_subcommand,))
-
-
-def main(argv=None) -> int:
-    return serving_cli.main(argv, more=(add_tune_subcommand,))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

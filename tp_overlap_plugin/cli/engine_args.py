@@ -1,10 +1,6 @@
-"""The command line's shared pieces: the engine's options (used by `serve`, `generate` and the offline
-benches), the parser class every subcommand uses (defaults in --help, one-line usage errors), and
-`CliError`, the one way a subcommand reports a failure to its user.
-
-One module that the subcommands import (and that imports none of them), so that cli.py, api_server.py
-and bench_offline.py do not import each other.
-"""
+"""The engine's options (used by `serve`, `generate` and the offline benches) and their turning into an
+EngineConfig, with the checks that would otherwise fail only after the engine's processes start, said
+in the options' terms."""
 
 from __future__ import annotations
 
@@ -13,62 +9,13 @@ import dataclasses
 import functools
 import json
 import math
-import sys
 import typing
-from typing import NoReturn, Optional
+from typing import Optional
 
 from pydantic import ValidationError
 
-from .config import EngineConfig, MissingWeights
-
-DEBUG_HINT = "--debug shows the traceback"
-
-
-class CliError(Exception):
-    """A failure the user can act on: printed as one line and a hint, without a traceback. The exit
-    status is 2 for a bad command line, 1 for a failure while running."""
-
-    def __init__(self, message: str, hint: Optional[str] = None, status: int = 2):
-        super().__init__(message)
-        self.message = " ".join(message.split())    # one line, whatever the cause's formatting
-        self.hint = hint
-        self.status = status
-
-
-def report_error(prog: str, message: str, hint: Optional[str]) -> None:
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    if hint:
-        print(f"  hint: {hint}", file=sys.stderr)
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every option's help ends with its default, as in `vllm serve --help`; a None default (the help
-    says what happens then) and a suppressed one are left out."""
-
-    def _get_help_string(self, action):
-        help = action.help or ""
-        if "%(default)" in help or action.default in (None, argparse.SUPPRESS) or not action.option_strings:
-            return help
-        return f"{help} (default: %(default)s)"
-
-
-class Parser(argparse.ArgumentParser):
-    """Subparsers inherit this class (argparse builds them with the parent's type), so every subcommand
-    shows defaults and reports a usage error as one line plus a hint instead of the whole usage block."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", HelpFormatter)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> NoReturn:
-        report_error(self.prog, message, f"'{self.prog} --help' lists the options")
-        sys.exit(2)
-
-
-def add_debug_arg(p: argparse.ArgumentParser) -> None:
-    # SUPPRESS: a subcommand's default must not overwrite a --debug given before the subcommand
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                   help="print the traceback of an error (default: off)")
+from tp_overlap_plugin.serving.config import EngineConfig, MissingWeights
+from tp_overlap_plugin.serving.user_errors import CliError
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
