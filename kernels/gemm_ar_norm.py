@@ -6,7 +6,7 @@
 rounded as the stock path is (each rank's partial rounded to the dtype, the partials summed in
 rank order 0..W-1 in fp32, the sum rounded, the bias add rounded, the residual add rounded: the new
 residual; the normalised row rounded before the weight multiplies), which HeapAllReduceNorm
-(kernels/allreduce_norm.py) reproduces too.
+(kernels/all_reduce_norm.py) reproduces too.
 
 GEMM + all-reduce (kernels/gemm_ar.py) spreads a row over N / BLOCK_N programs, ~128 at hidden 4096,
 so no program holds the whole row that the norm needs. Three passes, every program over its own

@@ -269,8 +269,8 @@ def _use_triton_interpreter() -> None:
             "imported in this vLLM process without it. Start vLLM with TRITON_INTERPRET=1 in its "
             "environment (e.g. `TRITON_INTERPRET=1 vllm serve ...`); vLLM's CPU backend does not use "
             "Triton itself, so this changes nothing else.")
-    from tp_overlap_plugin.kernels import allreduce
-    if not triton_compat.is_interpreted(allreduce.one_shot_all_reduce_kernel):
+    from tp_overlap_plugin.kernels import all_reduce
+    if not triton_compat.is_interpreted(all_reduce.one_shot_all_reduce_kernel):
         raise RuntimeError("tp_overlap_plugin.kernels was imported before TRITON_INTERPRET=1 was set "
                            "in this process; set it in the environment vLLM starts with.")
 

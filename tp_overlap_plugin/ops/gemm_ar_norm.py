@@ -16,7 +16,7 @@ from tp_overlap_plugin.kernels.lamport import peers_pow2
 from tp_overlap_plugin.launch import Launcher
 from tp_overlap_plugin.ops.device import resident_programs
 from tp_overlap_plugin.ops.gemm_ar import GemmAllReduce
-from tp_overlap_plugin.ops.operands import like, outputs_overlap
+from tp_overlap_plugin.ops.operands import check_apart, like, outputs_overlap
 
 # the narrowest tile GEMM + all-reduce takes (tl.dot's 16 columns): the squares slot has a column per
 # tile of a row, cdiv(n, MIN_BLOCK_N) of them
@@ -116,9 +116,6 @@ class GemmAllReduceNorm:
                 raise ValueError(f"gemm_all_reduce_rmsnorm {name} must be a {self.dtype} tensor of shape {shape} on "
                                  f"{self.heap.device} with unit last stride; got {t.dtype} {tuple(t.shape)} on "
                                  f"{t.device}, strides {t.stride()}")
-        for name, t in (("out", out), ("residual_out", residual_out)):
-            for src_name, src in (("x", x), ("residual", residual)):
-                if t is not None and outputs_overlap((t,), (src,)):
-                    raise ValueError(f"gemm_all_reduce_rmsnorm {name} overlaps {src_name}: the kernel writes tiles "
-                                     f"of its outputs while others still read the inputs; pass separate tensors")
+        check_apart("gemm_all_reduce_rmsnorm", {"out": out, "residual_out": residual_out},
+                    {"x": x, "residual": residual}, "the kernel writes tiles of its outputs while others still read the inputs")
         raise AssertionError("gemm_all_reduce_rmsnorm: a call failed its checks, and none says why")
