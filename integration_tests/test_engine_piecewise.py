@@ -156,7 +156,7 @@ def test_bucket_choice():
     assert default_token_counts(100) == [1, 2, 4, 8, 16, 32, 64, 100]
     assert default_token_counts(1) == [1]
     assert default_token_counts(600)[-3:] == [512, 576, 600]
-    assert default_token_counts(8192) == counts, "larger steps run eagerly unless configured"
+    assert default_token_counts(8192) == counts, "larger steps run eagerly unless the flag runs them chunked"
     assert [bucket_for(counts, n) for n in (1, 3, 64, 65, 129, 547, 1025, 2047, 2048, 2049)] == \
         [1, 4, 64, 128, 192, 576, 1152, 2048, 2048, None]
     assert [bucket_for([5, 9], n) for n in (1, 5, 6, 9, 10)] == [5, 5, 9, 9, None]
@@ -172,17 +172,38 @@ def test_bad_bucket_lists_are_refused():
     assert EngineConfig(piecewise_graph_token_counts=[8, 2048]).piecewise_graph_token_counts == [8, 2048]
 
 
-def test_the_chunked_fused_ops_put_every_prefill_size_in_graphs():
-    """With the flag's chunked AG-GEMM / GEMM-RS (TP > 1) the default buckets reach the step budget,
-    every 512 tokens above 2048; without them, or at TP=1, they stop at 2048."""
-    from tp_overlap_plugin.options import TPOverlapOptions
-    from tp_overlap_plugin.serving.worker.piecewise import graph_token_limit
+def test_steps_above_the_graph_sizes_take_graphs_only_where_the_flag_runs_the_chunked_ops_sharded():
+    """Above 2048 tokens a bucket (every 512 tokens, and the budget) exists only at the step sizes where
+    the flag runs the chunked fused ops sharded by the table's verdict (their host work loses eagerly);
+    every other step there runs eagerly and unpadded, as the stock engine's (a step the verdict runs stock
+    is stock's step: TP=2 lost 1% and 10-35% of TTFT to graphs of stock's ops, issue 55). A step takes a
+    large bucket only within 512 tokens of its size."""
+    from types import SimpleNamespace
 
-    chunked, kernel = TPOverlapOptions(fused_ops="chunked"), TPOverlapOptions()
-    assert default_token_counts(8192, graph_token_limit(kernel, 4)) == default_token_counts(2048)
-    assert default_token_counts(8192, graph_token_limit(chunked, 1)) == default_token_counts(2048)
-    assert default_token_counts(8192, graph_token_limit(None, 4)) == default_token_counts(2048)
-    counts = default_token_counts(8192, graph_token_limit(chunked, 4))
-    assert counts[:len(default_token_counts(2048))] == default_token_counts(2048)
-    assert counts[len(default_token_counts(2048)):] == list(range(2560, 8193, 512))
-    assert default_token_counts(3000, graph_token_limit(chunked, 2))[-2:] == [2560, 3000]
+    from tp_overlap_plugin.dispatch import Dispatcher
+    from tp_overlap_plugin.overlap_layers import OverlapTPLayers
+    from tp_overlap_plugin.serving.worker.piecewise import PiecewiseGraphs, large_buckets
+
+    assert large_buckets(8192, lambda b: True) == list(range(2560, 8193, 512))
+    assert large_buckets(3000, lambda b: True) == [2560, 3000] and large_buckets(2048, lambda b: True) == []
+    ops = {("ag", 16, 8), ("rs", 8, 16)}
+    gemm = [{"op": op, "M": m, "K": k, "N": n, "sequential_ms": 2.0, "ours_ms": 1.0, "winner": "overlap"}
+            for op, k, n in ops for m in (1024, 8192)]
+    shapes = [list(o) for o in sorted(ops)]
+
+    def buckets(runs_2048: str, design: str = "chunked", world: int = 4) -> list[int]:
+        d = Dispatcher(gemm=gemm, fused_ops=design, engine_rows=[{"M": 2048, "shapes": shapes, "runs": runs_2048},
+                                                                 {"M": 8192, "shapes": shapes, "runs": "flag"}])
+        layers = SimpleNamespace(tp=SimpleNamespace(world_size=world), fused_ops=design, dispatcher=d, _ops=ops)
+        return large_buckets(8192, lambda b: OverlapTPLayers.graph_step(layers, b))
+    # 2048 runs stock: between it and 8192 the cautious neighbour (stock), so only the budget's own bucket
+    assert buckets("stock") == [8192]
+    assert buckets("flag") == list(range(2560, 8193, 512))
+    assert buckets("flag", design="kernel") == [] and buckets("flag", world=1) == []
+    from tp_overlap_plugin.layers import TPLayers
+    assert TPLayers.graph_step(None, 8192) is False   # the stock layers: never
+    counts = default_token_counts(8192, [8192])
+    pw = SimpleNamespace(counts=counts, near_large=True)
+    assert [PiecewiseGraphs.bucket(pw, n) for n in (2048, 2049, 6000, 7681, 8192)] == [2048, None, None, 8192, 8192]
+    # buckets the user names are taken as named
+    assert PiecewiseGraphs.bucket(SimpleNamespace(counts=[16, 8192], near_large=False), 2049) == 8192
