@@ -25,7 +25,7 @@ from benchlib import bench_parser, environment, grouped_bars, md_table, slowest_
 
 from tp_overlap_plugin.ops.all_reduce import HeapAllReduce  # noqa: E402
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
-from tp_overlap_plugin.tuning.allreduce import all_reduce_sweep, torch_symm_all_reduce  # noqa: E402
+from tp_overlap_plugin.tuning.all_reduce import all_reduce_sweep, torch_symm_all_reduce  # noqa: E402
 from tp_overlap_plugin.tuning.fused_ops import measure_shape, torch_fused_group  # noqa: E402
 from tp_overlap_plugin.shapes import LAYER_OPS  # noqa: E402
 from tp_overlap_plugin.tuning.shapes import shipped_dims  # noqa: E402
@@ -94,7 +94,7 @@ def _bench_rank(ctx, quick, partial, skip=()):
     return out
 
 
-# tuning.allreduce's names -> this script's (its results and markdown predate the shared sweep)
+# tuning.all_reduce's names -> this script's (its results and markdown predate the shared sweep)
 _AR_NAMES = {"ours_one_shot": "one_shot", "ours_two_shot": "two_shot", "torch_symm_one_shot": "torch_one_shot",
              "torch_symm_two_shot": "torch_two_shot"}
 
@@ -117,7 +117,8 @@ def _renamed(row: dict) -> dict:
             if key.startswith(ours + "_"):
                 key = theirs + key[len(ours):]
                 break
-        out[key.replace("_rel_err_vs_nccl_fp32", "_rel_err")] = v
+        # the sweep's check against NCCL in fp32 (tuning/checks.py: <what>_rel_err, <what>_ulps) -> <alg>_rel_err
+        out[key.replace("_vs_nccl_fp32_", "_")] = v
     return out
 
 

@@ -11,7 +11,7 @@ import torch
 from tp_overlap_plugin.multirank import gpu_ranks_fit
 
 # The flag looks its tables up in the per-user cache before the shipped ones (tp_overlap_plugin/
-# tables.py): the tests, and the servers and ranks they start, get an empty cache of their own,
+# tables/): the tests, and the servers and ranks they start, get an empty cache of their own,
 # whatever `tp-overlap tune` left in this user's.
 os.environ["TP_OVERLAP_CACHE"] = tempfile.mkdtemp(prefix="tp_overlap_test_cache_")
 

@@ -8,7 +8,7 @@ import torch
 
 from tp_overlap_plugin import stats
 from tp_overlap_plugin.ops.all_reduce import HeapAllReduce
-from tp_overlap_plugin.kernels.allreduce import CHUNK_BYTES
+from tp_overlap_plugin.kernels.all_reduce import CHUNK_BYTES
 from tp_overlap_plugin.multirank import run_ranks
 
 SIZES = (1, 7, 4097)

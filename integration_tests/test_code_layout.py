@@ -338,3 +338,12 @@ def test_kernel_helpers_take_flags_by_keyword():
                                                   for a in call.args):
                 bare.append(f"{name}:{call.lineno} {ast.unparse(call.func)}")
     assert not bare, f"pass these flags by keyword: {bare}"
+
+
+def test_each_op_has_one_name_across_kernels_and_ops():
+    """ops/__init__.py's promise: the host op of a kernel module is the ops/ module of the same name
+    (all_reduce, not allreduce; chunked, not a second name for it)."""
+    ops = {p.stem for p in (ROOT / "tp_overlap_plugin" / "ops").glob("*.py")} - {"__init__", "device", "operands", "slots"}
+    kernels = {p.stem for p in (ROOT / "kernels").glob("*.py")}
+    assert ops - kernels == set(), f"ops without a kernel module of their name: {sorted(ops - kernels)}"
+    assert {"all_reduce", "all_reduce_norm", "chunked"} <= kernels

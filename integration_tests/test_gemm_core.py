@@ -162,9 +162,9 @@ def test_split_k_and_descriptors_replay_in_a_cuda_graph():
 
 
 def test_table_lookup_buckets_and_crossover():
-    from tp_overlap_plugin.gemm_config import GemmTable, TileConfig
+    from tp_overlap_plugin.gemm_config import TileConfig, parse_table
     small, large = TileConfig(64, 128, 128, split_k=0, tma=True), TileConfig(128, 256, 64, tma=True, flatten=True)
-    table = GemmTable.from_json({
+    table = parse_table({
         "buckets": [1, 16, 2048], "margin": 1.1, "default_cublas_below": None,
         "configs": {small.label(): small.to_dict(), large.label(): large.to_dict()},
         "entries": [{"M": 1, "N": 512, "K": 256, "label": small.label()},

@@ -11,15 +11,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from tp_overlap_plugin.kernels.allreduce import one_shot_all_reduce_kernel, sub_block, two_shot_all_reduce_kernel
-from tp_overlap_plugin.kernels.allreduce_norm import all_reduce_rmsnorm_kernel, row_blocks
+from tp_overlap_plugin.kernels.all_reduce import one_shot_all_reduce_kernel, sub_block, two_shot_all_reduce_kernel
+from tp_overlap_plugin.kernels.all_reduce_norm import all_reduce_rmsnorm_kernel, row_blocks
 from tp_overlap_plugin.kernels.barrier import barrier_kernel
 from tp_overlap_plugin.kernels.gemm import gemm_kernel
 from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel
 from tp_overlap_plugin.kernels.gemm_ar import gemm_all_reduce_kernel
 from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel
 from tp_overlap_plugin.kernels.gemv import gemv_kernel
-from tp_overlap_plugin.kernels.vendor_comm import (begin_call_kernel, reduce_rows_kernel, signal_kernel,
+from tp_overlap_plugin.kernels.chunked import (begin_call_kernel, reduce_rows_kernel, signal_kernel,
                                                    wait_ready_kernel)
 from tp_overlap_plugin.kernels.layer_ops import rmsnorm_kernel, rope_cache_kernel, silu_mul_kernel
 from tp_overlap_plugin.ops.all_reduce_norm import NORM_THREADS, norm_num_warps
@@ -140,7 +140,7 @@ KERNELS = {
     "barrier": (barrier_kernel, _sig("flags_ptr:*i64 epoch_ptr:*i64 rank:i32 heap_bases:*i64 error_ptr:*i64", None,
                                      ["WORLD"]), {"WORLD": 4}),
     "clock": (clock_kernel, {"out_ptr": "*i64"}, {}),
-    # the chunked fused ops' signals (kernels/vendor_comm.py) at 4 ranks, as ops/chunked.py launches them
+    # the chunked fused ops' signals (kernels/chunked.py) at 4 ranks, as ops/chunked.py launches them
     # (every argument fixed per op, so integers are compiled as the first call's: dst -1, src 1), and
     # RS's sum
     "chunked_begin": (begin_call_kernel, _sig("pulled_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM, None, ["WORLD"]),
@@ -154,7 +154,7 @@ KERNELS = {
                                                 ["WORLD", "BLOCK_M", "BLOCK_N"]),
                        {"WORLD": 4, "BLOCK_M": 32, "BLOCK_N": 128}),
 }
-# The all-reduces (kernels/allreduce.py, allreduce_norm.py): arrival marked in the data, 16-byte
+# The all-reduces (kernels/all_reduce.py, all_reduce_norm.py): arrival marked in the data, 16-byte
 # vectors to and from peers; checked at 2 and 8 ranks (receive tiles of 1 and 8 peers).
 _LAMPORT = {"rank": "i32", "heap_bases": "*i64", "error_ptr": "*i64"}
 _SLOTS = {"x_ptr": 16, "out_ptr": 16, "slots_ptr": 16, "scatter_ptr": 16, "gather_ptr": 16, "res_ptr": 16,

@@ -235,12 +235,14 @@ def test_gemm_silu_mul_rule():
 
 def test_measured_table_choices():
     """The shipped H200 table: every measured point dispatches to its measured winner, and the
-    layout and all-reduce choices documented in bench/results/dispatch-h200-tp2-*.md hold."""
+    layout and all-reduce choices its evidence shows (bench/results/tune-llama-3-8b-tp2-h200x2-2026-11-28.md) hold."""
     d = Dispatcher.load("table", device_name="NVIDIA H200", world=2)
     assert d.gemm and d.all_reduce and d.margin >= 1.0
     for r in d.gemm:
         assert d.fused_gemm(r["op"], r["M"], r["K"], r["N"]) == (r["winner"] == "overlap"), r
-        assert (r["winner"] == "overlap") == (r["sequential_ms"] >= d.margin * r["ours_ms"]), r
+        # ours only where it won by the margin in every interleaved repeat (the ratio's min), where repeats ran
+        lowest = r["ratio"][0] if "ratio" in r else r["sequential_ms"] / r["ours_ms"]
+        assert (r["winner"] == "overlap") == (lowest >= d.margin), r
     # small M: everything stock (host costs of the fused ops dominate)
     assert not any(d.fused_gemm(op, m, k, n) for op, k, n in LLAMA_8B_TP2 for m in (1, 2, 16, 64, 256))
     assert not d.sequence_parallel(256, LLAMA_8B_TP2) and d.sequence_parallel(8192, LLAMA_8B_TP2)

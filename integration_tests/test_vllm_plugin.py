@@ -189,7 +189,7 @@ def test_options_and_switches(monkeypatch):
     assert parse_options({"tp_overlap": {"enabled": False}}) is None
     assert parse_options({"tp_overlap": {"max_bytes": 1 << 16}}).max_bytes == 1 << 16
     from tp_overlap_plugin.ops.all_reduce import DEFAULT_ONE_SHOT_BYTES, HeapAllReduce
-    from tp_overlap_plugin.kernels.allreduce import CHUNK_BYTES
+    from tp_overlap_plugin.kernels.all_reduce import CHUNK_BYTES
     # the heap sizing restates these, and must cover what the all-reduce allocates
     assert options._AR_CHUNK_BYTES == CHUNK_BYTES and options._AR_ONE_SHOT_BYTES == DEFAULT_ONE_SHOT_BYTES
     for world in (2, 3, 8):
@@ -201,6 +201,10 @@ def test_options_and_switches(monkeypatch):
         parse_options({"tp_overlap": {"max_byte": 1}})
     with pytest.raises(ValueError, match="must be an object"):
         parse_options({"tp_overlap": "yes"})
+    # an option the adapter would never read is refused, naming it (the default is accepted)
+    with pytest.raises(ValueError, match="fused_ops='chunked'.*all-reduce only"):
+        parse_options({"tp_overlap": {"fused_ops": "chunked"}})
+    assert parse_options({"tp_overlap": {"fused_ops": "auto"}}) == Options()
     monkeypatch.setenv("TP_OVERLAP", "1")
     assert parse_options({}) == Options()
     monkeypatch.setenv("TP_OVERLAP", "0")

@@ -23,7 +23,7 @@ AR_NUMEL = (1, 4097)
 AG_ROWS = (1, 3)           # rows per shard
 RS_M = (1, 5, 19)          # M < W, M not a multiple of W
 K, N = 40, 17
-# the fused all-reduce + norm: at W = 8 a 4096-wide row spans two receive tiles (kernels/allreduce_norm.py)
+# the fused all-reduce + norm: at W = 8 a 4096-wide row spans two receive tiles (kernels/all_reduce_norm.py)
 NORM_HIDDEN, NORM_ROWS, EPS = 4096, (1, 3), 1e-5
 
 

@@ -159,7 +159,7 @@ def store_tile(c_ptr, c_desc, acc, pid_m, pid_n, M, N, stride_cm, stride_cn,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, C_TMA: tl.constexpr = False, SUBTILE: tl.constexpr = False,
                CACHE: tl.constexpr = _NO_CACHE):
     """Rows >= M and columns >= N of the tile are not stored. CACHE: the store's cache modifier
-    (".wt" for a push into a peer's heap on CDNA, which a reader polls: kernels/allreduce.py)."""
+    (".wt" for a push into a peer's heap on CDNA, which a reader polls: kernels/all_reduce.py)."""
     col0 = pid_n * BLOCK_N
     if SUBTILE:
         halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))

@@ -9,7 +9,7 @@ sizes >= 4096, tp_overlap_plugin/gemm_config.py) rather than split in K. Split-K
 slices of a tile summed on the sending rank before the push (a workspace round trip and a counter),
 and the program that pushes would then be whichever slice finished last, not a fixed one.
 
-The exchange is the one-shot all-reduce's (kernels/allreduce.py): receive slots hold NOT_YET until
+The exchange is the one-shot all-reduce's (kernels/all_reduce.py): receive slots hold NOT_YET until
 a push overwrites them, pushes are lamport.sendable bits rounded to the dtype (so the sum is the stock
 path's: each rank's partial rounded, then summed in fp32 in rank order 0..W-1), the reader resets
 what it consumed, and two slots alternate by call parity. The parity is the call's number, kept

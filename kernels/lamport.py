@@ -1,5 +1,5 @@
 """Receive slots whose data marks its own arrival (Lamport style), shared by the one-shot and two-shot
-all-reduce (kernels/allreduce.py), the fused all-reduce + RMSNorm (allreduce_norm.py) and GEMM +
+all-reduce (kernels/all_reduce.py), the fused all-reduce + RMSNorm (all_reduce_norm.py) and GEMM +
 all-reduce (gemm_ar.py).
 
 A receive slot holds NOT_YET (every bit set: a NaN with the sign and the whole payload set) in each
@@ -7,7 +7,7 @@ element until a peer's push overwrites it; a reader spins on its own memory unti
 block holds the pattern, so the loads that see the data are the reads of the data. Senders replace
 NOT_YET in what they send with the same NaN without its sign bit (`sendable`), so no value can look
 like "not arrived" (a NaN stays a NaN). The reader puts NOT_YET back into what it consumed
-(`not_yet`), so every slot is clean when its call ends; kernels/allreduce.py says why two slots,
+(`not_yet`), so every slot is clean when its call ends; kernels/all_reduce.py says why two slots,
 alternating by call parity, suffice.
 
 Receive tiles are [elements, PEERS]: column j holds the copy of rank (rank + 1 + j) % W

@@ -95,12 +95,8 @@ FMA_UPTO = 4  # rows at or below which a device without a table takes the FMA pa
 def load_table(device_name: str) -> tables.BucketedTable[DecodeConfig] | None:
     """The table for this device (cache, then shipped: tables.load_config_table); one that does not
     parse falls back like a missing one (the constants below)."""
-    return tables.load_config_table("decode", device_name, tables.BUCKETED_FIELDS, _parse,
+    return tables.load_config_table("decode", device_name, DecodeConfig.from_dict,
                                     "the decode matmul takes its on-paper configs")[0]
-
-
-def _parse(data: dict) -> tables.BucketedTable[DecodeConfig]:
-    return tables.BucketedTable.parse(data, DecodeConfig.from_dict)
 
 
 def pick_decode_config(m: int, n: int, k: int, device: torch.device) -> DecodeConfig:

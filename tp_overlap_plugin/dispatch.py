@@ -3,7 +3,8 @@ or the stock torch/NCCL op.
 
 The choice comes from a table measured on the device: `tp-overlap tune` measures one on the user's
 machine (tp_overlap_plugin/tuning/) and caches it; tables for the devices we measured ship in
-`tp_overlap_plugin/dispatch_tables/`; tp_overlap_plugin/tables.py says which one is used. A shape the
+`tp_overlap_plugin/dispatch_tables/`; tp_overlap_plugin/tables/ says which one is used (and its kinds.py
+what a table holds: DISPATCH_SECTIONS). A shape the
 table has no measurement for goes to the stock path: without a measurement we cannot claim "never
 slower than stock".
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from tp_overlap_plugin import tables
-from tp_overlap_plugin.options import DESIGNS, DISPATCH_MODES
+from tp_overlap_plugin.options import DISPATCH_MODES
 from tp_overlap_plugin.shapes import LAYER_OPS
 
 # How a step of some size runs, by the engine's verdict (tune's engine phase), from the most cautious:
@@ -83,9 +84,8 @@ class Dispatcher:
         if mode != "table":
             return cls(mode=mode)
         device_name = device_name or "cpu"
-        fields, found = tables.load("dispatch", device_name, _fields_of, "the flag runs stock", world=world,
-                                    explicit=path, required=("all_reduce",), model=model,
-                                    current=tables.versions("cpu" if device_name == "cpu" else "cuda"))
+        fields, found = tables.load("dispatch", device_name, "the flag runs stock", world=world, explicit=path,
+                                    model=model, current=tables.versions("cpu" if device_name == "cpu" else "cuda"))
         if fields is None:
             looked = tables.cached_path("dispatch", device_name, world)
             return cls(mode=mode, source=f"no table ({looked} nor the shipped one): stock everywhere",
@@ -257,27 +257,6 @@ class Dispatcher:
             return self.mode == "overlap"
         rows = [r for r in self.silu_mul_rows if r["K"] == k and r["N"] == n]
         return bool(rows) and _wins(rows, "M", m, "winner", "fused")
-
-
-# the table's JSON field -> the Dispatcher's (rows of each are lists of dicts)
-_ROWS = {"gemm": "gemm", "all_reduce": "all_reduce", "gemm_all_reduce": "gemm_all_reduce_rows", "gemv": "gemv_rows",
-         "gemm_silu_mul": "silu_mul_rows", "engine": "engine_rows"}
-
-
-def _fields_of(data: dict) -> dict:
-    """A dispatch table's JSON -> Dispatcher fields; TypeError where a field is not what it should be."""
-    fields = {}
-    for key, name in _ROWS.items():
-        rows = data.get(key, [])
-        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-            raise TypeError(f"{key!r} must be a list of rows (objects)")
-        fields[name] = rows
-    fields["one_shot_max_bytes"] = data.get("one_shot_max_bytes")
-    fields["fused_ops"] = data.get("fused_ops", "kernel")
-    if fields["fused_ops"] not in DESIGNS:
-        raise TypeError(f"'fused_ops' must be one of {DESIGNS}, got {fields['fused_ops']!r}")
-    fields["margin"] = float(data.get("margin", Dispatcher.margin))
-    return fields
 
 
 _GEMM_AR_WINNERS = ("graph_winner", "eager_winner", "norm_graph_winner", "norm_eager_winner")

@@ -69,32 +69,20 @@ INTERPRETER = TileConfig(32, 32, 32, 4, 4, 1)
 SMALL_M = 64  # at or below: the small-M constants
 
 
-@dataclass(frozen=True)
-class GemmTable(tables.BucketedTable[TileConfig]):
-    """The bucketed tiles, and per (N, K) the measured crossover below which cuBLAS wins."""
-    cublas_below: dict                              # (n, k) -> M (None: cuBLAS at every measured M)
-    default_cublas_below: int | None
-    margin: float
-
-    @classmethod
-    def from_json(cls, data: dict) -> "GemmTable":
-        return cls(**cls.fields_of(data, TileConfig.from_dict),
-                   cublas_below={(e["N"], e["K"]): e["M"] for e in data["cublas_below"]},
-                   default_cublas_below=data.get("default_cublas_below"), margin=data["margin"])
-
-    def prefers_cublas(self, m: int, n: int, k: int) -> bool:
-        below = self.cublas_below.get((n, k), self.default_cublas_below)
-        return below is None or m < below
+# the table's type, its configs TileConfig (tables.GEMM parses it)
+GemmTable = tables.GemmTable
 
 
-REQUIRED = (*tables.BUCKETED_FIELDS, "cublas_below", "margin")
+def parse_table(data: dict) -> GemmTable:
+    """A GEMM config table's JSON as pick_config reads it."""
+    return tables.GEMM.parse(data, TileConfig.from_dict)
 
 
 @functools.lru_cache(maxsize=None)
 def find_table(device_name: str) -> tuple[GemmTable | None, "tables.Found"]:
     """The table for this device (cache, then shipped) and where it came from; its warnings are
     logged here, once per process. A table that does not parse falls back like a missing one."""
-    return tables.load_config_table("gemm", device_name, REQUIRED, GemmTable.from_json,
+    return tables.load_config_table("gemm", device_name, TileConfig.from_dict,
                                     "the GEMM core takes its on-paper configs")
 
 

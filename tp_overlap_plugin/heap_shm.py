@@ -6,13 +6,14 @@ a crash (`remove_stale_shm`)."""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import mmap
 import os
 import uuid
 
 import torch
 import torch.distributed as dist
+
+from tp_overlap_plugin.files import flocked
 
 SHM_PREFIX = "tp_overlap-"
 
@@ -102,14 +103,8 @@ class InterpreterMemoryLock:
         """The lock the interpreter's memory operations take now, held by the host (a flock: a full
         fence on both sides)."""
         fd = cls._held[-1].fd if cls._held else None
-        if fd is None:
+        with contextlib.nullcontext() if fd is None else flocked(fd):
             yield
-            return
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
 
     def release(self) -> None:
         if self in self._held:
@@ -137,12 +132,8 @@ class LockedNative:
             held = InterpreterMemoryLock._held
             if not held:
                 return fn(*args)
-            fd = held[-1].fd
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
+            with flocked(held[-1].fd):
                 return fn(*args)
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
         return call
 
 

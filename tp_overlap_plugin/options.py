@@ -41,7 +41,7 @@ DEFAULT_MAX_BYTES = 8 << 20
 # The heap's own control block (error slot, host-barrier flags), with room to spare.
 CONTROL_BYTES = 64 << 10
 MIN_HEAP_SIZE = 1 << 20
-# kernels/allreduce.py's CHUNK_BYTES and ops/all_reduce.py's DEFAULT_ONE_SHOT_BYTES, restated so that
+# kernels/all_reduce.py's CHUNK_BYTES and ops/all_reduce.py's DEFAULT_ONE_SHOT_BYTES, restated so that
 # sizing the heap does not import (and so define) the kernels before the Triton interpreter check;
 # test_vllm_plugin.py checks they agree, and that the size covers HeapAllReduce.heap_bytes.
 _AR_CHUNK_BYTES = 8192

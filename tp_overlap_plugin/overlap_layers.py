@@ -42,8 +42,8 @@ from tp_overlap_plugin.ops.gemm_ar import GemmAllReduce
 from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter
 from tp_overlap_plugin.ops.gemv import gemv, gemv_applies
 from tp_overlap_plugin.ops.operands import KERNEL_DTYPES
+from tp_overlap_plugin.options import DEFAULT_MAX_BYTES
 
-ALL_REDUCE_BYTES = 8 << 20
 STOCK = Dispatcher(mode="stock")  # the ops of a step that the engine's verdict runs stock
 # The fused all-reduce + norm takes steps of up to this many bytes of rows (decode batches): its
 # receive slots take 2 * W times as much heap.
@@ -87,7 +87,7 @@ def warm_up_token_counts(max_tokens: int, world: int, buckets=()) -> list[int]:
 
 
 def required_heap_bytes(hidden: int, max_tokens: int, world: int, dtype: torch.dtype,
-                        all_reduce_bytes: int = ALL_REDUCE_BYTES, fused_ops: str = "kernel") -> int:
+                        all_reduce_bytes: int = DEFAULT_MAX_BYTES, fused_ops: str = "kernel") -> int:
     """Heap for one model: AG-GEMM's and GEMM-RS's receive slots of T/W rows of the hidden size
     (every column layer reads, and every row layer writes, the hidden size; one op of each serves all
     layers), the all-reduce's, the fused all-reduce + norm's and GEMM + all-reduce's receive slots
@@ -105,7 +105,7 @@ class OverlapTPLayers(TPLayers):
     name = "overlap"
 
     def __init__(self, tp: TPGroup, dtype: torch.dtype, device, heap: Optional[SymmetricHeap], max_tokens: int,
-                 dispatcher: Optional[Dispatcher] = None, all_reduce_bytes: int = ALL_REDUCE_BYTES,
+                 dispatcher: Optional[Dispatcher] = None, all_reduce_bytes: int = DEFAULT_MAX_BYTES,
                  fused_ops: str = "kernel"):
         """`heap` is None only at TP=1: nothing is communicated, and the layers are the local matmuls
         (the decode matmul where the table picks it). `all_reduce_bytes`: the all-reduce's capacity

@@ -95,6 +95,6 @@ def use_triton_interpreter() -> bool:
 
     if not triton_compat.is_interpreted(tl.cdiv):
         return False
-    from tp_overlap_plugin.kernels import allreduce, gemm
+    from tp_overlap_plugin.kernels import all_reduce, gemm
 
-    return all(triton_compat.is_interpreted(k) for k in (gemm.gemm_kernel, allreduce.one_shot_all_reduce_kernel))
+    return all(triton_compat.is_interpreted(k) for k in (gemm.gemm_kernel, all_reduce.one_shot_all_reduce_kernel))

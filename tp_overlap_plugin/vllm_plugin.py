@@ -101,7 +101,13 @@ def parse_options(additional_config: Any) -> TPOverlapOptions | None:
         if env is None:
             return None
         section = env if isinstance(env, dict) else {}
-    return TPOverlapOptions.from_section(section, f"additional_config[{CONFIG_KEY!r}]")
+    opts = TPOverlapOptions.from_section(section, f"additional_config[{CONFIG_KEY!r}]")
+    if opts is not None and opts.fused_ops != "auto":
+        # an option this adapter would accept and never read: a user would believe it ran
+        raise ValueError(f"additional_config[{CONFIG_KEY!r}].fused_ops={opts.fused_ops!r}: inside vLLM the plugin "
+                         "swaps the row-parallel layers' all-reduce only (no sequence-parallel layout, so no AG-GEMM / "
+                         "GEMM-RS to choose a design for); leave fused_ops out. `tp-overlap serve` runs the fused ops.")
+    return opts
 
 
 def _current_options() -> TPOverlapOptions | None:
@@ -263,8 +269,8 @@ def _use_triton_interpreter() -> None:
             "imported in this vLLM process without it. Start vLLM with TRITON_INTERPRET=1 in its "
             "environment (e.g. `TRITON_INTERPRET=1 vllm serve ...`); vLLM's CPU backend does not use "
             "Triton itself, so this changes nothing else.")
-    from tp_overlap_plugin.kernels import allreduce
-    if not triton_compat.is_interpreted(allreduce.one_shot_all_reduce_kernel):
+    from tp_overlap_plugin.kernels import all_reduce
+    if not triton_compat.is_interpreted(all_reduce.one_shot_all_reduce_kernel):
         raise RuntimeError("tp_overlap_plugin.kernels was imported before TRITON_INTERPRET=1 was set "
                            "in this process; set it in the environment vLLM starts with.")
 

@@ -85,7 +85,7 @@ def make_layers(cfg: EngineConfig, mcfg: ModelConfig, tp: TPGroup, ctrl_group, d
 
 def _log_dispatch(cfg: EngineConfig, mcfg: ModelConfig, tp: TPGroup, device: torch.device, dtype: torch.dtype,
                   dispatcher, device_name: str, heap: str, interpreted: bool) -> None:
-    """Rank 0 says once which tables the flag runs on and what they lack (tp_overlap_plugin/tables.py)."""
+    """Rank 0 says once which tables the flag runs on and what they lack (tp_overlap_plugin/tables/)."""
     if tp.rank != 0:
         return
     from tp_overlap_plugin.gemm_config import table_source

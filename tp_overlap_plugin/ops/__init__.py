@@ -7,8 +7,11 @@
     gemm_ar.py          GemmAllReduce: all_reduce(x @ w.T) for decode rows, pushed from the epilogue
     all_reduce.py       HeapAllReduce: one-shot / two-shot
     all_reduce_norm.py  HeapAllReduceNorm: all-reduce + residual add + RMSNorm
-and what they share: device.py (grid sizes, warp width), slots.py (row receive slots),
-operands.py (operand checks). Each op is one launch whatever the world size, keeps its per-call
+    chunked.py          ChunkedAllGatherGemm, ChunkedGemmReduceScatter: AG-GEMM / GEMM-RS as the vendor's
+                        GEMM per peer's block and copy-engine pulls (several launches a call)
+and what they share: device.py (grid sizes, warp width), slots.py (receive slots; PeerSlotOp, what
+AG-GEMM and GEMM-RS hold alike), operands.py (operand checks). Each op but the chunked ones is one
+launch whatever the world size; each keeps its per-call
 state in device memory (CUDA-graph capturable) and falls back to the stock op for what its kernel
 does not take; `stats` records which path ran.
 

@@ -13,9 +13,8 @@ from tp_overlap_plugin import runtime, stats
 from tp_overlap_plugin.gemm_config import TileConfig
 from tp_overlap_plugin.heap import SymmetricHeap
 from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel
-from tp_overlap_plugin.ops.device import num_programs
 from tp_overlap_plugin.ops.operands import check_operands, fused_config, kernel_applies
-from tp_overlap_plugin.ops.slots import alloc_peer_slots, peer_slots_bytes
+from tp_overlap_plugin.ops.slots import PeerSlotOp
 
 # AG-GEMM's push (kernels/ag_gemm.py). A piece is the unit a pusher moves before its releasing
 # add, which waits for the piece's stores to land: large enough that the wait is a small share of
@@ -69,7 +68,7 @@ def push_plan(rows: int, n: int, k: int, elem_bytes: int, world: int, programs: 
     return PushPlan(pushers, piece_rows, push_cols, join)
 
 
-class AllGatherGemm:
+class AllGatherGemm(PeerSlotOp):
     """c = all_gather(a_shard) @ b, the gather hidden behind the GEMM, in one persistent launch
     (kernels/ag_gemm.py): a few of its programs push my shard into every peer's heap at once, piece
     by piece, each piece followed by a count in that peer's heap; the others multiply my rows, and
@@ -81,22 +80,11 @@ class AllGatherGemm:
     columns. Every call's state (call number) lives in device memory, so calls can be captured in
     CUDA graphs and replayed; a call is one launch, with no host work per peer."""
 
+    NAME, SLOTS, COLS, RUNS_ARG, RUNS = "ag_gemm", "gathered", "k", "segments", AG_SEGMENTS
+
     def __init__(self, heap: SymmetricHeap, max_rows: int, k: int, dtype: torch.dtype = torch.bfloat16,
                  device_group: dist.ProcessGroup | None = None, segments: int = AG_SEGMENTS):
-        if max_rows < 1 or k < 1 or segments < 1:
-            raise ValueError(f"AllGatherGemm needs max_rows, k, segments >= 1; got {max_rows}, {k}, {segments}")
-        self.heap, self.max_rows, self.k, self.dtype, self.segments = heap, max_rows, k, dtype, segments
-        self.device_group = device_group if device_group is not None else dist.group.WORLD
-        self.gathered, self.counts = alloc_peer_slots(heap, max_rows, k, dtype, segments, "ag_gemm.gathered")
-        self.calls = torch.zeros(2, dtype=torch.int64, device=heap.device)  # kernels/calls.py
-        self.programs = num_programs(heap.device)
-        self.stream_order = runtime.StreamOrder()
-        heap.publish()
-
-    @staticmethod
-    def heap_bytes(world: int, max_rows: int, k: int, dtype: torch.dtype, segments: int = AG_SEGMENTS) -> int:
-        """Heap one op takes: two halves of W - 1 receive slots, and their counts."""
-        return peer_slots_bytes(world, max_rows, k, dtype, segments)
+        super().__init__(heap, max_rows, k, dtype, device_group, segments)
 
     def received(self, src: int, rows: int) -> torch.Tensor:
         """The rows rank `src` delivered for the last finished call (tests read them)."""

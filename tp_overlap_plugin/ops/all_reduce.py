@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from tp_overlap_plugin import runtime, stats
 from tp_overlap_plugin.heap import SymmetricHeap
-from tp_overlap_plugin.kernels.allreduce import (
+from tp_overlap_plugin.kernels.all_reduce import (
     CHUNK_BYTES,
     one_shot_all_reduce_kernel,
     sub_block,
@@ -17,12 +17,11 @@ from tp_overlap_plugin.kernels.allreduce import (
 )
 from tp_overlap_plugin.kernels.lamport import peers_pow2
 from tp_overlap_plugin.launch import Launcher
+from tp_overlap_plugin.options import DEFAULT_MAX_BYTES  # the capacity: larger messages take the stock all-reduce
 from tp_overlap_plugin.ops.device import cache_modifiers, resident_programs, warp_size
 from tp_overlap_plugin.ops.slots import BITS, bits_view, round_up
 
 REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-DEFAULT_MAX_BYTES = 8 << 20
 
 DEFAULT_ONE_SHOT_BYTES = 1 << 20
 

@@ -1,5 +1,5 @@
 """The all-reduce fused with the residual add and RMSNorm that follow a row-parallel layer in the
-replicated (decode) layout, `HeapAllReduceNorm`: one launch (kernels/allreduce_norm.py) over the heap's
+replicated (decode) layout, `HeapAllReduceNorm`: one launch (kernels/all_reduce_norm.py) over the heap's
 row slots."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import triton
 
 from tp_overlap_plugin import runtime, stats
 from tp_overlap_plugin.heap import SymmetricHeap
-from tp_overlap_plugin.kernels.allreduce_norm import (
+from tp_overlap_plugin.kernels.all_reduce_norm import (
     all_reduce_rmsnorm_kernel,
     row_blocks,
 )
@@ -17,7 +17,7 @@ from tp_overlap_plugin.kernels.lamport import peers_pow2
 from tp_overlap_plugin.launch import Launcher
 from tp_overlap_plugin.ops.all_reduce import REDUCE_DTYPES
 from tp_overlap_plugin.ops.device import cache_modifiers, resident_programs, warp_size
-from tp_overlap_plugin.ops.operands import like, outputs_overlap
+from tp_overlap_plugin.ops.operands import check_apart, like, outputs_overlap
 from tp_overlap_plugin.ops.slots import alloc_row_slots, row_slots_bytes
 
 # The fused all-reduce + norm holds a whole row per program (up to 16384 receive elements): 512
@@ -127,10 +127,7 @@ class HeapAllReduceNorm:
                                  f"strides {t.stride()}")
         if x.device != self.heap.device:
             raise ValueError(f"all_reduce_rmsnorm input is on {x.device}, but the heap is on {self.heap.device}")
-        for name, t in (("out", out), ("residual_out", residual_out)):
-            for src_name, src in (("x", x), ("residual", residual)):
-                # the kernel stores rows while later rows (and peers' pushes of them) are still read
-                if t is not None and outputs_overlap((t,), (src,)):
-                    raise ValueError(f"all_reduce_rmsnorm {name} overlaps {src_name}: the kernel writes a row's "
-                                     f"outputs while it still reads the inputs; pass separate tensors")
+        # the kernel stores rows while later rows (and peers' pushes of them) are still read
+        check_apart("all_reduce_rmsnorm", {"out": out, "residual_out": residual_out}, {"x": x, "residual": residual},
+                    "the kernel writes a row's outputs while it still reads the inputs")
         raise AssertionError("all_reduce_rmsnorm: a call failed its checks, and none says why")

@@ -1,6 +1,6 @@
 """The chunked fused ops: AG-GEMM and GEMM-RS whose GEMMs are the vendor library's (torch.mm: cuBLAS,
 hipBLASLt), one per peer's block of rows on the caller's stream, while the copy engine pulls the
-blocks from the peers' heaps on a side stream (kernels/vendor_comm.py says why and how the flags
+blocks from the peers' heaps on a side stream (kernels/chunked.py says why and how the flags
 work). No SM moves data: the GEMMs keep the whole chip.
 
 `ChunkedAllGatherGemm`: c = all_gather(a_shard) @ b. My shard goes into my heap's send slot and I
@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from tp_overlap_plugin import runtime, stats
 from tp_overlap_plugin.heap import SymmetricHeap
-from tp_overlap_plugin.kernels.vendor_comm import (begin_call_kernel, reduce_rows_kernel, signal_kernel,
+from tp_overlap_plugin.kernels.chunked import (begin_call_kernel, reduce_rows_kernel, signal_kernel,
                                                    wait_ready_kernel)
 from tp_overlap_plugin.launch import Launcher
 from tp_overlap_plugin.ops.device import resident_programs
@@ -145,7 +145,7 @@ class ChunkedAllGatherGemm(_ChunkedOp):
         c = torch.empty((W * rows, n), dtype=a_shard.dtype, device=h.device)
         self._begin(1)
         self.send[0, :rows].copy_(a_shard)
-        self._signal_ready[ALL_PEERS](1)  # launched before the waits (kernels/vendor_comm.py)
+        self._signal_ready[ALL_PEERS](1)  # launched before the waits (kernels/chunked.py)
         self._mark_begun()
         self._pull(rows, mark=True)
         cur = torch.cuda.current_stream(h.device) if self.side is not None else None
@@ -201,7 +201,7 @@ class ChunkedGemmReduceScatter(_ChunkedOp):
         stats.record("chunked_rs.kernel")
         self._begin(1)
         self._mark_begun()
-        # every signal of the call is launched before any wait of it (kernels/vendor_comm.py: a kernel
+        # every signal of the call is launched before any wait of it (kernels/chunked.py: a kernel
         # loaded lazily while a wait spins waits for that wait to end)
         for j, dst in enumerate(self.dsts):
             torch.mm(a[dst * rows:(dst + 1) * rows], b, out=self.send[j, :rows])

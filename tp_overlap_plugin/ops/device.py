@@ -33,6 +33,6 @@ def resident_programs(device: torch.device, cross_program_waits: bool = False) -
 
 def cache_modifiers(device: torch.device) -> dict:
     """On CDNA, stores to peer memory stay in the sender's L2 unless written through, and polls
-    need a cache modifier to stay coherent (kernels/allreduce.py: _wait_landed)."""
+    need a cache modifier to stay coherent (kernels/all_reduce.py: _wait_landed)."""
     cdna = device.type == "cuda" and torch.version.hip is not None
     return {"PEER_STORE": ".wt" if cdna else "", "POLL_LOAD": ".cv" if cdna else ""}

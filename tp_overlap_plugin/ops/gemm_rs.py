@@ -10,16 +10,15 @@ from tp_overlap_plugin import runtime, stats
 from tp_overlap_plugin.gemm_config import TileConfig
 from tp_overlap_plugin.heap import SymmetricHeap
 from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel
-from tp_overlap_plugin.ops.device import num_programs
 from tp_overlap_plugin.ops.operands import check_operands, fused_config, kernel_applies
-from tp_overlap_plugin.ops.slots import alloc_peer_slots, peer_slots_bytes
+from tp_overlap_plugin.ops.slots import PeerSlotOp
 
 # GEMM-RS splits each shard's tiles into this many runs, so that my own rows wait only for partials
 # stored a run earlier (kernels/gemm_rs.py). Fixed, so the kernel compiles once per world size.
 RS_CHUNKS = 2
 
 
-class GemmReduceScatter:
+class GemmReduceScatter(PeerSlotOp):
     """c_shard = reduce_scatter(a @ b): rank r gets rows [r*M/W, (r+1)*M/W) of the sum over ranks,
     in one persistent launch (kernels/gemm_rs.py): peers' rows first, chunk by chunk, stored straight
     into their owners' heaps (every owner at once), and my own rows a chunk behind, whose tiles sum
@@ -29,22 +28,11 @@ class GemmReduceScatter:
     as zeros at the end of the last rank's shard. Capacity: `max_rows` rows per shard, `n`
     columns. Call state lives in device memory, so calls can be captured in CUDA graphs."""
 
+    NAME, SLOTS, COLS, RUNS_ARG, RUNS = "gemm_rs", "recv", "n", "chunks", RS_CHUNKS
+
     def __init__(self, heap: SymmetricHeap, max_rows: int, n: int, dtype: torch.dtype = torch.bfloat16,
                  device_group: dist.ProcessGroup | None = None, chunks: int = RS_CHUNKS):
-        if max_rows < 1 or n < 1 or chunks < 1:
-            raise ValueError(f"GemmReduceScatter needs max_rows, n, chunks >= 1; got {max_rows}, {n}, {chunks}")
-        self.heap, self.max_rows, self.n, self.dtype, self.chunks = heap, max_rows, n, dtype, chunks
-        self.device_group = device_group if device_group is not None else dist.group.WORLD
-        self.recv, self.counts = alloc_peer_slots(heap, max_rows, n, dtype, chunks, "gemm_rs.recv")
-        self.calls = torch.zeros(2, dtype=torch.int64, device=heap.device)  # kernels/calls.py
-        self.programs = num_programs(heap.device)
-        self.stream_order = runtime.StreamOrder()
-        heap.publish()
-
-    @staticmethod
-    def heap_bytes(world: int, max_rows: int, n: int, dtype: torch.dtype, chunks: int = RS_CHUNKS) -> int:
-        """Heap one op takes: two halves of W - 1 receive slots, and their counts."""
-        return peer_slots_bytes(world, max_rows, n, dtype, chunks)
+        super().__init__(heap, max_rows, n, dtype, device_group, chunks)
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
         h = self.heap

@@ -61,6 +61,15 @@ def outputs_overlap(outs, ins) -> bool:
     return False
 
 
+def check_apart(op: str, outs: dict, ins: dict, why: str) -> None:
+    """ValueError naming the first output of `outs` ({name: tensor or None}) whose memory overlaps an
+    input of `ins`: `why` says what the kernel does that makes it wrong."""
+    for name, t in outs.items():
+        for src_name, src in ins.items():
+            if t is not None and outputs_overlap((t,), (src,)):
+                raise ValueError(f"{op} {name} overlaps {src_name}: {why}; pass separate tensors")
+
+
 def like(t: torch.Tensor, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> bool:
     """A tensor of this shape, dtype and device with unit last stride (what the row kernels index)."""
     return t.shape == shape and t.dtype == dtype and t.device == device and t.stride(-1) == 1

@@ -7,8 +7,11 @@ arrival counts instead of a marker per value."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from tp_overlap_plugin import runtime
 from tp_overlap_plugin.heap import SymmetricHeap
+from tp_overlap_plugin.ops.device import num_programs
 
 BITS = {2: torch.int16, 4: torch.int32}  # a float dtype's bits, by element size
 
@@ -29,7 +32,7 @@ def row_slots_bytes(world: int, max_rows: int, n: int, dtype: torch.dtype) -> in
 
 def alloc_row_slots(heap: SymmetricHeap, max_rows: int, n: int, dtype: torch.dtype, name: str) -> torch.Tensor:
     """Receive slots for rows of n values of `dtype`, as its bits: [2 alternating calls, W source
-    ranks, max_rows, n padded], NOT_YET in every element (kernels/allreduce.py). The fused
+    ranks, max_rows, n padded], NOT_YET in every element (kernels/all_reduce.py). The fused
     all-reduce + norm and GEMM + all-reduce exchange rows through them."""
     es = torch.empty((), dtype=dtype).element_size()
     slots = heap.alloc((2, heap.world_size, max_rows, round_up(n, SLOT_ROW_ALIGN)), BITS[es], name=name)
@@ -60,3 +63,37 @@ def alloc_peer_slots(heap: SymmetricHeap, max_rows: int, cols: int, dtype: torch
     counts.zero_()
     return data, counts
 
+
+
+class PeerSlotOp:
+    """What AG-GEMM and GEMM-RS hold alike, fixed at construction (heap space is symmetric): receive
+    slots of `max_rows` rows by `cols` columns for `RUNS` runs of row blocks, their arrival counts, the
+    call number in device memory (kernels/calls.py: calls capture in CUDA graphs), the grid and the
+    stream order. A subclass names them: its slots are the attribute SLOTS (the heap's "<NAME>.<SLOTS>"),
+    its columns and runs the attributes COLS and RUNS_ARG, as its constructor's arguments are named."""
+    NAME = ""       # the op: "ag_gemm", "gemm_rs"
+    SLOTS = ""      # the receive slots' attribute
+    COLS = ""       # the slots' columns' attribute (and constructor argument)
+    RUNS_ARG = ""   # the runs' attribute (and constructor argument)
+    RUNS = 1        # the default number of runs
+
+    def __init__(self, heap: SymmetricHeap, max_rows: int, cols: int, dtype: torch.dtype,
+                 device_group: dist.ProcessGroup | None, runs: int):
+        if max_rows < 1 or cols < 1 or runs < 1:
+            raise ValueError(f"{type(self).__name__} needs max_rows, {self.COLS}, {self.RUNS_ARG} >= 1; got "
+                             f"{max_rows}, {cols}, {runs}")
+        self.heap, self.max_rows, self.dtype = heap, max_rows, dtype
+        setattr(self, self.COLS, cols)
+        setattr(self, self.RUNS_ARG, runs)
+        self.device_group = device_group if device_group is not None else dist.group.WORLD
+        self.slots, self.counts = alloc_peer_slots(heap, max_rows, cols, dtype, runs, f"{self.NAME}.{self.SLOTS}")
+        setattr(self, self.SLOTS, self.slots)
+        self.calls = torch.zeros(2, dtype=torch.int64, device=heap.device)  # kernels/calls.py
+        self.programs = num_programs(heap.device)
+        self.stream_order = runtime.StreamOrder()
+        heap.publish()
+
+    @classmethod
+    def heap_bytes(cls, world: int, max_rows: int, cols: int, dtype: torch.dtype, runs: int | None = None) -> int:
+        """Heap one op takes: two halves of W - 1 receive slots, and their counts."""
+        return peer_slots_bytes(world, max_rows, cols, dtype, cls.RUNS if runs is None else runs)

@@ -8,7 +8,7 @@ are command lines over these modules.
   decode_configs  the decode matmul's configs against F.linear -> the decode config table
   gemv          decode-sized matmuls: our GEMV against F.linear
   silu_mul      gate_up with SiLU-mul in our GEMM's epilogue against cuBLAS + the SiLU-mul kernel
-  allreduce     our all-reduce (one-shot, two-shot) and fused all-reduce + norm against NCCL/RCCL
+  all_reduce    our all-reduce (one-shot, two-shot) and fused all-reduce + norm against NCCL/RCCL
   fused_ops     AG-GEMM / GEMM-RS against the sequential collective + GEMM
   gemm_ar       GEMM + all-reduce in one kernel against F.linear + an all-reduce
   engine_check  the engine's verdict: whole steps, the stock engine against the flag's, per step size

@@ -71,8 +71,7 @@ def fingerprint(device_name: str, design_tables: dict) -> str:
     drop = ("engine", "engine_margin", "date", "command", "models", "tuned_by", "source", "failed")
     parts = [VERDICT_FORMAT] + [{k: v for k, v in design_tables[d].items() if k not in drop} for d in sorted(design_tables)]
     for kind in ("gemm", "decode"):
-        path = tables.cached_path(kind, device_name, None)
-        parts.append(json.loads(path.read_text()) if path.exists() else {})
+        parts.append(tables.read(kind, device_name) or {})
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -164,11 +163,9 @@ def _layouts(plan, table_path: str) -> dict:
 
 def _provisional(table_path: str, items: list[dict], ops: list) -> str:
     """A copy of the table whose verdict runs the flag's ops replicated at every step size of `items`."""
-    table = json.loads(open(table_path).read())
+    table = tables.read("dispatch", path=table_path)
     table["engine"] = [{"M": it["tokens"], "shapes": [list(s) for s in ops], "runs": "replicated"} for it in items]
-    path = f"{table_path}.replicated.json"
-    tables.write_atomic(path, json.dumps(table))
-    return path
+    return str(tables.write("dispatch", table["device"], table["world"], table, path=f"{table_path}.replicated.json"))
 
 
 def _runner(ctx, plan, table_path: str | None, design: str | None, graph_steps):

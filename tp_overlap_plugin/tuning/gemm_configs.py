@@ -33,7 +33,6 @@ within --margin (1.10) of cuBLAS at every larger measured M.
 from __future__ import annotations
 
 import collections
-import json
 import math
 import os
 import statistics
@@ -400,23 +399,6 @@ def build_table(payload: dict, margin: float = MARGIN) -> tuple[dict, str]:
     # what the measurement ran under (tables.find compares them); runs from before tune lack them
     table.update({k: env[k] for k in ("date", "torch", "triton", "driver") if k in env})
     return table, _markdown(payload, rows, entries, crossover, margin)
-
-
-def dump_table(table: dict) -> str:
-    """One line per entry and per config: a table diff reads as the list of changed choices."""
-    lines = ["{"]
-    items = sorted(table.items())
-    for i, (key, value) in enumerate(items):
-        end = "," if i < len(items) - 1 else ""
-        if key in ("entries", "cublas_below"):
-            body = ",\n".join("  " + json.dumps(v, sort_keys=True) for v in value)
-            lines.append(f" {json.dumps(key)}: [\n{body}\n ]{end}")
-        elif key in ("configs", "defaults"):
-            body = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v, sort_keys=True)}" for k, v in sorted(value.items()))
-            lines.append(f" {json.dumps(key)}: {{\n{body}\n }}{end}")
-        else:
-            lines.append(f" {json.dumps(key)}: {json.dumps(value, sort_keys=True)}{end}")
-    return "\n".join(lines) + "\n}\n"
 
 
 def _label(d: dict) -> str:

@@ -170,7 +170,7 @@ def _write_table(ctx, phase: str, env: dict, world: int) -> None:
 
     from tp_overlap_plugin import decode_config, gemm_config
     if ctx.rank == 0:
-        TABLES_AFTER[phase](env["device"], world)
+        TABLES_AFTER[phase](env["device"], world, tables.tune_command(world, env.get("model")))
     dist.barrier(group=ctx.group)
     gemm_config.find_table.cache_clear()
     decode_config.load_table.cache_clear()
@@ -256,7 +256,7 @@ def _gemv(ctx, plan, todo, keep, go, crashed, attempt):
 
 def _all_reduce(ctx, plan, todo, keep, go, crashed, attempt):
     from tp_overlap_plugin.ops.all_reduce import HeapAllReduce
-    from tp_overlap_plugin.tuning import allreduce
+    from tp_overlap_plugin.tuning import all_reduce
     sizes = [it for it in todo if "bytes" in it]
     norms = [it for it in todo if "tokens" in it]
     samples = 15 if plan.device == "cuda" else 1
@@ -266,20 +266,20 @@ def _all_reduce(ctx, plan, todo, keep, go, crashed, attempt):
             # one-shot measured up to the heap's capacity for it: "auto" (what the table compares) takes
             # it up to DEFAULT_ONE_SHOT_BYTES only
             comm = HeapAllReduce(ctx.heap, max_bytes=top, one_shot_max_bytes=min(top, 8 << 20))
-            symm = allreduce.torch_symm_all_reduce(ctx, top)
+            symm = all_reduce.torch_symm_all_reduce(ctx, top)
             for it in sizes:
                 if not go():
                     return
-                keep(attempt(it, lambda it=it: {it["key"]: allreduce.all_reduce_sweep(
+                keep(attempt(it, lambda it=it: {it["key"]: all_reduce.all_reduce_sweep(
                     ctx, comm, symm, [it["bytes"]], repeats=plan.repeats, samples=samples)[0]}))
             _quiesce(ctx)
     if norms:
-        symm = allreduce.torch_symm_all_reduce(ctx, max(it["tokens"] for it in norms) * plan.dims.hidden * 2)
+        symm = all_reduce.torch_symm_all_reduce(ctx, max(it["tokens"] for it in norms) * plan.dims.hidden * 2)
         for it in norms:
             if not go():
                 return
             with ctx.heap.scope():  # each size's buffers, then the space back (heap_bytes holds one)
-                rows = attempt(it, lambda it=it: {it["key"]: allreduce.norm_sweep(
+                rows = attempt(it, lambda it=it: {it["key"]: all_reduce.norm_sweep(
                     ctx, symm, it["hidden"], [it["tokens"]], repeats=plan.repeats, samples=samples)[0]})
                 _quiesce(ctx)
             keep(rows)

@@ -161,7 +161,7 @@ def heap_bytes(plan: Plan) -> int:
     from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm
     from tp_overlap_plugin.ops.chunked import ChunkedAllGatherGemm, ChunkedGemmReduceScatter
     from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter
-    from tp_overlap_plugin.tuning import allreduce, gemm_ar
+    from tp_overlap_plugin.tuning import all_reduce, gemm_ar
     if plan.world == 1:
         return 1 << 20
     W = plan.world
@@ -171,7 +171,7 @@ def heap_bytes(plan: Plan) -> int:
         top = max(it["bytes"] for it in ar if "bytes" in it)
         tokens = max(it["tokens"] for it in ar if "tokens" in it)
         size = max(HeapAllReduce.heap_bytes(W, top, min(top, 8 << 20)),
-                   allreduce.norm_heap_bytes(W, plan.dims.hidden, tokens))
+                   all_reduce.norm_heap_bytes(W, plan.dims.hidden, tokens))
     fused = 0
     for it in plan.items.get("fused_ops", []):  # one op's buffers at a time (a heap scope per shape)
         rows = -(-it["M"] // W)

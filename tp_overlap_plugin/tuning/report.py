@@ -1,6 +1,6 @@
 """The tables and the evidence of `tp-overlap tune`, made from everything in its store: the dispatch
-table and the GEMM config table (written atomically into the cache under their locks), the evidence
-markdown and a PNG beside them."""
+table and the config tables (tuning's builders make their plain data, tables.write writes them into the
+cache), the evidence markdown and a PNG beside them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import datetime
 import json
 from pathlib import Path
 
-from tp_overlap_plugin import tables
+from tp_overlap_plugin import files, tables
 from tp_overlap_plugin.tuning.plan import PHASES, Plan
 from tp_overlap_plugin.shapes import LAYER_OPS
 from tp_overlap_plugin.tuning.store import load_phase, store_dir
@@ -44,10 +44,7 @@ def build_tables(device_name: str, world: int, plan: Plan, summary: dict | None 
                         engine_margin=plan.engine_margin,
                         command=tables.tune_command(world, plan.model, plan.fused_ops),
                         extra={"models": models, "tuned_by": "tp-overlap tune"}, fused_ops=plan.fused_ops)
-    path = tables.cached_path("dispatch", device_name, world)
-    with tables.locked(path):
-        tables.write_atomic(path, json.dumps(table, indent=1))
-    out["dispatch"] = path
+    out["dispatch"] = tables.write("dispatch", device_name, world, table)
     md = rules.markdown(table, [(LAYER_OPS[layer], k, n) for layer, k, n in plan.dims.layers(world)], plan.model)
     norm_rows = [r for r in stored.get("all_reduce", {"rows": {}})["rows"].values()
                  if "tokens" in r and "row_failed" not in r]
@@ -55,23 +52,23 @@ def build_tables(device_name: str, world: int, plan: Plan, summary: dict | None 
         md += _norm_markdown(norm_rows)
     for kind, phase, title, write in (("gemm", "gemm_configs", "GEMM core configs", write_gemm_table),
                                       ("decode", "decode_configs", "Decode matmul configs", write_decode_table)):
-        written = write(device_name, world) if phase in stored else None
+        written = write(device_name, world, tables.tune_command(world, plan.model)) if phase in stored else None
         if written:
             out[kind], tmd = written
             md += f"\n# {title}\n\n" + tmd
     if summary:
         md += run_markdown(plan, summary)
     stem = tables.cache_dir() / "evidence" / f"{tables.device_key(device_name)}-tp{world}"
-    tables.write_atomic(stem.with_suffix(".md"), drop_empty_sections(_header(table, plan) + md))
+    files.write_atomic(stem.with_suffix(".md"), drop_empty_sections(_header(table, plan) + md))
     out["evidence"] = stem.with_suffix(".md")
     png = _chart(table, stem.with_suffix(".png"))
     out["png"] = png or "no PNG: matplotlib is not installed (pip install matplotlib)"
     return out
 
 
-def write_gemm_table(device_name: str, world: int) -> tuple[Path, str] | None:
-    """The GEMM config table of the gemm_configs phase's stored rows into the cache; its path and
-    markdown (None: nothing measured)."""
+def write_gemm_table(device_name: str, world: int, command: str) -> tuple[Path, str] | None:
+    """The GEMM config table of the gemm_configs phase's stored rows into the cache (`command`: the one
+    that measures it again); its path and markdown (None: nothing measured)."""
     from tp_overlap_plugin.tuning import gemm_configs as gc
     stored = load_phase(device_name, world, "gemm_configs")
     if not stored or not stored["rows"]:
@@ -82,29 +79,24 @@ def write_gemm_table(device_name: str, world: int) -> tuple[Path, str] | None:
                                  key=lambda e: (-e["M"], e["K"], e["N"])),
                "stopped": None, "crashed": stored.get("crashed", {})}
     gtable, gmd = gc.build_table(payload)
-    gtable["source"] = "tp-overlap tune"
-    gpath = tables.cached_path("gemm", device_name)
-    with tables.locked(gpath):
-        tables.write_atomic(gpath, gc.dump_table(gtable))
+    gtable.update(source="tp-overlap tune", command=command)
+    gpath = tables.write("gemm", device_name, None, gtable)
     # the results the table is made of (gemm_configs.build_table makes it again of them alone)
-    tables.write_atomic(store_dir(device_name, world, "gemm_configs") / "gemm-configs-results.json",
+    files.write_atomic(store_dir(device_name, world, "gemm_configs") / "gemm-configs-results.json",
                         json.dumps(payload, indent=1))
     return gpath, gmd
 
 
-def write_decode_table(device_name: str, world: int) -> tuple[Path, str] | None:
-    """The decode matmul's config table of the decode_configs phase's stored rows into the cache; its
-    path and markdown (None: nothing measured)."""
+def write_decode_table(device_name: str, world: int, command: str) -> tuple[Path, str] | None:
+    """The decode matmul's config table of the decode_configs phase's stored rows into the cache
+    (`command`: the one that measures it again); its path and markdown (None: nothing measured)."""
     from tp_overlap_plugin.tuning import decode_configs as dc
     stored = load_phase(device_name, world, "decode_configs")
     if not stored or not stored["rows"]:
         return None
     rows = [e for e in stored["rows"].values() if "row_failed" not in e]
     env = {**stored["environment"], "date": datetime.date.today().isoformat()}
-    table = dc.build_table(rows, stored.get("candidates", {}), env, tables.tune_command())
-    path = tables.cached_path("decode", device_name)
-    with tables.locked(path):
-        tables.write_atomic(path, json.dumps(table, indent=1) + "\n")
+    path = tables.write("decode", device_name, None, dc.build_table(rows, stored.get("candidates", {}), env, command))
     return path, dc.markdown(rows, timed="one eager call, CPU" if device_name == "cpu" else "CUDA graphs")
 
 

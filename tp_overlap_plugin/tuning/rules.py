@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 
+from tp_overlap_plugin import tables
 from tp_overlap_plugin.ops.all_reduce import DEFAULT_ONE_SHOT_BYTES
 from tp_overlap_plugin.dispatch import Dispatcher
 from tp_overlap_plugin.options import DESIGNS
@@ -201,12 +202,6 @@ def message_rows(measured: dict) -> list[dict]:
     return [r for r in measured.values() if "bytes" in r and "tokens" not in r]
 
 
-# the store's phases whose rows make a section of the table, and how
-SECTIONS = (("fused_ops", "gemm", gemm_rows), ("all_reduce", "all_reduce", all_reduce_rows),
-            ("gemm_ar", "gemm_all_reduce", gemm_all_reduce_rows), ("gemv", "gemv", gemv_rows),
-            ("silu_mul", "gemm_silu_mul", gemm_silu_mul_rows))
-
-
 def build(phases: dict, env: dict, *, command: str, margin: float = MARGIN, engine_margin: float = ENGINE_MARGIN,
           extra: dict | None = None, fused_ops: str = "auto") -> dict:
     """The table from the measurements there are, per phase as tune's store holds them ({phase: {key:
@@ -232,12 +227,17 @@ def build(phases: dict, env: dict, *, command: str, margin: float = MARGIN, engi
     design = choose_design(phases.get("engine", {}), engine_margin, designs)
     if design != "kernel":  # a table without the field holds the one-launch design's rows
         table["fused_ops"] = design
-    for phase, key, rows in SECTIONS:
-        if phase in phases or key in ("gemm", "all_reduce"):
-            table[key] = (rows(phases.get(phase, {}), margin, design) if key == "gemm"
-                          else rows(phases.get(phase, {}), margin))
-    if "engine" in phases:
-        table.update(engine_margin=engine_margin, engine=engine_rows(phases["engine"], engine_margin, design))
+    # how each section's rows are made of its phase's measurements (which phase makes which section,
+    # and which sections a table always has: tables.DISPATCH.sections)
+    make = {"gemm": lambda m: gemm_rows(m, margin, design), "all_reduce": lambda m: all_reduce_rows(m, margin),
+            "gemm_all_reduce": lambda m: gemm_all_reduce_rows(m, margin), "gemv": lambda m: gemv_rows(m, margin),
+            "gemm_silu_mul": lambda m: gemm_silu_mul_rows(m, margin),
+            "engine": lambda m: engine_rows(m, engine_margin, design)}
+    for s in tables.DISPATCH.sections:
+        if s.phase in phases or s.always:
+            table[s.key] = make[s.key](phases.get(s.phase, {}))
+    if "engine" in table:
+        table["engine_margin"] = engine_margin
     if failed:
         table["failed"] = failed
     table.update(extra or {})

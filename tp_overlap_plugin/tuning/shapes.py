@@ -3,20 +3,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
+# (serving/config.py imports neither the engine nor Triton: the bench scripts set up first)
+from tp_overlap_plugin.serving.config import SHIPPED_CONFIGS as MODEL_CONFIGS
 from tp_overlap_plugin.shapes import ModelDims
-
-
-def _model_configs() -> Path:
-    """The engine's shipped model configs (serving/model/model_configs), found without importing the engine."""
-    spec = importlib.util.find_spec("tp_overlap_plugin.serving")
-    return Path(next(iter(spec.submodule_search_locations))) / "model" / "model_configs"
-
-
-MODEL_CONFIGS = _model_configs()
 
 
 def shipped_dims(name: str) -> ModelDims:

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from tp_overlap_plugin import tables
+from tp_overlap_plugin import files, tables
 
 
 # one GPU's measurements, for a config table per device that every TP size's shapes go into
@@ -47,7 +47,7 @@ def save_rows(directory: Path, phase: str, env: dict, rows: dict, extra: dict | 
     """Merge `rows` into the phase's file, under its lock, atomically (a concurrent run's rows stay;
     rows of other versions, or a file that does not parse, are replaced)."""
     path = directory / f"{phase}.json"
-    with tables.locked(path):
+    with files.locked(path):
         try:
             old = json.loads(path.read_text())
         except (OSError, ValueError):
@@ -55,7 +55,7 @@ def save_rows(directory: Path, phase: str, env: dict, rows: dict, extra: dict | 
         if not isinstance(old, dict) or not _same_versions(old.get("environment", {}), env):
             old = {}
         data = {**old, **(extra or {}), "environment": env, "rows": {**old.get("rows", {}), **rows}}
-        tables.write_atomic(path, json.dumps(data, indent=1))
+        files.write_atomic(path, json.dumps(data, indent=1))
 
 
 

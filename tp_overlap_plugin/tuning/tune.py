@@ -1,5 +1,5 @@
 """`tp-overlap tune`: measure what the dispatcher and the GEMM core consult, on this machine, for this
-TP size and this model, and cache the tables (tp_overlap_plugin/tables.py says where and how they are
+TP size and this model, and cache the tables (tp_overlap_plugin/tables/ says where and how they are
 found again).
 
 It starts W ranks (multirank.run_ranks) and runs the phases in order:
@@ -33,7 +33,6 @@ TP size. Measurements taken under other versions (torch, Triton, driver) are mea
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -160,7 +159,7 @@ def _engine(plan: Plan, device_name: str, designs: dict, todo: list, deadline: f
     paths = {}
     for d, table in designs.items():
         paths[d] = str(base) + f"-{d}.json"
-        tables.write_atomic(paths[d], json.dumps(table))
+        tables.write("dispatch", device_name, plan.world, table, path=paths[d])
     print(f"tp-overlap tune: the engine's verdict: {len(todo)} step sizes, stock against the flag with "
           f"{' and '.join(designs)} fused ops and replicated", file=sys.stderr, flush=True)
     try:
@@ -197,7 +196,7 @@ def _finish(plan: Plan, device_name: str, summary: dict, interrupted: str | None
         print(f"tp-overlap tune: {error}{interrupted} after {took:.0f} s; the rows measured so far are kept in the "
               f"cache, and `tp-overlap tune --tp {world} --model {model}` resumes from there.", file=sys.stderr)
         return 130 if interrupted.startswith("interrupted") else 1
-    failed = json.loads(paths["dispatch"].read_text()).get("failed", []) if "dispatch" in paths else []
+    failed = tables.read("dispatch", path=paths["dispatch"]).get("failed", []) if "dispatch" in paths else []
     if failed:
         print(f"tp-overlap tune: {len(failed)} rows failed and run stock (the evidence lists why; the next run "
               f"measures them again):", file=sys.stderr)

@@ -3,7 +3,7 @@ kernel (the replicated, decode layout: every rank holds all T rows of the residu
 
 Decode runs a few microseconds per kernel even in CUDA graphs; this turns the all-reduce kernel
 plus the add + norm kernel into one, and the norm reads the sum from registers instead of from
-memory. The all-reduce is the one-shot of kernels/allreduce.py, with rows for chunks: every rank
+memory. The all-reduce is the one-shot of kernels/all_reduce.py, with rows for chunks: every rank
 pushes row r of its partial sum into slot e % 2 of every peer's receive rows (e = this row's epoch
 in device memory), then waits for its peers' rows to land (NOT_YET marks what has not), sums them
 in rank order in fp32, and puts NOT_YET back. A row that fits one receive tile (`ONE_TILE`: hidden
@@ -16,7 +16,7 @@ Rounding follows the stock path (all-reduce, then layer_ops.rmsnorm): the reduce
 to the dtype, the bias added and rounded, the residual added and rounded (the new residual), and
 the normalised row rounded before the weight multiplies.
 
-A wait that gives up stops the program (see kernels/allreduce.py): its row, and every later row of
+A wait that gives up stops the program (see kernels/all_reduce.py): its row, and every later row of
 the program, gets NaN in both outputs (the normalised row and the new residual), including blocks
 whose sums had landed.
 """
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from tp_overlap_plugin.kernels import rma
-from tp_overlap_plugin.kernels.allreduce import CHUNK_BYTES
+from tp_overlap_plugin.kernels.all_reduce import CHUNK_BYTES
 from tp_overlap_plugin.kernels.lamport import (advance, bits, flag, not_yet, peer_tile, peers_pow2, sendable,
                                                sum_in_rank_order, tile_elems, wait_landed)
 

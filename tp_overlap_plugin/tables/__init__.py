@@ -15,12 +15,17 @@ cached table measured under other versions (torch, Triton, driver) is used with 
 may be stale; a shipped table measured on a different device likewise. Each warning names the
 `tp-overlap tune` command that measures this machine.
 
-`load` is the one loader of all three: it finds a table in that order and parses it, and one that does
-not parse falls back like a missing one. The GEMM and decode tables are both a `BucketedTable`: per
-measured M bucket and (N, K) shape the fastest config, per bucket the most frequent winner.
-
-Writes are atomic (a temporary file in the same folder, then os.replace) and serialised by a lock
-file, so two `tune` runs at once leave one valid file holding both runs' rows.
+This package alone opens table files (integration_tests/test_tables.py holds every other module to
+that). The kinds are declared once, in kinds.py: each with its sections, its fields and the one
+version header (device, versions, date, the command that measures it again), its `parse` and the one
+serialiser. `load` is the one loader of all three: it finds a table in that order and parses it, and
+one that does not parse falls back like a missing one. `read` gives a table's plain data (tune's
+engine check), `write` is the one writer: of plain data that tuning's builders make (rules.build,
+gemm_configs.build_table, decode_configs.build_table), checked against its kind, serialised, written
+atomically (a temporary file in the same folder, then os.replace) under a lock file, so two `tune`
+runs at once leave one valid file. The GEMM and decode tables are both a `BucketedTable`
+(bucketed.py): per measured M bucket and (N, K) shape the fastest config, per bucket the most frequent
+winner.
 """
 
 from __future__ import annotations
@@ -34,16 +39,18 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable
 
-from tp_overlap_plugin import options
+from tp_overlap_plugin import files, options
+from tp_overlap_plugin.tables.bucketed import BUCKETED_FIELDS, BucketedTable, GemmTable
+from tp_overlap_plugin.tables.kinds import DECODE, DISPATCH, GEMM, HEADER, KINDS, VERSION_KEYS, Kind, kind_named
+
+__all__ = ["BUCKETED_FIELDS", "BucketedTable", "DECODE", "DISPATCH", "Found", "GEMM", "GemmTable", "HEADER", "KINDS",
+           "Kind", "VERSION_KEYS", "cache_dir", "cached_path", "device_key", "find", "kind_named", "load", "load_config_table",
+           "read", "shipped_path", "table_name", "tune_command", "versions", "writable_or_raise", "write"]
 
 log = logging.getLogger(__name__)
-PACKAGE_DIR = Path(__file__).parent
-SHIPPED = {"dispatch": PACKAGE_DIR / "dispatch_tables", "gemm": PACKAGE_DIR / "gemm_tables",
-           "decode": PACKAGE_DIR / "decode_tables"}
-# the fields of a table's header that say what it was measured under (versions() makes them)
-VERSION_KEYS = ("torch", "triton", "driver")
+PACKAGE_DIR = Path(__file__).parent.parent
 # words of a device name that name the vendor, memory or form factor, not the chip: the table of a
 # chip serves its variants ("NVIDIA H100 80GB HBM3" and "NVIDIA H100 PCIe" are both "h100"; the
 # warning for a different device says when the variant differs from the one measured)
@@ -64,11 +71,7 @@ def cache_dir() -> Path:
 
 def table_name(kind: str, device_name: str, world: int | None = None) -> str:
     """"dispatch": <device>-tp<W>.json (one per device and world size); "gemm", "decode": <device>.json."""
-    if kind == "dispatch":
-        return f"{device_key(device_name)}-tp{world}.json"
-    if kind in ("gemm", "decode"):
-        return f"{device_key(device_name)}.json"
-    raise ValueError(f"table kind must be one of {sorted(SHIPPED)}, got {kind!r}")
+    return kind_named(kind).file_name(device_key(device_name), world)
 
 
 def cached_path(kind: str, device_name: str, world: int | None = None) -> Path:
@@ -76,7 +79,7 @@ def cached_path(kind: str, device_name: str, world: int | None = None) -> Path:
 
 
 def shipped_path(kind: str, device_name: str, world: int | None = None) -> Path:
-    return SHIPPED[kind] / table_name(kind, device_name, world)
+    return PACKAGE_DIR / KINDS[kind].folder / table_name(kind, device_name, world)
 
 
 @functools.lru_cache(maxsize=None)
@@ -139,22 +142,23 @@ class Found:
                 f"torch {d.get('torch', '?')}, Triton {d.get('triton', '?')}, driver {d.get('driver', '?')})")
 
 
-def read_table(path: Path, required: tuple[str, ...]) -> dict:
-    """The table at `path`; ValueError naming the file and what is wrong if it is not one."""
+def _read(path: Path, k: Kind) -> dict:
+    """The table of kind `k` at `path`; ValueError naming the file and what is wrong if it is not one."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} is not a readable JSON table ({type(e).__name__}: {e})") from e
-    if not isinstance(data, dict) or any(k not in data for k in required):
-        missing = [k for k in required if not isinstance(data, dict) or k not in data]
+    if not isinstance(data, dict) or any(f not in data for f in k.fields):
+        missing = [f for f in k.fields if not isinstance(data, dict) or f not in data]
         raise ValueError(f"{path} is not a table: it lacks {missing}")
     return data
 
 
 def find(kind: str, device_name: str, world: int | None = None, explicit: str | os.PathLike | None = None,
-         required: tuple[str, ...] = (), current: dict | None = None, model: str | None = None) -> Found:
+         current: dict | None = None, model: str | None = None) -> Found:
     """The table to use, in the lookup order of this module's docstring. `current`: this process's
     versions() (compared with a cached table's); `model`: named in the tune command of warnings."""
+    k = kind_named(kind)
     warnings: list[str] = []
     cmd = tune_command(world or 1, model)
     candidates = []
@@ -165,13 +169,13 @@ def find(kind: str, device_name: str, world: int | None = None, explicit: str | 
         if origin != "explicit" and not path.exists():
             continue
         try:
-            data = read_table(path, required)
+            data = _read(path, k)
         except ValueError as e:
             warnings.append(f"tp_overlap: skipping the {kind} table: {e}. Falling back to the next one; "
                             f"`{cmd}` measures a new one.")
             continue
         if origin == "cache" and current is not None:
-            differ = [f"{k} {data.get(k)} (now {current[k]})" for k in VERSION_KEYS if data.get(k) != current.get(k)]
+            differ = [f"{v} {data.get(v)} (now {current[v]})" for v in VERSION_KEYS if data.get(v) != current.get(v)]
             if differ:
                 warnings.append(f"tp_overlap: the cached {kind} table {path} was measured under other versions "
                                 f"({', '.join(differ)}); it may be stale. Run `{cmd}` to measure it again.")
@@ -183,17 +187,18 @@ def find(kind: str, device_name: str, world: int | None = None, explicit: str | 
     return Found("none", None, None, warnings)
 
 
-def load(kind: str, device_name: str, parse: Callable[[dict], Any], instead: str, *, world: int | None = None,
-         explicit: str | os.PathLike | None = None, required: tuple[str, ...] = (), current: dict | None = None,
+def load(kind: str, device_name: str, instead: str, *, make: Callable[[dict], Any] | None = None,
+         world: int | None = None, explicit: str | os.PathLike | None = None, current: dict | None = None,
          model: str | None = None) -> tuple[Any, Found]:
-    """A table of `kind` for this device (and world size), as `find` finds it, parsed by `parse`, and
-    where it came from. One that does not parse falls back like a missing one: (None, Found "none"),
-    its warning added; `instead` says what runs then. The warnings are the caller's to log."""
-    found = find(kind, device_name, world, explicit=explicit, required=required, current=current, model=model)
+    """A table of `kind` for this device (and world size), as `find` finds it, parsed by its kind (each
+    config made by `make`), and where it came from. One that does not parse falls back like a missing
+    one: (None, Found "none"), its warning added; `instead` says what runs then. The warnings are the
+    caller's to log."""
+    found = find(kind, device_name, world, explicit=explicit, current=current, model=model)
     if found.data is None:
         return None, found
     try:
-        return parse(found.data), found
+        return KINDS[kind].parse(found.data, make), found
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         found.warnings.append(f"tp_overlap: skipping the {kind} table {found.path}: it does not parse "
                               f"({type(e).__name__}: {e}); {instead}. `{tune_command(world, model)}` measures a "
@@ -201,10 +206,10 @@ def load(kind: str, device_name: str, parse: Callable[[dict], Any], instead: str
         return None, Found("none", warnings=found.warnings)
 
 
-def load_config_table(kind: str, device_name: str, required: tuple[str, ...], parse, instead: str):
+def load_config_table(kind: str, device_name: str, make: Callable[[dict], Any], instead: str):
     """A config table ("gemm", "decode") for this device (`load`, compared with this process's CUDA
     versions), its warnings logged by rank 0 only: once per start."""
-    table, found = load(kind, device_name, parse, instead, required=required, current=versions("cuda"))
+    table, found = load(kind, device_name, instead, make=make, current=versions("cuda"))
     import torch.distributed as dist
     if not dist.is_initialized() or dist.get_rank() == 0:
         for w in found.warnings:
@@ -212,74 +217,28 @@ def load_config_table(kind: str, device_name: str, required: tuple[str, ...], pa
     return table, found
 
 
-C = TypeVar("C")
-# the fields of a bucketed table's JSON (tuning writes them; extra fields are the kind's own)
-BUCKETED_FIELDS = ("buckets", "configs", "entries", "defaults")
+def read(kind: str, device_name: str | None = None, world: int | None = None, *,
+         path: str | os.PathLike | None = None) -> dict | None:
+    """A table's plain data: the one at `path`, else this device's (and world size's) in the cache;
+    None where there is none, ValueError where the file is not a table of the kind."""
+    path = Path(path) if path is not None else cached_path(kind, device_name, world)
+    if not path.exists():
+        return None
+    return _read(path, kind_named(kind))
 
 
-@dataclass(frozen=True)
-class BucketedTable(Generic[C]):
-    """Configs measured per M bucket and (N, K) shape: the GEMM core's tiles (gemm_config.py) and the
-    decode matmul's (decode_config.py). In JSON: `buckets` (measured M, ascending), `configs` (label ->
-    config fields), `entries` ({M, N, K, label}: the fastest at that shape), `defaults` (bucket -> the
-    label of its most frequent winner, for shapes the table lacks)."""
-    buckets: tuple[int, ...]
-    configs: dict       # (bucket, n, k) -> C
-    defaults: dict      # bucket -> C
-
-    @staticmethod
-    def fields_of(data: dict, make: Callable[[dict], C]) -> dict:
-        """The constructor's fields from the JSON, each config made by `make` from its fields."""
-        by_label = {label: make(c) for label, c in data["configs"].items()}
-        return {"buckets": tuple(data["buckets"]),
-                "configs": {(e["M"], e["N"], e["K"]): by_label[e["label"]] for e in data["entries"]},
-                "defaults": {int(m): by_label[label] for m, label in data["defaults"].items()}}
-
-    @classmethod
-    def parse(cls, data: dict, make: Callable[[dict], C]) -> "BucketedTable[C]":
-        return cls(**cls.fields_of(data, make))
-
-    def bucket(self, m: int) -> int:
-        """The smallest measured M >= m (its tiles cover m rows), or the largest."""
-        return next((b for b in self.buckets if b >= m), self.buckets[-1])
-
-    def config(self, m: int, n: int, k: int) -> C | None:
-        b = self.bucket(m)
-        return self.configs.get((b, n, k), self.defaults.get(b))
-
-
-@contextlib.contextmanager
-def locked(path: Path):
-    """An exclusive lock on `path`.lock for a read-modify-write of `path` (two tune runs at once)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(str(path) + ".lock", "a+") as f:
-        try:
-            import fcntl
-        except ImportError:  # no POSIX locks: writes stay atomic, a concurrent merge may keep one run's rows
-            yield
-            return
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` so that a reader sees the old file or the new one, never a part."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+def write(kind: str, device_name: str, world: int | None, table: dict, *,
+          path: str | os.PathLike | None = None) -> Path:
+    """The one writer of tables: `table` (plain data, as tuning's builders make it) into the cache as
+    this device's (and world size's), or to `path` (a copy tune's engine check runs on). ValueError,
+    before anything is written, where it lacks the header or does not parse as its kind. Serialised
+    by the kind, under the file's lock, atomically. Returns the path."""
+    k = kind_named(kind)
+    k.check(table, device_name, world if k.per_world else None)
+    path = Path(path) if path is not None else cached_path(kind, device_name, world)
+    with files.locked(path):
+        files.write_atomic(path, k.dump(table))
+    return path
 
 
 def writable_or_raise(directory: Path) -> None:
