@@ -17,12 +17,12 @@ from tp_overlap_plugin.multirank import RankExited, run_ranks
 DEAD = 1                                        # not rank 0, whose number an unset error word would give
 EXIT_CODE = 17
 TIMEOUT_S = {"cpu": 2.0, "cuda": 1.0}
-OPS = ("all_reduce", "ag_gemm", "gemm_rs", "gemm_all_reduce", "gemm_all_reduce_norm", "chunked_ag", "chunked_rs")
+OPS = ("all_reduce", "ag_gemm", "gemm_rs", "gemm_all_reduce", "chunked_ag", "chunked_rs")
 LATER_BOUND_S = 90  # the wait bound while the later calls run
 LATER = OPS + ("all_reduce_norm",)  # run after the first failure too (they give up at once)
 # ops whose output is checked: those that take `out` everywhere; on a GPU (where an op returns
 # before the error is read) all of them
-POISONED = {"cpu": ("all_reduce", "gemm_all_reduce", "gemm_all_reduce_norm", "all_reduce_norm"), "cuda": LATER}
+POISONED = {"cpu": ("all_reduce", "gemm_all_reduce", "all_reduce_norm"), "cuda": LATER}
 
 
 def _build(ctx):
@@ -32,7 +32,6 @@ def _build(ctx):
     from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm
     from tp_overlap_plugin.ops.chunked import ChunkedAllGatherGemm, ChunkedGemmReduceScatter
     from tp_overlap_plugin.ops.gemm_ar import GemmAllReduce
-    from tp_overlap_plugin.ops.gemm_ar_norm import GemmAllReduceNorm
     from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter
 
     h, W, r, dev = ctx.heap, ctx.world_size, ctx.rank, ctx.device
@@ -42,7 +41,6 @@ def _build(ctx):
     rs = GemmReduceScatter(h, max_rows=8, n=16, dtype=dtype)
     gar = GemmAllReduce(h, max_rows=8, n=48, dtype=dtype)
     norm = HeapAllReduceNorm(h, hidden=48, max_rows=8, dtype=dtype)
-    gar_norm = GemmAllReduceNorm(gar)
     chunked_ag = ChunkedAllGatherGemm(h, max_rows=8, k=32, dtype=dtype)
     chunked_rs = ChunkedGemmReduceScatter(h, max_rows=8, n=16, dtype=dtype)
     gen = torch.Generator().manual_seed(r)
@@ -59,14 +57,6 @@ def _build(ctx):
         y = torch.zeros((8, 48), dtype=dtype, device=dev)
         _last_out["gemm_all_reduce"] = y
         return gar(a, w, out=y)
-
-    def gemm_all_reduce_norm():
-        # both outputs, as the fused all-reduce + norm's
-        y, res = torch.zeros((8, 48), dtype=dtype, device=dev), torch.zeros((8, 48), dtype=dtype, device=dev)
-        try:
-            return gar_norm(a, w, y_in, w_norm, 1e-6, out=y, residual_out=res)
-        finally:
-            _last_out["gemm_all_reduce_norm"] = torch.cat([y, res])
 
     def all_reduce():
         y = torch.zeros_like(x)
@@ -98,7 +88,7 @@ def _build(ctx):
         return run
 
     return {"all_reduce": all_reduce, "ag_gemm": ag_gemm, "gemm_rs": gemm_rs, "gemm_all_reduce": gemm_all_reduce,
-            "gemm_all_reduce_norm": gemm_all_reduce_norm, "all_reduce_norm": all_reduce_norm,
+            "all_reduce_norm": all_reduce_norm,
             "chunked_ag": chunked("chunked_ag", chunked_ag, a), "chunked_rs": chunked("chunked_rs", chunked_rs, a_rs)}
 
 

@@ -17,7 +17,6 @@ from tp_overlap_plugin.kernels.barrier import barrier_kernel
 from tp_overlap_plugin.kernels.gemm import gemm_kernel
 from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel
 from tp_overlap_plugin.kernels.gemm_ar import gemm_all_reduce_kernel
-from tp_overlap_plugin.kernels.gemm_ar_norm import gemm_all_reduce_rmsnorm_kernel
 from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel
 from tp_overlap_plugin.kernels.gemv import gemv_kernel
 from tp_overlap_plugin.kernels.chunked import (begin_call_kernel, reduce_rows_kernel, signal_kernel,
@@ -202,23 +201,6 @@ for _name, _w, _peers, _bm, _bn, _bk, _sub, _one in (("gemm_all_reduce_bf16_w2",
            "EVEN_K": False, "INTERPRET": False, "HAS_BIAS": True, **_CACHE, **_one}
     KERNELS[_name] = (gemm_all_reduce_kernel, _sig(_GEMM_AR_ARGS, _LAMPORT, _GEMM_AR_CX + list(_one)), _cx,
                       {"num_warps": 4, "num_stages": 4 if _bm == 16 else 3})
-# GEMM + all-reduce + RMSNorm (kernels/gemm_ar_norm.py): GEMM + all-reduce's passes (its tiles, so a
-# thread pushes 16 bytes on CDNA too), then the norm from a local squares slot of a column per tile
-# (32 and 128 at hidden 4096)
-_GEMM_AR_NORM_ARGS = ("a_ptr:*bf16 b_ptr:*bf16 bias_ptr:*bf16 res_ptr:*bf16 w_ptr:*bf16 out_ptr:*bf16 res_out_ptr:*bf16 "
-                      "slots_ptr:*i16 squares_ptr:*i32 calls_ptr:*i64 squares_calls_ptr:*i64 M:i32 N:i32 K:i32 "
-                      "stride_am:i32 stride_bk:i32 stride_bn:i32 stride_res:i32 stride_out:i32 stride_res_out:i32 "
-                      "slot_stride:i32 src_stride:i32 row_stride:i32 squares_parity_stride:i32 "
-                      "squares_row_stride:i32 eps:fp32")
-for _name, _w, _peers, _bm, _bn, _bk, _sub, _tn, _one in (
-        ("gemm_all_reduce_rmsnorm_bf16_w2", 2, 1, 16, 128, 256, 16, 32, {"rank": 1, "M": 1}),
-        ("gemm_all_reduce_rmsnorm_bf16_w8", 8, 8, 64, 32, 128, 16, 128, {})):
-    _one = {"stride_bk": 1, **_one}
-    _cx = {"WORLD": _w, "PEERS": _peers, "BLOCK_M": _bm, "BLOCK_N": _bn, "BLOCK_K": _bk, "SUB_M": _sub, "GROUP_M": 4,
-           "TILES_N": _tn, "EVEN_K": False, "INTERPRET": False, "HAS_BIAS": True, **_CACHE, **_one}
-    KERNELS[_name] = (gemm_all_reduce_rmsnorm_kernel,
-                      _sig(_GEMM_AR_NORM_ARGS, _LAMPORT, _GEMM_AR_CX[:7] + ["TILES_N"] + _GEMM_AR_CX[7:] + list(_one)),
-                      _cx, {"num_warps": 4, "num_stages": 4 if _bm == 16 else 3})
 LAMPORT = sorted(k for k in KERNELS if "all_reduce" in k)
 # kernels compiled as a launch with aligned operands sees them (heap slots, K and strides divisible by 16)
 ALIGNED = LAMPORT + ["ag_gemm"]

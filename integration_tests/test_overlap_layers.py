@@ -2,6 +2,8 @@
 layouts (sequence-parallel with AG-GEMM / GEMM-RS, and replicated with the IPC all-reduce), for
 token counts below, at and above the world size; the counters prove the kernels ran."""
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -110,9 +112,6 @@ IPC_CAPPED = dict(IPC_ALL_REDUCE, all_reduce_capacity=1024)
 GEMM_AR = dict(IPC_ALL_REDUCE, gemm_all_reduce_rows=[
     {"M": 1, "K": I // 2, "N": H, **{k: "gemm_ar" for k in ("graph_winner", "eager_winner", "norm_graph_winner",
                                                             "norm_eager_winner")}}])
-# ... and the down projection with the norm after it as one kernel (GemmAllReduceNorm), graph and eager
-GEMM_AR_NORM = dict(GEMM_AR, gemm_all_reduce_rows=[
-    dict(GEMM_AR["gemm_all_reduce_rows"][0], fused_norm_graph_winner="fused", fused_norm_eager_winner="fused")])
 
 
 # gate_up with SiLU-mul in our GEMM's epilogue measured a win from M = 1 up; the GEMV wins below 8 rows
@@ -131,11 +130,10 @@ GEMV_SILU_SHARDED = dict(IPC_ALL_REDUCE, gemv_rows=[
                                              (dict(mode="overlap", fused_ops="chunked"), _NormBlock),
                                              (IPC_ALL_REDUCE, _Block),
                                              (IPC_ALL_REDUCE, _NormBlock), (dict(mode="stock"), _NormBlock),
-                                             (GEMM_AR, _Block), (GEMM_AR, _NormBlock), (GEMM_AR_NORM, _NormBlock),
+                                             (GEMM_AR, _Block), (GEMM_AR, _NormBlock),
                                              (GEMV_SILU_SHARDED, _Block), (IPC_CAPPED, _Block)],
                          ids=["sequence_parallel", "sequence_parallel_chunked", "replicated_ipc_all_reduce", "replicated_fused_norm",
                               "stock_norm", "replicated_gemm_all_reduce", "replicated_gemm_all_reduce_norm",
-                              "replicated_gemm_all_reduce_fused_norm",
                               "gemv_gemm_silu_mul", "replicated_over_capacity"])
 def test_overlap_layers_match_stock(dispatch, block):
     seed = int(torch.randint(0, 2**30, ()))
@@ -161,10 +159,7 @@ def test_overlap_layers_match_stock(dispatch, block):
             assert counts["layers.replicated_steps"] == len(TOKENS)
             assert "ag_gemm.kernel" not in counts
             assert "gemv.kernel" not in counts, counts
-            if dispatch is GEMM_AR_NORM:  # one kernel for the layer and the norm after it
-                assert counts["gemm_all_reduce_norm.kernel"] == len(TOKENS), counts
-                assert not any(k.startswith(("all_reduce", "gemm_all_reduce.")) for k in counts), counts
-            elif "gemm_all_reduce_rows" in dispatch:  # one kernel for the GEMM and the all-reduce; a norm adds itself
+            if "gemm_all_reduce_rows" in dispatch:  # one kernel for the GEMM and the all-reduce; a norm adds itself
                 assert counts["gemm_all_reduce.kernel"] == len(TOKENS)
                 assert not any(k.startswith("all_reduce") for k in counts), counts
             elif block is _NormBlock:  # one fused kernel instead of the all-reduce and the norm
@@ -203,20 +198,25 @@ def test_gemm_all_reduce_rule():
     assert not Dispatcher.load("table", device_name="NVIDIA H200", world=2).gemm_all_reduce(1, 2048, 4096, True)
 
 
-def test_gemm_all_reduce_norm_rule():
-    """The layer and its norm as one kernel where the fused_norm column won on both sides of M, per
-    graph and eager; a table from before the column (no fused_norm keys) never picks it."""
+def test_tables_with_the_removed_fused_norm_columns_still_load(tmp_path):
+    """Tables written while GEMM + all-reduce + RMSNorm as one kernel existed (removed: it lost at every
+    measured row) hold its fused_norm columns: they load, those columns are ignored, and the rest of
+    each row still decides."""
+    old = {"fused_norm_graph_winner": "fused", "fused_norm_eager_winner": "fused", "fused_norm_graph_us": 9.0,
+           "fused_norm_graph_best_stock_us": 10.0, "fused_norm_graph_ratio": 1.1}
     rows = [{"M": m, "K": 2048, "N": 4096, "graph_winner": "stock", "eager_winner": "stock",
-             "norm_graph_winner": "stock", "norm_eager_winner": "stock",
-             "fused_norm_graph_winner": "fused" if m <= 16 else "stock", "fused_norm_eager_winner": "stock"}
-            for m in (1, 8, 16, 64)]
-    d = Dispatcher(gemm_all_reduce_rows=rows)
-    assert d.may_use_kernels
-    assert [d.gemm_all_reduce_norm(m, 2048, 4096, True) for m in (1, 16, 17, 64)] == [True, True, False, False]
-    assert not d.gemm_all_reduce_norm(1, 2048, 4096, False) and not d.gemm_all_reduce_norm(1, 7168, 4096, True)
-    old = [{k: v for k, v in r.items() if not k.startswith("fused_norm")} for r in rows]
-    assert not Dispatcher(gemm_all_reduce_rows=old).gemm_all_reduce_norm(1, 2048, 4096, True)
-    assert not Dispatcher(gemm_all_reduce_rows=old).may_use_kernels
+             "norm_graph_winner": "gemm_ar" if m <= 8 else "stock", "norm_eager_winner": "stock", **old}
+            for m in (1, 8, 64)]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"device": "cpu", "world": 2, "margin": 1.02, "gemm": [], "all_reduce": [],
+                                "gemm_all_reduce": rows}))
+    d = Dispatcher.load("table", device_name="cpu", world=2, path=path)
+    assert d.gemm_all_reduce_rows == rows, d.source
+    assert [d.gemm_all_reduce(m, 2048, 4096, True, into_norm=True) for m in (1, 8, 9)] == [True, True, False]
+    assert not d.gemm_all_reduce(1, 2048, 4096, True)
+    # where only the removed columns said "fused", nothing of ours runs
+    stock = [dict(r, norm_graph_winner="stock") for r in rows]
+    assert not Dispatcher(gemm_all_reduce_rows=stock).may_use_kernels
 
 
 def test_gemm_silu_mul_rule():

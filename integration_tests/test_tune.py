@@ -371,30 +371,35 @@ def test_the_verdict_rule_and_its_lookup_per_step_size():
     assert Dispatcher(mode="overlap", engine_rows=rows).step_runs(2048, ops) == "flag"
 
 
-def test_the_fused_norm_rule_keeps_the_unfused_path_where_it_measured_faster():
-    """GEMM + all-reduce + norm as one kernel is chosen where it beat the fastest unfused path with the
-    norm (GEMM + all-reduce + norm included) by the margin in every repeat, in graphs only (eager rows
-    are launch-bound noise: rules.gemm_all_reduce_rows); rows measured before it have no such column."""
+def test_the_gemm_all_reduce_rule_ignores_the_removed_fused_norm_measurements():
+    """GEMM + all-reduce (alone, and + the norm) is chosen where it beat the faster stock path by the
+    margin in every repeat, in graphs only (eager rows are launch-bound noise: rules.gemm_all_reduce_rows).
+    Stores from before GEMM + all-reduce + norm as one kernel was removed hold its measurements
+    (gemm_ar_fused_norm, here faster than everything): they make no column and decide nothing."""
     from tp_overlap_plugin.tuning import rules
 
-    def row(m, fused):
-        times = {"linear_nccl": 20, "linear_ours": 15, "gemm_ar": 12, "linear_nccl_norm": 25, "linear_fused_norm": 16,
-                 "gemm_ar_norm": 14, "gemm_ar_fused_norm": fused}
+    def row(m, gemm_ar, gemm_ar_norm, last_repeat=None):
+        times = {"linear_nccl": 20, "linear_ours": 15, "gemm_ar": gemm_ar, "linear_nccl_norm": 25,
+                 "linear_fused_norm": 16, "gemm_ar_norm": gemm_ar_norm, "gemm_ar_fused_norm": 5, "gemv_fused_norm": 4}
         r = {"M": m, "K": 1024, "N": 4096, "shape": "llama o_proj"}
         for mode in ("graph", "eager"):
             r.update({f"{op}_{mode}_us": t for op, t in times.items()})
             r.update({f"{op}_{mode}_us_repeats": [t, t] for op, t in times.items()})
-        r["gemm_ar_fused_norm_graph_us_repeats"] = [fused, 14 / 1.01] if m == 64 else [fused, fused]
+        if last_repeat is not None:
+            r["gemm_ar_graph_us_repeats"] = [gemm_ar, last_repeat]
         return r
-    measured = {"1": row(1, 10), "16": row(16, 13.9), "64": row(64, 10)}
-    got = {r["M"]: (r["fused_norm_graph_winner"], r["fused_norm_eager_winner"], r["fused_norm_graph_best_stock_us"])
-           for r in rules.gemm_all_reduce_rows(measured)}
-    # 16 rows: 14 / 13.9 is under the margin; 64 rows: one repeat under it
-    assert got == {1: ("fused", "stock", 14), 16: ("stock", "stock", 14), 64: ("stock", "stock", 14)}, got
-    old = {k: {f: v for f, v in r.items() if not f.startswith("gemm_ar_fused_norm")} for k, r in measured.items()}
-    assert not any(k.startswith("fused_norm") for r in rules.gemm_all_reduce_rows(old) for k in r)
-    d = Dispatcher(gemm_all_reduce_rows=rules.gemm_all_reduce_rows(measured))
-    assert [d.gemm_all_reduce_norm(m, 1024, 4096, True) for m in (1, 8, 16)] == [True, False, False]
+    # 16 rows: 15 / 14.9 is under the margin; 64 rows: one repeat under it
+    measured = {"1": row(1, 12, 14), "16": row(16, 14.9, 14), "64": row(64, 12, 17, last_repeat=15 / 1.01)}
+    rows = rules.gemm_all_reduce_rows(measured)
+    got = {r["M"]: (r["graph_winner"], r["norm_graph_winner"], r["eager_winner"], r["norm_eager_winner"],
+                    r["graph_best_stock_us"], r["norm_graph_best_stock_us"]) for r in rows}
+    assert got == {1: ("gemm_ar", "gemm_ar", "stock", "stock", 15, 16),
+                   16: ("stock", "gemm_ar", "stock", "stock", 15, 16),
+                   64: ("stock", "stock", "stock", "stock", 15, 16)}, got
+    assert not any("fused" in k for r in rows for k in r), rows
+    d = Dispatcher(gemm_all_reduce_rows=rows)
+    assert [d.gemm_all_reduce(m, 1024, 4096, True) for m in (1, 8, 16)] == [True, False, False]
+    assert [d.gemm_all_reduce(m, 1024, 4096, True, into_norm=True) for m in (1, 16, 17)] == [True, True, False]
 
 
 def test_the_table_holds_one_fused_op_design_and_an_engine_of_the_other_leaves_its_rows_out():

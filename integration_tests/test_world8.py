@@ -5,7 +5,7 @@ interpreter; with 8 GPUs the same cases run compiled. Small shapes (this is abou
 epochs and rank-ordered sums, not about tiles), M smaller than the world size, M = 1, and every op
 called twice so epochs and buffer halves advance: the all-reduce, the fused all-reduce + RMSNorm at
 hidden 4096 (two receive tiles a row at W = 8), AG-GEMM and GEMM-RS in both designs (one launch,
-chunked). GEMM + all-reduce (and its fused norm) have their own 8-rank compile cases; their runs are
+chunked). GEMM + all-reduce has its own 8-rank compile cases; its runs are
 W = 2-4."""
 
 import pytest

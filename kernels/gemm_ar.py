@@ -21,8 +21,7 @@ call e + 1 without my push of e + 1, which comes after this kernel has ended.
 Programs (at most one per SM, so all are resident: a wait never holds up a tile another program
 of this rank still has to push) take tiles p, p + P, ... in two passes: first every tile is
 multiplied and pushed, its own copy stored into this rank's slot for the second pass; then every
-tile waits for its peers' copies, sums, stores (`push_tiles`, `reduced_rows`: kernels/gemm_ar_norm.py
-runs the same two passes before its norm). No wait comes before a push, so no rank waits on a
+tile waits for its peers' copies, sums, stores. No wait comes before a push, so no rank waits on a
 tile that its peer's programs have not reached. A rank whose heap already holds an error pushes
 nothing; a wait that gives up (bounded in time: lamport.wait_landed) records rank, peer and address
 in the error slot and ends its program's work: the rest of its tiles are NaN.
@@ -34,56 +33,6 @@ import triton.language as tl
 from tp_overlap_plugin.kernels import calls, rma
 from tp_overlap_plugin.kernels.lamport import bits, flag, not_yet, peer_tile, sendable, sum_in_rank_order, wait_landed
 from tp_overlap_plugin.kernels.gemm import gemm_tile, store_tile, tile_coords
-
-
-@triton.jit
-def push_tiles(a_ptr, b_ptr, slot, M, N, K, stride_am, stride_bk, stride_bn, row_stride, src_stride, rank, heap_bases,
-               live, WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, PEER_STORE: tl.constexpr):
-    """The first pass: every tile of this program multiplied and pushed into every peer's slot
-    (`slot`: this call's parity), its own copy stored into this rank's. Nothing is pushed where not
-    `live` (a rank that has given up)."""
-    dtype = a_ptr.dtype.element_ty
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    k_blocks = tl.cdiv(K, BLOCK_K)
-    mine = slot + tl.cast(rank, tl.int64) * src_stride
-    push_rows = tl.where(live, M, 0)
-    for t in range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):
-        pid_m, pid_n = tile_coords(t, tiles_m, tiles_n, GROUP_M)
-        acc = gemm_tile(a_ptr, b_ptr, pid_m, pid_n, M, N, K, 0, k_blocks, stride_am, 1, stride_bk, stride_bn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET)
-        payload = sendable(bits(acc.to(dtype)))
-        for q in tl.static_range(1, WORLD):
-            there = rma.translate(mine, rank, (rank + q) % WORLD, heap_bases)
-            store_tile(there, there, payload, pid_m, pid_n, push_rows, N, row_stride, 1, BLOCK_M, BLOCK_N,
-                       CACHE=PEER_STORE)
-        store_tile(mine, mine, payload, pid_m, pid_n, M, N, row_stride, 1, BLOCK_M, BLOCK_N)
-    tl.debug_barrier()  # my own tiles, stored above, are read back by other threads in the second pass
-
-
-@triton.jit
-def reduced_rows(slot, row0, col0, M, N, src_stride, row_stride, epoch, rank, heap_bases, error_ptr,
-                 WORLD: tl.constexpr, PEERS: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr,
-                 POLL_LOAD: tl.constexpr, DTYPE: tl.constexpr):
-    """The second pass's unit: rows row0 .. row0 + SUB_M - 1, columns col0 .. col0 + BLOCK_N - 1 of
-    the sum, flattened (a receive tile is those rows beside every peer's copy). Waits for every
-    peer's copy, sums in rank order in fp32, puts NOT_YET back. Returns (sum, rows, cols, mask,
-    landed); the sum means nothing where not landed."""
-    pcols, srcs = peer_tile(rank, WORLD, PEERS)
-    lane = tl.arange(0, SUB_M * BLOCK_N)
-    rows = row0 + lane // BLOCK_N
-    cols = col0 + lane % BLOCK_N
-    mask = (rows < M) & (cols < N)
-    offs = rows.to(tl.int64) * row_stride + cols
-    own = tl.load(slot + tl.cast(rank, tl.int64) * src_stride + offs, mask=mask, other=0)
-    ptrs = slot + srcs.to(tl.int64) * src_stride + offs[:, None]
-    m = mask[:, None] & (pcols < WORLD - 1)
-    tile, landed = wait_landed(ptrs, m, srcs, epoch, rank, heap_bases, error_ptr, POLL_LOAD)
-    total = sum_in_rank_order(tile, own.to(DTYPE, bitcast=True).to(tl.float32), rank, WORLD, DTYPE)
-    if landed:
-        not_yet(ptrs, m)
-    return total, rows, cols, mask, landed
 
 
 @triton.jit
@@ -100,25 +49,48 @@ def gemm_all_reduce_kernel(a_ptr, b_ptr, bias_ptr, out_ptr, slots_ptr, calls_ptr
     dtype = out_ptr.dtype.element_ty
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles = tiles_m * tiles_n
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    P = tl.num_programs(0)
     slot = slots_ptr + tl.cast(epoch % 2, tl.int64) * slot_stride
-    push_tiles(a_ptr, b_ptr, slot, M, N, K, stride_am, stride_bk, stride_bn, row_stride, src_stride, rank, heap_bases,
-               live, WORLD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, INTERPRET, PEER_STORE)
+    mine = slot + tl.cast(rank, tl.int64) * src_stride
+    push_rows = tl.where(live, M, 0)  # a rank that has given up pushes nothing
+    for t in range(tl.program_id(0), tiles, P):
+        pid_m, pid_n = tile_coords(t, tiles_m, tiles_n, GROUP_M)
+        acc = gemm_tile(a_ptr, b_ptr, pid_m, pid_n, M, N, K, 0, k_blocks, stride_am, 1, stride_bk, stride_bn,
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET)
+        payload = sendable(bits(acc.to(dtype)))
+        for q in tl.static_range(1, WORLD):
+            there = rma.translate(mine, rank, (rank + q) % WORLD, heap_bases)
+            store_tile(there, there, payload, pid_m, pid_n, push_rows, N, row_stride, 1, BLOCK_M, BLOCK_N,
+                       CACHE=PEER_STORE)
+        store_tile(mine, mine, payload, pid_m, pid_n, M, N, row_stride, 1, BLOCK_M, BLOCK_N)
+    tl.debug_barrier()  # my own tiles, stored above, are read back below by other threads
     ok = live
-    for t in range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):
+    pcols, srcs = peer_tile(rank, WORLD, PEERS)
+    lane = tl.arange(0, SUB_M * BLOCK_N)
+    for t in range(tl.program_id(0), tiles, P):
         pid_m, pid_n = tile_coords(t, tiles_m, tiles_n, GROUP_M)
         for r0 in range(0, BLOCK_M, SUB_M):
             if ok & flag(pid_m * BLOCK_M + r0 < M):
-                total, rows, cols, mask, landed = reduced_rows(slot, pid_m * BLOCK_M + r0, pid_n * BLOCK_N, M, N,
-                                                               src_stride, row_stride, epoch, rank, heap_bases,
-                                                               error_ptr, WORLD, PEERS, BLOCK_N, SUB_M, POLL_LOAD,
-                                                               dtype)
+                # a receive tile is SUB_M rows of the output tile, flattened, beside every peer's copy
+                rows = pid_m * BLOCK_M + r0 + lane // BLOCK_N
+                cols = pid_n * BLOCK_N + lane % BLOCK_N
+                mask = (rows < M) & (cols < N)
+                offs = rows.to(tl.int64) * row_stride + cols
+                own = tl.load(mine + offs, mask=mask, other=0)
+                ptrs = slot + srcs.to(tl.int64) * src_stride + offs[:, None]
+                m = mask[:, None] & (pcols < WORLD - 1)
+                tile, landed = wait_landed(ptrs, m, srcs, epoch, rank, heap_bases, error_ptr, POLL_LOAD)
                 ok = ok & landed
                 if ok:
+                    total = sum_in_rank_order(tile, own.to(dtype, bitcast=True).to(tl.float32), rank, WORLD, dtype)
                     if HAS_BIAS:  # after the sum, rounded as the stock path's `all_reduce(y) + bias` is
                         bias = tl.load(bias_ptr + cols, mask=cols < N, other=0).to(tl.float32)
                         total = total.to(dtype).to(tl.float32) + bias
                     store_tile(out_ptr, out_ptr, tl.reshape(total, (SUB_M, BLOCK_N)), (pid_m * BLOCK_M + r0) // SUB_M,
                                pid_n, M, N, stride_om, 1, SUB_M, BLOCK_N)
+                    not_yet(ptrs, m)
             if not ok:
                 store_tile(out_ptr, out_ptr, tl.full((SUB_M, BLOCK_N), float("nan"), tl.float32),
                            (pid_m * BLOCK_M + r0) // SUB_M, pid_n, M, N, stride_om, 1, SUB_M, BLOCK_N)

@@ -48,9 +48,8 @@ class Dispatcher:
     mode: str = "table"
     gemm: list[dict] = field(default_factory=list)        # {op, M, K, N, winner}
     all_reduce: list[dict] = field(default_factory=list)  # {bytes, graph_winner, eager_winner}
-    # {M, K, N, graph_winner, eager_winner, norm_graph_winner, norm_eager_winner}: "gemm_ar" or "stock";
-    # fused_norm_graph_winner, fused_norm_eager_winner: "fused" (the layer and the next norm as one
-    # kernel, GemmAllReduceNorm) or "stock" (whichever of the rest the other columns pick)
+    # {M, K, N, graph_winner, eager_winner, norm_graph_winner, norm_eager_winner}: "gemm_ar" or "stock"
+    # (other columns, such as an older table's, are ignored)
     gemm_all_reduce_rows: list[dict] = field(default_factory=list)
     gemv_rows: list[dict] = field(default_factory=list)  # {M, K, N, winner}: "gemv" or "stock"
     # {M, K, N, winner}: "fused" (gate_up with SiLU-mul in our GEMM's epilogue) or "stock"; N = gate | up
@@ -118,7 +117,7 @@ class Dispatcher:
             return self.mode == "overlap"
         return (any(r.get("winner") == "overlap" for r in self.gemm)
                 or any("ipc" in (r.get("graph_winner"), r.get("eager_winner")) for r in self.all_reduce)
-                or any(r.get(k) in ("gemm_ar", "fused") for r in self.gemm_all_reduce_rows for k in _GEMM_AR_WINNERS)
+                or any(r.get(k) == "gemm_ar" for r in self.gemm_all_reduce_rows for k in _GEMM_AR_WINNERS)
                 or any(r.get("winner") == "gemv" for r in self.gemv_rows)
                 or any(r.get("winner") == "fused" for r in self.silu_mul_rows))
 
@@ -239,19 +238,6 @@ class Dispatcher:
         return bool(rows) and _wins(rows, "M", m, key, "gemm_ar")
 
     @_remembered
-    def gemm_all_reduce_norm(self, m: int, k: int, n: int, in_graph: bool) -> bool:
-        """True: a row-parallel layer of the replicated layout that feeds a norm ([m, k] local input, n
-        outputs) runs with that norm as one kernel (GemmAllReduceNorm: GEMM, all-reduce, bias, residual
-        add, RMSNorm); False: what gemm_all_reduce(..., into_norm=True) picks. The table's fused_norm
-        columns compare it with the fastest of F.linear + NCCL + norm, F.linear + the fused all-reduce
-        + norm and GEMM + all-reduce + norm (phase gemm_ar). Unmeasured: False."""
-        if self.mode != "table":
-            return self.mode == "overlap"
-        rows = [r for r in self.gemm_all_reduce_rows if r["K"] == k and r["N"] == n and "fused_norm_graph_winner" in r]
-        return bool(rows) and _wins(rows, "M", m, "fused_norm_graph_winner" if in_graph else "fused_norm_eager_winner",
-                                    "fused")
-
-    @_remembered
     def gemv(self, m: int, k: int, n: int) -> bool:
         """True: a linear layer of this rank ([m, k] input, n outputs, a decode-sized m) runs as our
         GEMV (kernels/gemv.py); False: F.linear (cuBLAS). The table's rows compare the two in CUDA
@@ -273,8 +259,7 @@ class Dispatcher:
         return bool(rows) and _wins(rows, "M", m, "winner", "fused")
 
 
-_GEMM_AR_WINNERS = ("graph_winner", "eager_winner", "norm_graph_winner", "norm_eager_winner", "fused_norm_graph_winner",
-                    "fused_norm_eager_winner")
+_GEMM_AR_WINNERS = ("graph_winner", "eager_winner", "norm_graph_winner", "norm_eager_winner")
 
 
 def _wins(rows: list[dict], key: str, value: int, winner_key: str, ours: str) -> bool:

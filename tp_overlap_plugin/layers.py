@@ -95,8 +95,8 @@ class TPGroup:
 @dataclass
 class PendingAllReduce:
     """A row layer's partial output whose all-reduce is left to the RMSNorm that follows, to be done
-    in one kernel with the residual add and the norm; or the layer's input, where that kernel runs
-    the layer's matmul too. `finish(partial, residual, weight, eps)` returns (normed, new residual)."""
+    in one kernel with the residual add and the norm. `finish(partial, residual, weight, eps)` returns
+    (normed, new residual)."""
 
     partial: torch.Tensor
     finish: Any

@@ -9,16 +9,13 @@ Per step (decided by the embedding, the first module of every step) the residual
     a row layer whose output goes straight into the next RMSNorm (the model builds o_proj and
     down_proj so) hands that norm a PendingAllReduce, and the all-reduce, the residual add and the
     norm run as one kernel (HeapAllReduceNorm). Or a row layer runs as one GEMM + all-reduce
-    kernel (GemmAllReduce) whose output the norm then adds and normalises itself; or, handing the
-    norm a PendingAllReduce of its input, the layer and the norm run as one kernel
-    (GemmAllReduceNorm: the matmul, the all-reduce, the add and the norm).
+    kernel (GemmAllReduce) whose output the norm then adds and normalises itself.
 Which, and whether each op takes the fused kernel or the sequential NCCL + GEMM pair, is the
 dispatcher's call (dispatch.py: measured tables, stock where unmeasured), per step size within the
 engine's verdict (Dispatcher.step_runs, from tune's whole-step check): a step size where the flag's
 step lost to the stock engine's runs the replicated layout, or every op stock; the fused all-reduce +
 norm runs where the dispatcher picks our all-reduce, GEMM + all-reduce where the dispatcher's
-gemm_all_reduce rows say it beats both, GEMM + all-reduce + norm where their fused_norm columns say
-it beats all three. In the replicated layout every local matmul (column, row,
+gemm_all_reduce rows say it beats both. In the replicated layout every local matmul (column, row,
 LM head) goes through `OverlapTPLayers.linear`: our decode matmul (ops.gemv, 1-64 rows) where the
 table's gemv rows say it streams the weight faster than cuBLAS, F.linear elsewhere. At TP=1 there is
 no heap and no communication: the flag's layers are those local matmuls alone.
@@ -42,7 +39,6 @@ from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm
 from tp_overlap_plugin.ops.chunked import ChunkedAllGatherGemm, ChunkedGemmReduceScatter
 from tp_overlap_plugin.ops.gemm import gemm_silu_mul, gemm_silu_mul_applies
 from tp_overlap_plugin.ops.gemm_ar import GemmAllReduce
-from tp_overlap_plugin.ops.gemm_ar_norm import GemmAllReduceNorm
 from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter
 from tp_overlap_plugin.ops.gemv import gemv, gemv_applies
 from tp_overlap_plugin.ops.operands import KERNEL_DTYPES
@@ -134,7 +130,6 @@ class OverlapTPLayers(TPLayers):
                            if heap is not None else None)
         self._norms: dict[int, HeapAllReduceNorm] = {}  # the fused all-reduce + norm, per hidden size
         self._gemm_ar: dict[int, GemmAllReduce] = {}  # GEMM + all-reduce, per output size
-        self._gemm_ar_norm: dict[int, GemmAllReduceNorm] = {}  # ... + the norm, on the same slots
         self.tokens = 0              # T of the current step
         self.padded = 0              # T rounded up to a multiple of W
         self.sequence_parallel = False
@@ -174,13 +169,6 @@ class OverlapTPLayers(TPLayers):
         if n not in self._gemm_ar:
             self._gemm_ar[n] = GemmAllReduce(self.heap, gemm_ar_rows(self.max_tokens), n, self.dtype)
         return self._gemm_ar[n]
-
-    def gemm_ar_norm_op(self, n: int) -> GemmAllReduceNorm:
-        """GEMM + all-reduce + RMSNorm for row layers of n outputs that feed a norm: on the slots of
-        gemm_ar_op(n), so no heap of its own (and nothing collective to build)."""
-        if n not in self._gemm_ar_norm:
-            self._gemm_ar_norm[n] = GemmAllReduceNorm(self.gemm_ar_op(n))
-        return self._gemm_ar_norm[n]
 
     def graph_step(self, tokens: int) -> bool:
         """A step of `tokens` above the default graph size runs in a piecewise graph where the flag runs it
@@ -302,14 +290,9 @@ class OverlapRow(RowParallelLinear):
         self.norm_op = layers.norm_op(output_size) if reduce_into_norm and layers.tp.world_size > 1 else None
         self.gemm_ar = (layers.gemm_ar_op(output_size)
                         if layers.tp.world_size > 1 and layers.dtype in KERNEL_DTYPES else None)
-        self.gemm_ar_norm = (layers.gemm_ar_norm_op(output_size)
-                             if self.gemm_ar is not None and self.norm_op is not None else None)
 
     def _reduce_add_rmsnorm(self, partial, residual, weight, eps):
         return self.norm_op(partial, residual, weight, eps, bias=self.bias)
-
-    def _matmul_reduce_add_rmsnorm(self, x, residual, weight, eps):
-        return self.gemm_ar_norm(x, self.weight, residual, weight, eps, bias=self.bias)
 
     def forward(self, x: torch.Tensor) -> "torch.Tensor | PendingAllReduce":
         L = self.layers
@@ -323,11 +306,6 @@ class OverlapRow(RowParallelLinear):
                 stats.record("gemm_rs.sequential")
                 y = runtime.reduce_scatter(x @ w, self.tp.group)
         else:
-            if (self.gemm_ar_norm is not None and self.gemm_ar_norm.applies(x, self.weight)
-                    and L.step_dispatcher.gemm_all_reduce_norm(x.shape[0], self.weight.shape[1], self.output_size,
-                                                               runtime.capturing(x.device))):
-                # the layer's input, not its output: the norm runs the matmul too, in the one kernel
-                return PendingAllReduce(x, self._matmul_reduce_add_rmsnorm)
             if (self.gemm_ar is not None and self.gemm_ar.applies(x, self.weight)
                     and L.step_dispatcher.gemm_all_reduce(x.shape[0], self.weight.shape[1], self.output_size,
                                                      runtime.capturing(x.device), into_norm=self.norm_op is not None)):

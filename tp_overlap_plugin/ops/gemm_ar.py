@@ -58,15 +58,9 @@ class GemmAllReduce:
                 and x.shape[0] <= self.max_rows and tuple(weight.shape) == (self.n, x.shape[1])
                 and x.stride(1) == 1 and x.device == weight.device == self.heap.device)
 
-    def sub_rows(self, cfg: TileConfig) -> int:
-        """Rows of an output tile received at a time: a receive tile holds them beside every peer's copy
-        (lamport.tile_elems)."""
-        peers = peers_pow2(self.heap.world_size)
-        return max(1, min(cfg.block_m, tile_elems(cfg.num_warps * self.warp_size) // (cfg.block_n * peers)))
-
-    def check(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-              out: torch.Tensor | None = None) -> None:
-        """Raises, naming the limit, where __call__ does not take these operands."""
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None, config: TileConfig | None = None) -> torch.Tensor:
+        h = self.heap
         if x.dim() != 2 or weight.dim() != 2:
             raise ValueError(f"gemm_all_reduce: expected 2-D x and weight, got x{tuple(x.shape)} and "
                              f"weight{tuple(weight.shape)}")
@@ -87,14 +81,8 @@ class GemmAllReduce:
                 raise ValueError(f"gemm_all_reduce {name} must be a {self.dtype} tensor of shape {shape} with unit "
                                  f"last stride; got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
         for name, t in (("x", x), ("weight", weight), ("bias", bias), ("out", out)):
-            if t is not None and t.device != self.heap.device:
-                raise ValueError(f"gemm_all_reduce {name} is on {t.device}, but the heap is on {self.heap.device}")
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None, config: TileConfig | None = None) -> torch.Tensor:
-        h = self.heap
-        self.check(x, weight, bias, out)
-        m, k = x.shape
+            if t is not None and t.device != h.device:
+                raise ValueError(f"gemm_all_reduce {name} is on {t.device}, but the heap is on {h.device}")
         if out is None:
             out = torch.empty((m, self.n), dtype=self.dtype, device=h.device)
         if m == 0:
@@ -105,7 +93,7 @@ class GemmAllReduce:
         cfg = config or gemm_all_reduce_config(m, self.n, self.programs, h.device)
         tiles = -(-m // cfg.block_m) * -(-self.n // cfg.block_n)
         peers = peers_pow2(W)
-        sub_m = self.sub_rows(cfg)
+        sub_m = max(1, min(cfg.block_m, tile_elems(cfg.num_warps * self.warp_size) // (cfg.block_n * peers)))
         launch = self._launchers.get((cfg.num_warps, cfg.num_stages))
         if launch is None:
             launch = self._launchers[(cfg.num_warps, cfg.num_stages)] = Launcher(

@@ -8,9 +8,7 @@ rank, in CUDA graphs and eager, every kernel warm on every rank before timing:
   and with the residual add + RMSNorm that follows these layers in the decoder:
     linear_nccl_norm   F.linear + NCCL + layer_ops.rmsnorm (the stock path)
     linear_fused_norm  F.linear + our fused all-reduce + add + norm (HeapAllReduceNorm)
-    gemv_fused_norm    our GEMV (ops.gemv) + the same: the flag's decode path where the GEMV rows pick it
     gemm_ar_norm       GemmAllReduce + layer_ops.rmsnorm
-    gemm_ar_fused_norm the layer and the norm as one kernel (GemmAllReduceNorm)
 
 Each call reads another copy of the weight, so the copies together overflow L2 as a model's layers
 do (a weight that stays in L2 between calls would read faster than any decode step sees). The
@@ -30,8 +28,6 @@ from tp_overlap_plugin.ops.all_reduce_norm import HeapAllReduceNorm
 from tp_overlap_plugin.gemm_config import gemm_all_reduce_config
 from tp_overlap_plugin.kernels import layer_ops
 from tp_overlap_plugin.ops.gemm_ar import GemmAllReduce
-from tp_overlap_plugin.ops.gemm_ar_norm import GemmAllReduceNorm
-from tp_overlap_plugin.ops.gemv import gemv, gemv_applies
 from tp_overlap_plugin.tuning.checks import agreed, check_close
 from tp_overlap_plugin.tuning.results import md_table
 from tp_overlap_plugin.tuning.timing import cycle, record, repeats_us
@@ -42,7 +38,7 @@ LINK_BYTES_PER_S = 345e9   # Triton remote store, per GPU (DESIGN.md §9)
 ONE_WAY_US = 0.7
 L2_FLUSH_BYTES = 160 << 20  # weight copies per op: enough to overflow H200's 50 MB L2 three times
 EPS = 1e-5
-NORMED = ("linear_nccl_norm", "linear_fused_norm", "gemv_fused_norm", "gemm_ar_norm", "gemm_ar_fused_norm")
+NORMED = ("linear_nccl_norm", "linear_fused_norm", "gemm_ar_norm")
 PLAIN = ("linear", "linear_nccl", "linear_ours", "gemm_ar")
 
 
@@ -67,7 +63,6 @@ def measure(ctx, shapes, rows, repeats: int = 1, samples: int = 10, on_row=None)
     gpu = dev.type == "cuda"
     max_rows, widths = max(rows), sorted({n for _, _, n in shapes})
     gemm_ar = {n: GemmAllReduce(h, max_rows, n, torch.bfloat16) for n in widths}
-    gemm_ar_fused_norm = {n: GemmAllReduceNorm(op) for n, op in gemm_ar.items()}  # on GEMM + all-reduce's slots
     fused = {n: HeapAllReduceNorm(h, n, max_rows, torch.bfloat16) for n in widths}
     comm = HeapAllReduce(h, max_bytes=max_rows * max(widths) * 2)
     out = []
@@ -89,21 +84,14 @@ def measure(ctx, shapes, rows, repeats: int = 1, samples: int = 10, on_row=None)
             ref = F.linear(x, weights[0])
             dist.all_reduce(ref, group=ctx.device_group)
             got = gemm_ar[n](x, weights[0])
-            ref_normed, ref_res = layer_ops.rmsnorm(ref, norm_w, EPS, residual)
-            got_normed, got_res = layer_ops.rmsnorm(got, norm_w, EPS, residual)
-            fused_normed, fused_res = gemm_ar_fused_norm[n](x, weights[0], residual, norm_w, EPS)
-            # the fused kernel sums as GEMM + all-reduce does and rounds as the norm kernel does: the same
-            # new residual, bit for bit (the norm's square sums go in another order: rstd may differ in
-            # its last bit)
-            row["fused_norm_residual_bits_equal"] = torch.equal(fused_res, got_res)
+            ref_normed, _ = layer_ops.rmsnorm(ref, norm_w, EPS, residual)
+            got_normed, _ = layer_ops.rmsnorm(got, norm_w, EPS, residual)
             # against the stock path, in ulps of bf16 (NCCL sums in its own order; the stock path rounds
             # each rank's product before it: checks.py)
             x_ulps = W + 2
             row.update(agreed(ctx, lambda: {
                 **check_close("gemm_ar_vs_nccl", got, ref, W, extra_ulps=x_ulps),
-                **check_close("normed_vs_nccl", got_normed, ref_normed, W, extra_ulps=x_ulps),
-                **check_close("fused_norm_vs_nccl", fused_normed, ref_normed, W, extra_ulps=x_ulps),
-                **check_close("fused_residual_vs_nccl", fused_res, ref_res, W, extra_ulps=x_ulps)}))
+                **check_close("normed_vs_nccl", got_normed, ref_normed, W, extra_ulps=x_ulps)}))
             w_next = {op: cycle(weights) for op in PLAIN + NORMED}
 
             def linear_nccl(op):
@@ -117,14 +105,9 @@ def measure(ctx, shapes, rows, repeats: int = 1, samples: int = 10, on_row=None)
                 "gemm_ar": lambda: gemm_ar[n](x, w_next["gemm_ar"]()),
                 "linear_nccl_norm": lambda: layer_ops.rmsnorm(linear_nccl("linear_nccl_norm"), norm_w, EPS, residual),
                 "linear_fused_norm": lambda: fused[n](F.linear(x, w_next["linear_fused_norm"]()), residual, norm_w, EPS),
-                "gemv_fused_norm": lambda: fused[n](gemv(x, w_next["gemv_fused_norm"]()), residual, norm_w, EPS),
                 "gemm_ar_norm": lambda: layer_ops.rmsnorm(gemm_ar[n](x, w_next["gemm_ar_norm"]()), norm_w, EPS,
                                                           residual),
-                "gemm_ar_fused_norm": lambda: gemm_ar_fused_norm[n](x, w_next["gemm_ar_fused_norm"](), residual,
-                                                                    norm_w, EPS),
             }
-            if not gemv_applies(x, weights[0]):
-                del ops["gemv_fused_norm"]
             for op in ops.values():  # every kernel compiled and run on every rank before any timing
                 op()
             if gpu:
@@ -155,21 +138,17 @@ def markdown(res: dict) -> str:
           f"rank 0)\n\nfloor = max(weight / {HBM_BYTES_PER_S / 1e12:.2f} TB/s, pushed / "
           f"{LINK_BYTES_PER_S / 1e9:.0f} GB/s) + {ONE_WAY_US} µs. `best stock` is the faster of linear_nccl and "
           f"linear_ours (what the dispatcher would otherwise run); with the norm, of linear_nccl_norm and "
-          f"linear_fused_norm; `best unfused` adds gemm_ar_norm.\n\n")
+          f"linear_fused_norm.\n\n")
     rows = []
     for r in res["rows"]:
         best = min(_get(r, "linear_nccl", mode), _get(r, "linear_ours", mode))
         best_norm = min(_get(r, "linear_nccl_norm", mode), _get(r, "linear_fused_norm", mode))
-        unfused = min((t for t in (best_norm, _get(r, "gemv_fused_norm", mode), _get(r, "gemm_ar_norm", mode))
-                       if t == t), default=float("nan"))  # (NaN: not measured, e.g. no GEMV past its rows)
         rows.append([r["shape"], r["K"], r["N"], r["M"], r["floor_us"], *[_get(r, op, mode) for op in PLAIN],
                      _get(r, "gemm_ar", mode) / best, *[_get(r, op, mode) for op in NORMED],
-                     _get(r, "gemm_ar_norm", mode) / best_norm, _get(r, "gemm_ar_fused_norm", mode) / unfused,
-                     _get(r, "gemm_ar", mode) / r["floor_us"], _get(r, "gemm_ar_fused_norm", mode) / r["floor_us"],
+                     _get(r, "gemm_ar_norm", mode) / best_norm, _get(r, "gemm_ar", mode) / r["floor_us"],
                      r["gemm_ar_config"]])
     md += md_table(["layer", "K", "N", "M", "floor", *PLAIN, "gemm_ar / best stock", *NORMED,
-                    "gemm_ar_norm / best stock+norm", "gemm_ar_fused_norm / best unfused", "gemm_ar / floor",
-                    "gemm_ar_fused_norm / floor", "gemm_ar tiles"], rows)
+                    "gemm_ar_norm / best stock+norm", "gemm_ar / floor", "gemm_ar tiles"], rows)
     if mode == "graph":
         md += "\n## Eager (µs per layer; launch-bound in these VMs)\n\n"
         md += md_table(["layer", "M", *PLAIN, *NORMED],

@@ -87,10 +87,9 @@ def auto_algorithm(r: dict, crossover: int = DEFAULT_ONE_SHOT_BYTES) -> str:
 def gemm_all_reduce_rows(measured: dict, margin: float = MARGIN) -> list[dict]:
     """Per measured (M, K, N): GEMM + all-reduce against the faster of what runs without it (F.linear
     + NCCL or + our all-reduce; with the norm after it, + NCCL + norm or + our fused all-reduce +
-    norm), in CUDA graphs and eager. The fused_norm columns: the layer and the norm as one kernel
-    (GemmAllReduceNorm) against the fastest unfused path with the norm (those two, our GEMV + the
-    fused all-reduce + norm, and GEMM + all-reduce + norm), so the unfused path keeps every M where it measured faster ("fused" or "stock"; rows
-    of runs from before it was measured have no such columns). A mode that was not measured is "stock".
+    norm), in CUDA graphs and eager. A mode that was not measured is "stock"; other columns of a
+    measurement (the layer and the norm as one kernel, in stores from before that kernel was removed)
+    are ignored.
 
     Eagerly it is always "stock": there every variant is launch-bound (47-190 us for kernels of
     7-70 us on H200x2, 2026-11-23) and the same variant scatters more between neighbouring M than
@@ -100,13 +99,8 @@ def gemm_all_reduce_rows(measured: dict, margin: float = MARGIN) -> list[dict]:
     for r in measured.values():
         row = {"M": r["M"], "K": r["K"], "N": r["N"], "shape": r["shape"]}
         for mode in ("graph", "eager"):
-            variants = [("", "gemm_ar", ("linear_nccl", "linear_ours"), "gemm_ar"),
-                        ("norm_", "gemm_ar_norm", ("linear_nccl_norm", "linear_fused_norm"), "gemm_ar")]
-            if any(k.startswith("gemm_ar_fused_norm_") for k in r):
-                variants.append(("fused_norm_", "gemm_ar_fused_norm",
-                                 ("linear_nccl_norm", "linear_fused_norm", "gemv_fused_norm", "gemm_ar_norm"),
-                                 "fused"))
-            for prefix, ours, others, winner in variants:
+            for prefix, ours, others in (("", "gemm_ar", ("linear_nccl", "linear_ours")),
+                                         ("norm_", "gemm_ar_norm", ("linear_nccl_norm", "linear_fused_norm"))):
                 t = r.get(f"{ours}_{mode}_us")
                 best = min((r[f"{o}_{mode}_us"] for o in others if f"{o}_{mode}_us" in r), default=None)
                 row[f"{prefix}{mode}_us"], row[f"{prefix}{mode}_best_stock_us"] = t, best
@@ -114,7 +108,7 @@ def gemm_all_reduce_rows(measured: dict, margin: float = MARGIN) -> list[dict]:
                 best_per_repeat = [min(ts) for ts in zip(*alts)] if alts else None
                 rs = ratios(best_per_repeat, _repeats(r, f"{ours}_{mode}_us"))
                 _spread(row, f"{prefix}{mode}_ratio", rs)
-                row[f"{prefix}{mode}_winner"] = winner if mode == "graph" and wins(rs, margin) else "stock"
+                row[f"{prefix}{mode}_winner"] = "gemm_ar" if mode == "graph" and wins(rs, margin) else "stock"
         rows.append(row)
     rows.sort(key=lambda r: (r["K"], r["N"], r["M"]))
     return rows
@@ -399,18 +393,6 @@ def markdown(t: dict, layer_ops=None, layer_name: str = "Llama-3-8B") -> str:
                         + ([_ratio(r, "norm_graph_ratio", "-")] if spread else [])
                         + [r["norm_graph_winner"], r["eager_us"], r["eager_winner"], r["norm_eager_us"],
                            r["norm_eager_winner"]] for r in t["gemm_all_reduce"]])
-        fused = [r for r in t["gemm_all_reduce"] if "fused_norm_graph_winner" in r]
-        if fused:
-            md += ("\n### The layer and the norm as one kernel (µs)\n\nGemmAllReduceNorm against the fastest "
-                   "unfused path with the norm (the two above, our GEMV + the fused all-reduce + norm, and GEMM + "
-                   "all-reduce + norm).\n\n")
-            md += md_table(["layer", "M", "K", "N", "graph", "best unfused"] + (["unfused/ours [min–max]"] if spread else [])
-                           + ["chosen", "eager", "best unfused eager", "chosen eager"],
-                           [[r["shape"], r["M"], r["K"], r["N"], r["fused_norm_graph_us"],
-                             r["fused_norm_graph_best_stock_us"]]
-                            + ([_ratio(r, "fused_norm_graph_ratio", "-")] if spread else [])
-                            + [r["fused_norm_graph_winner"], r["fused_norm_eager_us"],
-                               r["fused_norm_eager_best_stock_us"], r["fused_norm_eager_winner"]] for r in fused])
     # (on the CPU each op is one eager call by wall clock: a smoke run of the pipeline)
     timed = "one eager call, CPU" if t["device"] == "cpu" else "CUDA graphs, one GPU"
     if t.get("engine"):

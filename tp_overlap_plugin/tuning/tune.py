@@ -14,7 +14,7 @@ It starts W ranks (multirank.run_ranks) and runs the phases in order:
                 and the fused all-reduce + residual add + RMSNorm at the model's hidden size
   fused_ops     AG-GEMM / GEMM-RS against the sequential collective + GEMM over an M sweep
   gemm_ar       GEMM + all-reduce against F.linear + an all-reduce (the decode row layers), and with
-                the residual add + RMSNorm after it, fused into it too (GemmAllReduceNorm)
+                the residual add + RMSNorm after it
                                                                 -> the dispatch table
 (the last three need W >= 2). Every row is timed in interleaved repeats (stock, ours, stock, ours,
 ...), and the rules (tuning/rules.py) pick ours only where it won by the table's margin in every
