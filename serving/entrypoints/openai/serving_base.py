@@ -349,49 +349,63 @@ class OpenAIServing:
 
     def _stream(self, response_id: str, chunks, stream_options, usage_chunk, choices: list[Choice] = ()
                 ) -> "SSEResponse":
-        """The SSE envelope both streaming endpoints share: chunks, the optional usage chunk, `[DONE]`.
-        The status line goes out before the first chunk, so a failure mid-stream becomes an error event and
-        `[DONE]`, here rather than in _ErrorBarrier, which knows no request. Every stream that ends early
-        says so in the log with its response id (its choices' engine request ids are `<response id>-<i>`, or
-        `<response id>-<suffix>-<i>` when the client chose the id)."""
+        """The chat and completion streams: chunks, the optional usage chunk, `[DONE]`; a failure mid-stream is
+        an error event and `[DONE]` (the shared envelope, _sse). Their choices' engine request ids are
+        `<response id>-<i>`, or `<response id>-<suffix>-<i>` when the client chose the id."""
         include_usage = bool(stream_options and stream_options.include_usage)
         # vLLM's continuous_usage_stats: every chunk carries the usage so far.
         continuous = include_usage and stream_options.continuous_usage_stats
 
-        async def events():
+        async def frames():
+            async with contextlib.aclosing(chunks) as it:
+                async for chunk in it:
+                    if continuous:
+                        chunk["usage"] = self._usage(choices).model_dump()
+                    yield sse(chunk)
+            if include_usage:
+                yield sse(usage_chunk())
+            yield sse("[DONE]")
+
+        def failed(e: Exception) -> list[str]:
+            body = (error_body(500, f"the engine failed while generating: {e}", code="engine_error")
+                    if isinstance(e, EngineFailure) else internal_error_body(e))
+            return [sse(body), sse("[DONE]")]
+        return self._sse(response_id, frames(), failed)
+
+    def _sse(self, response_id: str, frames: AsyncIterator[str], failed) -> "SSEResponse":
+        """The SSE envelope every streaming route shares: `frames` (SSE-encoded) counted in flight. The status
+        line goes out before the first frame, so a failure mid-stream becomes the route's own failure frames
+        (`failed(exception)`), here rather than in _ErrorBarrier, which knows no request; a stream that ends
+        early says so in the log with its response id."""
+
+        async def body():
             self.metrics.in_flight.labels(self.model_name).inc()
             sent, finished = 0, False
             try:
-                async with contextlib.aclosing(chunks) as it:
-                    async for chunk in it:
-                        if continuous:
-                            chunk["usage"] = self._usage(choices).model_dump()
-                        yield sse(chunk)
+                async with contextlib.aclosing(frames) as it:
+                    async for frame in it:
+                        yield frame
                         sent += 1
-                if include_usage:
-                    yield sse(usage_chunk())
                 finished = True
-                yield sse("[DONE]")
-            except EngineFailure as e:
-                logger.error("stream %s: the engine failed after %d chunks: %s", response_id, sent, e)
-                yield sse(error_body(500, f"the engine failed while generating: {e}", code="engine_error"))
-                yield sse("[DONE]")
             except Exception as e:
-                logger.exception("stream %s: unexpected error after %d chunks", response_id, sent)
-                yield sse(internal_error_body(e))
-                yield sse("[DONE]")
+                if isinstance(e, EngineFailure):
+                    logger.error("stream %s: the engine failed after %d events: %s", response_id, sent, e)
+                else:
+                    logger.exception("stream %s: unexpected error after %d events", response_id, sent)
+                for frame in failed(e):
+                    yield frame
             except BaseException:
                 # Cancelled (Starlette saw the client disconnect, or the server stops): not an error of
                 # the server's, but the stream did not end, and _run aborts its engine requests.
                 if not finished:
-                    logger.info("stream %s ended after %d chunks: the client disconnected or the server is "
+                    logger.info("stream %s ended after %d events: the client disconnected or the server is "
                                 "stopping; its engine requests are aborted", response_id, sent)
                 raise
             finally:
                 self.metrics.in_flight.labels(self.model_name).dec()
 
-        return SSEResponse(events(), response_id, media_type="text/event-stream",
-                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return SSEResponse(body(), response_id, media_type="text/event-stream",
+                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _complete(self, choices: list[Choice], endpoint: str, request: Request) -> None:
         self.metrics.in_flight.labels(self.model_name).inc()

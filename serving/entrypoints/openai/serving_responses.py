@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 from typing import AsyncIterator, Optional, Union
 
 from fastapi import Request
@@ -29,7 +28,6 @@ from .server_errors import ApiError, describe_validation_errors
 from .serving_base import EngineFailure, OpenAIServing, SSEResponse
 from .tool_parsers import ToolCallStream
 
-logger = logging.getLogger("tp_overlap.server")
 
 # Chat's names of the fields an error may name, and the Responses API's.
 _RENAMED = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
@@ -191,33 +189,17 @@ class OpenAIServingResponses(OpenAIServing):
         return builder.response
 
     def _event_stream(self, response_id: str, events: AsyncIterator[dict], builder: ResponseBuilder) -> SSEResponse:
-        """The stream's SSE envelope. A failure after the first event ends it with response.failed (the status
-        line has gone out); a client that leaves aborts the engine request (closing `events` closes _run)."""
+        """The stream in the shared SSE envelope (OpenAIServing._sse). A failure after the first event ends it
+        with response.failed (the status line has gone out); a client that leaves aborts the engine request
+        (closing `events` closes _run)."""
 
-        async def body():
-            self.metrics.in_flight.labels(self.model_name).inc()
-            sent, finished = 0, False
-            try:
-                async with contextlib.aclosing(events) as it:
-                    async for event in it:
-                        yield _sse_event(event)
-                        sent += 1
-                finished = True
-            except EngineFailure as e:
-                logger.error("response stream %s: the engine failed after %d events: %s", response_id, sent, e)
-                for event in builder.failed(f"the engine failed while generating: {e}"):
+        async def frames():
+            async with contextlib.aclosing(events) as it:
+                async for event in it:
                     yield _sse_event(event)
-            except Exception as e:
-                logger.exception("response stream %s: unexpected error after %d events", response_id, sent)
-                for event in builder.failed(f"internal server error: {type(e).__name__}: {e}"):
-                    yield _sse_event(event)
-            except BaseException:
-                if not finished:
-                    logger.info("response stream %s ended after %d events: the client disconnected or the server is "
-                                "stopping; its engine request is aborted", response_id, sent)
-                raise
-            finally:
-                self.metrics.in_flight.labels(self.model_name).dec()
 
-        return SSEResponse(body(), response_id, media_type="text/event-stream",
-                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        def failed(e: Exception) -> list[str]:
+            why = (f"the engine failed while generating: {e}" if isinstance(e, EngineFailure)
+                   else f"internal server error: {type(e).__name__}: {e}")
+            return [_sse_event(event) for event in builder.failed(why)]
+        return self._sse(response_id, frames(), failed)
