@@ -31,6 +31,19 @@ def pytest_cmdline_main(config):
         opt.numprocesses, opt.dist = 2, "loadfile"
 
 
+# The files that take longest on 2 cores (CI's "slowest" lists, bench/notes/ci.md), longest first. xdist's
+# loadfile hands each idle worker the next file in collection order, so these go first: collected
+# alphabetically, several of them came last, and one worker ran the tail alone while the other idled.
+LONGEST_FIRST = ("test_bench_scripts.py", "test_tune.py", "test_tp_overlap_flag.py", "test_server_tp_overlap.py",
+                 "test_dead_peer.py", "test_server_errors.py", "test_kernels_compile.py", "test_server_processes.py",
+                 "test_engine_triton_attention.py", "test_gemm_core.py", "test_overlap.py", "test_world8.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: file order kept otherwise
+
+
 def _printable(text):
     # undecodable bytes a server logged (surrogate escapes) would kill the xdist worker that sends
     # the report: its channel only takes valid UTF-8

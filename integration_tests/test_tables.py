@@ -10,6 +10,7 @@ a shipped tables' folder by name, the cache folder of a kind) or of a name assig
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import re
 import shlex
@@ -214,6 +215,13 @@ def _console_script(name: str) -> list[str]:
     return [sys.executable, "-c", f"import sys, {module} as m; sys.exit(m.{func}())"]
 
 
+@functools.lru_cache(maxsize=None)
+def _help(subcommand: str) -> subprocess.CompletedProcess:
+    """`tp-overlap <subcommand> --help`, once per test session (a process start costs seconds here)."""
+    return subprocess.run(_console_script("tp-overlap") + [subcommand, "--help"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+
+
 def _command_exists(command: str) -> list[str]:
     """What is wrong with a table's command (each `&&` part): a program that is not ours, a script or
     module that is not there, an option its parser does not take."""
@@ -222,8 +230,7 @@ def _command_exists(command: str) -> list[str]:
     for part in command.split("&&"):
         argv = shlex.split(part)
         if argv[:1] == ["tp-overlap"]:
-            helped = subprocess.run(_console_script("tp-overlap") + [argv[1], "--help"], capture_output=True, text=True,
-                                    timeout=120, cwd=ROOT)
+            helped = _help(argv[1])
             options = [a.split("=")[0] for a in argv[2:] if a.startswith("--")]
             wrong += [f"{part.strip()}: `{o}` is not an option of `tp-overlap {argv[1]}`" for o in options
                       if o not in helped.stdout] or ([] if helped.returncode == 0 else [helped.stderr[-500:]])
