@@ -142,14 +142,28 @@ def _attempt(ctx, phase: str, cache: str, state: dict):
     return attempt
 
 
+MARKS = "tune-in-progress"  # in the cache: a file per rank naming the row it is measuring
+
+
 def mark_in_progress(cache: str, rank: int, name: str | None) -> None:
-    """This rank's in-progress mark (tune.in_progress reads it): the row it is measuring, or none."""
-    path = Path(cache) / "tune-in-progress" / f"rank{rank}"
+    """This rank's in-progress mark (`marked` reads it): the row it is measuring, or none."""
+    path = Path(cache) / MARKS / f"rank{rank}"
     if name is None:
         path.unlink(missing_ok=True)
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(name)
+
+
+def marked(cache) -> dict:
+    """{"<phase>/<key>": rank} of the rows ranks were measuring when the run stopped."""
+    marks = Path(cache) / MARKS
+    return {p.read_text(): int(p.name[4:]) for p in marks.glob("rank*")} if marks.is_dir() else {}
+
+
+def clear_marks(cache) -> None:
+    for p in (Path(cache) / MARKS).glob("rank*"):
+        p.unlink(missing_ok=True)
 
 
 def _kept(ctx, directory, phase: str, env: dict) -> set:

@@ -40,7 +40,7 @@ import time
 from tp_overlap_plugin import tables
 from tp_overlap_plugin.tuning import engine_check
 from tp_overlap_plugin.tuning.plan import PHASES, Plan, heap_bytes, make_plan, plan_candidates
-from tp_overlap_plugin.tuning.phases import tune_rank
+from tp_overlap_plugin.tuning.phases import clear_marks, marked, tune_rank
 from tp_overlap_plugin.tuning.report import build_tables, design_tables
 from tp_overlap_plugin.shapes import ModelDims
 from tp_overlap_plugin.tuning.store import load_rows, save_rows, store_dir
@@ -80,19 +80,19 @@ def run(model: str, dims: ModelDims, world: int, device: str, quick: bool = Fals
         ops_deadline = deadline - plan.phase_estimates_s().get("engine", 0.0)
         crashed, died = _preflight(plan, summary), {}
         while True:
-            _clear_marks(cache)
+            clear_marks(cache)
             got, interrupted = _ranks(tune_rank, plan, (plan, ops_deadline, force, crashed, str(cache), died),
                                       timeout, heap_bytes(plan) if world > 1 else None)
             # a rank that died took the run down: the rows it was measuring are recorded as failed (they
             # run stock), and the ranks start again on the rest (the rows kept so far stay measured)
-            dead = {} if got is not None or interrupted.startswith("interrupted") else _marked(cache)
+            dead = {} if got is not None or interrupted.startswith("interrupted") else marked(cache)
             if not dead or len(died) >= MAX_DEAD_ROWS or set(dead) <= set(died):
                 break
             why = interrupted.strip().splitlines()[-1][-300:] if interrupted.strip() else "a rank died"
             died.update({name: f"a rank died measuring it ({why})" for name in dead})
             print(f"tp-overlap tune: a rank died measuring {', '.join(sorted(dead))}: recorded as failed (stock); "
                   f"starting the ranks again for the rest", file=sys.stderr, flush=True)
-        _clear_marks(cache)
+        clear_marks(cache)
         if got is not None:
             summary["phases"].update(got["phases"])
             device_name = got["environment"]["device"]
@@ -121,17 +121,6 @@ def _ranks(fn, plan: Plan, args: tuple, timeout: float, heap_size: int | None):
 
 # rows a run records as failed because a rank died measuring them before it gives up altogether
 MAX_DEAD_ROWS = 3
-
-
-def _marked(cache) -> dict:
-    """{"<phase>/<key>": rank} of the rows ranks were measuring when the run stopped (phases.mark_in_progress)."""
-    marks = cache / "tune-in-progress"
-    return {p.read_text(): int(p.name[4:]) for p in marks.glob("rank*")} if marks.is_dir() else {}
-
-
-def _clear_marks(cache) -> None:
-    for p in (cache / "tune-in-progress").glob("rank*"):
-        p.unlink(missing_ok=True)
 
 
 def _todo(plan: Plan, device_name: str) -> int:
