@@ -42,8 +42,14 @@ DECODE_BATCHES = (1, 16, 64)
 # each decode sequence's context: e2e.py's decode scenarios (128 in, 512 out) average 128 + 256
 DECODE_CONTEXT = 384
 DEFAULT_BUDGET = 8192   # vLLM's default step budget, and bench/e2e.py's
-TARGET_S = 0.3          # a measurement's steps run about this long on a GPU
+TARGET_S = 0.6          # a repeat's steps run about this long per engine on a GPU
 MAX_CALLS = 64
+# A repeat is cut into turns of about TURN_S each, the engines taking turns in alternating order.
+# One long run per engine read the TP=2 8192-token step 106-116 ms in all four variants, stock too,
+# repeat to repeat (2026-11-28, H200x2: bench/notes/tune.md): a slow drift that a whole-repeat turn
+# hands to whichever engine ran in it. Turns of one step each give both engines the same drift.
+# A decode step's turn still holds many steps, so it is timed as served, launched back to back.
+TURN_S = 0.05
 BLOCK = 16              # KV block size (the engine's default)
 # the interpreter: the demo model's smallest steps: the budget's (two prompts of 8 tokens) and half
 # of it, as 8192 and 2048 on a GPU; batch 1
@@ -270,21 +276,38 @@ def _run_steps(ctx, runner, step, calls: int) -> float:
 
 
 def _interleaved(ctx, plan, it: dict, step, runners: dict) -> dict:
-    """Per variant, ms per step in each of the plan's repeats, the variants taking turns in each."""
+    """Per variant, ms per step in each of the plan's repeats. A repeat is a series of turns, the
+    variants taking turns in each, in alternating order (A B, B A, ...); a repeat's ms per step is
+    its turns' time over its steps."""
     from tp_overlap_plugin.multirank import agree
     fake = options.env_tune_fake_step_ms().get(f"{it['kind']}/{it['tokens']}", {})
-    calls = 1  # the interpreter: one step each, nothing to warm up
+    calls, per_turn = 1, 1  # the interpreter: one step each, nothing to warm up
     if ctx.device.type == "cuda":
         for runner in runners.values():  # compiles what is left, and the estimate of a step's time
             _run_steps(ctx, runner, step, 1)
         est = max(_run_steps(ctx, runner, step, 1) for runner in runners.values())
-        calls = agree(ctx, max(2, min(MAX_CALLS, math.ceil(1e3 * TARGET_S / max(est, 1e-3)))))
-    times = {name: [] for name in runners}
+        calls, per_turn = agree(ctx, _turns(est))
+    names = list(runners)
+    times = {name: [] for name in names}
     for _ in range(plan.repeats):
-        for name, runner in runners.items():
-            ms = _run_steps(ctx, runner, step, calls)
-            times[name].append(float(fake.get(name, ms)))
+        total = dict.fromkeys(names, 0.0)
+        for turn in range(calls // per_turn):
+            for name in (names if turn % 2 == 0 else names[::-1]):
+                total[name] += _run_steps(ctx, runners[name], step, per_turn) * per_turn
+        for name in names:
+            times[name].append(float(fake.get(name, total[name] / calls)))
     return agree(ctx, times if ctx.rank == 0 else None)
+
+
+def _turns(est_ms: float) -> tuple[int, int]:
+    """(steps per repeat, steps per turn) for a step of about `est_ms`: a repeat of about TARGET_S
+    (at least 2 steps, at most MAX_CALLS), turns of about TURN_S (at least one step); the repeat a
+    whole number of turns, and at least two of them, so that both orders run."""
+    per_turn = max(1, math.ceil(1e3 * TURN_S / max(est_ms, 1e-3)))
+    calls = max(2, min(MAX_CALLS, math.ceil(1e3 * TARGET_S / max(est_ms, 1e-3))))
+    turns = max(2, calls // per_turn)
+    per_turn = max(1, min(per_turn, calls // 2))
+    return turns * per_turn, per_turn
 
 
 def _recorded(times: dict) -> dict:
