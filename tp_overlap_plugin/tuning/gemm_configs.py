@@ -79,20 +79,22 @@ def candidates():
     return large, small
 
 
-def problem_shapes(models: dict, tps) -> dict:
-    """{(K, N): ["8B tp2 qkv", ...]} for the linear layers of `models` ({label: ModelDims}) at each TP."""
+def problem_shapes(models: dict, lm_head: bool = False) -> dict:
+    """{(K, N): ["8B tp2 qkv", ...]} for the linear layers of `models` ({label: (ModelDims, TP sizes)}) at
+    each of its TP sizes; with `lm_head`, the LM head's vocab shard too (the decode matmul runs it)."""
     shapes = collections.defaultdict(list)
-    for tp in tps:
-        for label, dims in models.items():
-            for layer, k, n in dims.layers(tp):
-                shapes[(k, n)].append(f"{label} tp{tp} {layer}")
+    for tp in sorted({tp for _, tps in models.values() for tp in tps}):
+        for label, (dims, tps) in models.items():
+            if tp in tps:
+                for layer, k, n in dims.layers(tp) + ([dims.lm_head(tp)] if lm_head else []):
+                    shapes[(k, n)].append(f"{label} tp{tp} {layer}")
     return dict(sorted(shapes.items()))
 
 
 def llama_problem_shapes(tps):
     """The bench's sweep: the Llama-3 8B/70B linear layers (the shipped configs) at each TP."""
     from tp_overlap_plugin.tuning.shapes import shipped_dims
-    return problem_shapes({"8B": shipped_dims("llama-3-8b"), "70B": shipped_dims("llama-3-70b")}, tps)
+    return problem_shapes({"8B": (shipped_dims("llama-3-8b"), tps), "70B": (shipped_dims("llama-3-70b"), tps)})
 
 
 # ---------------------------------------------------------------------------------------------

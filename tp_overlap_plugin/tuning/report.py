@@ -11,7 +11,7 @@ from pathlib import Path
 from tp_overlap_plugin import files, tables
 from tp_overlap_plugin.tuning.plan import PHASES, Plan
 from tp_overlap_plugin.shapes import LAYER_OPS
-from tp_overlap_plugin.tuning.store import load_phase, store_dir
+from tp_overlap_plugin.tuning.store import DEVICE_PHASES, load_phase, store_dir
 
 
 def design_tables(device_name: str, world: int, plan: Plan) -> dict:
@@ -32,37 +32,44 @@ def build_tables(device_name: str, world: int, plan: Plan, summary: dict | None 
     locks; the evidence markdown (with this run's wall time per phase: `summary`) and PNG beside them.
     Returns the paths."""
     from tp_overlap_plugin.tuning import rules
-    stored = {p: d for p in PHASES + ("engine",) if (d := load_phase(device_name, world, p)) is not None}
+    # a shipped-shapes run measures the config tables alone: the dispatch table (per TP size) is left as is
+    phases = DEVICE_PHASES if plan.shapes == "shipped" else PHASES + ("engine",)
+    stored = {p: d for p in phases if (d := load_phase(device_name, world, p)) is not None}
     if not stored:
         return {}
     env = next(iter(stored.values()))["environment"]
     env = {**env, "date": datetime.date.today().isoformat()}
-    out = {}
-    models = sorted({r.get("shape", "").split(" ")[0] for p in ("gemv", "gemm_ar") if p in stored
-                     for r in stored[p]["rows"].values()} - {""})
-    table = rules.build({p: d["rows"] for p, d in stored.items()}, env, margin=plan.margin,
-                        engine_margin=plan.engine_margin,
-                        command=tables.tune_command(world, plan.model, plan.fused_ops),
-                        extra={"models": models, "tuned_by": "tp-overlap tune"}, fused_ops=plan.fused_ops)
-    out["dispatch"] = tables.write("dispatch", device_name, world, table)
-    md = rules.markdown(table, [(LAYER_OPS[layer], k, n) for layer, k, n in plan.dims.layers(world)], plan.model)
-    norm_rows = [r for r in stored.get("all_reduce", {"rows": {}})["rows"].values()
-                 if "tokens" in r and "row_failed" not in r]
-    if norm_rows:
-        md += _norm_markdown(norm_rows)
+    out, md, table = {}, "", None
+    if plan.shapes == "model":
+        models = sorted({r.get("shape", "").split(" ")[0] for p in ("gemv", "gemm_ar") if p in stored
+                         for r in stored[p]["rows"].values()} - {""})
+        table = rules.build({p: d["rows"] for p, d in stored.items()}, env, margin=plan.margin,
+                            engine_margin=plan.engine_margin,
+                            command=tables.tune_command(world, plan.model, plan.fused_ops),
+                            extra={"models": models, "tuned_by": "tp-overlap tune"}, fused_ops=plan.fused_ops)
+        out["dispatch"] = tables.write("dispatch", device_name, world, table)
+        md = rules.markdown(table, [(LAYER_OPS[layer], k, n) for layer, k, n in plan.dims.layers(world)], plan.model)
+        norm_rows = [r for r in stored.get("all_reduce", {"rows": {}})["rows"].values()
+                     if "tokens" in r and "row_failed" not in r]
+        if norm_rows:
+            md += _norm_markdown(norm_rows)
     for kind, phase, title, write in (("gemm", "gemm_configs", "GEMM core configs", write_gemm_table),
                                       ("decode", "decode_configs", "Decode matmul configs", write_decode_table)):
-        written = write(device_name, world, tables.tune_command(world, plan.model)) if phase in stored else None
+        written = write(device_name, world, plan.command) if phase in stored else None
         if written:
             out[kind], tmd = written
             md += f"\n# {title}\n\n" + tmd
     if summary:
         md += run_markdown(plan, summary)
-    stem = tables.cache_dir() / "evidence" / f"{tables.device_key(device_name)}-tp{world}"
-    files.write_atomic(stem.with_suffix(".md"), drop_empty_sections(_header(table, plan) + md))
+    # (the config tables are per device: a shipped-shapes run's evidence is too)
+    stem = tables.cache_dir() / "evidence" / (f"{tables.device_key(device_name)}-tp{world}" if table is not None
+                                              else f"{tables.device_key(device_name)}-shipped")
+    head = _header(table, plan) if table is not None else _shipped_header(env, plan)
+    files.write_atomic(stem.with_suffix(".md"), drop_empty_sections(head + md))
     out["evidence"] = stem.with_suffix(".md")
-    png = _chart(table, stem.with_suffix(".png"))
-    out["png"] = png or "no PNG: matplotlib is not installed (pip install matplotlib)"
+    if table is not None:
+        png = _chart(table, stem.with_suffix(".png"))
+        out["png"] = png or "no PNG: matplotlib is not installed (pip install matplotlib)"
     return out
 
 
@@ -106,6 +113,12 @@ def _header(table: dict, plan: Plan) -> str:
             f"{table.get('driver')}; models {', '.join(table.get('models', [])) or plan.model}. Each row was timed "
             f"in {plan.repeats} interleaved repeat(s); ours is chosen only where it won by {table['margin']}x in every "
             f"repeat. Ratios are stock/ours, median [min–max] over the repeats.\n\nRegenerate: `{table['command']}`.\n\n")
+
+
+def _shipped_header(env: dict, plan: Plan) -> str:
+    return (f"# tp-overlap tune: the config tables of {env['device']}, every shipped model's shapes\n\n"
+            f"Measured {env['date']} under torch {env['torch']}, Triton {env['triton']}, driver {env.get('driver')}: "
+            f"{plan.describe()}.\n\nRegenerate: `{plan.command}`.\n\n")
 
 
 def run_markdown(plan: Plan, summary: dict) -> str:
