@@ -100,7 +100,7 @@ def add_tune_subcommand(sub) -> argparse.ArgumentParser:
                    help="a shipped config name (llama-3-8b, llama-3-70b, qwen2.5-7b), a model directory or "
                         "'demo' (the default): its shard shapes are measured")
     t.add_argument("--shapes", choices=SHAPES, default="model",
-                   help="model (default): --model's shard shapes at --tp, every phase; shipped: the shard shapes of "
+                   help="model: --model's shard shapes at --tp, every phase; shipped: the shard shapes of "
                         "every model config shipped with the engine at TP=1,2,4,8, for this device's GEMM and decode "
                         "config tables alone (the tables the package ships); --tp ranks, one GPU each, share the "
                         "work (a shard's shape is measured on one GPU)")

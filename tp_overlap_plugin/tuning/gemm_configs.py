@@ -1,7 +1,9 @@
 """The GEMM core against cuBLAS on one GPU, and the rules that make the config table `pick_config` reads
 of the measurements (`build_table`, pure). `tp-overlap tune` runs it as its gemm_configs phase and is the
-one writer of the table (`tp-overlap tune --only gemm_configs` measures this phase alone); the command
-line (tp_overlap_plugin/cli/gemm_configs.py) measures and writes results only:
+one writer of the table (`tp-overlap tune --only gemm_configs` measures this phase alone; `--shapes
+shipped`, every shipped model's shapes at TP = 1, 2, 4, 8: the sweep below and Qwen2.5-7B's, into the
+table the package ships); the command line (tp_overlap_plugin/cli/gemm_configs.py) measures and writes
+results only:
 
   measure (one GPU, ~4-6 min on an H200, bounded by --budget-s):
     python -m tp_overlap_plugin.cli.gemm_configs measure [--out DIR] [--budget-s 420]

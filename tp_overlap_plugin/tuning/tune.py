@@ -24,6 +24,10 @@ margin, that step size runs stock (or the flag's ops in the replicated layout, w
 -> the dispatch table's "engine" rows. The evidence (markdown, and a PNG where matplotlib is
 installed) shows each ratio with its spread, and the run's wall time per phase.
 
+`--shapes shipped` (plan.shipped_plan) runs the two config phases alone, on the shard shapes of every
+model config shipped with the engine at TP = 1, 2, 4, 8, the W ranks sharing the rows out: the config
+tables are per device, and the command they name regenerates the shipped ones. No dispatch table.
+
 Measurements are stored row by row in the cache (`measurements/`), keyed by shape, so a run cut off
 (Ctrl-C, the time budget) keeps what it finished and the next run resumes from there (`--force`
 measures everything again), and the tables hold the rows of every model tuned on this device and
