@@ -142,3 +142,7 @@ def test_the_command_writes_both_config_tables_naming_it(tmp_path, monkeypatch, 
     assert f"Regenerate: `{COMMAND}`" in evidence and "# GEMM core configs" in evidence, evidence
     assert "# Decode matmul configs" in evidence and "tiny-a tp2 qkv" in evidence and "tiny-b tp1 lm_head" in evidence
     assert "tiny-a tp4" not in evidence
+    # a rerun has nothing left to measure: no rank starts, the tables stay
+    assert main([*tune]) == 0
+    assert "every row is measured already" in capsys.readouterr().err
+    assert tables.read("gemm", "cpu")["entries"] == gemm["entries"]

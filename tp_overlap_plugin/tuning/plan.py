@@ -45,7 +45,7 @@ ENGINE_BUILD_SECONDS = {"cuda": 30.0, "cpu": 8.0}
 class Plan:
     """What one run measures: per phase its items (each a dict with the row's key); "engine": the
     step sizes of the engine's check (tuning/engine_check.py)."""
-    model: str              # its name in the tables (a directory's last part); "shipped": tune_shipped
+    model: str              # its name in the tables (a directory's last part); "shipped": shipped_plan
     model_spec: str         # what the engine loads: a shipped config name, a directory, "demo"
     dims: ModelDims | None  # (None: the shipped models' shapes, every one's own)
     world: int

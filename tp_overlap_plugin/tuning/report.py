@@ -31,7 +31,6 @@ def build_tables(device_name: str, world: int, plan: Plan, summary: dict | None 
     store (every model tuned here at this TP size), written atomically into the cache under their
     locks; the evidence markdown (with this run's wall time per phase: `summary`) and PNG beside them.
     Returns the paths."""
-    from tp_overlap_plugin.tuning import rules
     # a shipped-shapes run measures the config tables alone: the dispatch table (per TP size) is left as is
     phases = DEVICE_PHASES if plan.shapes == "shipped" else PHASES + ("engine",)
     stored = {p: d for p in phases if (d := load_phase(device_name, world, p)) is not None}
@@ -41,18 +40,8 @@ def build_tables(device_name: str, world: int, plan: Plan, summary: dict | None 
     env = {**env, "date": datetime.date.today().isoformat()}
     out, md, table = {}, "", None
     if plan.shapes == "model":
-        models = sorted({r.get("shape", "").split(" ")[0] for p in ("gemv", "gemm_ar") if p in stored
-                         for r in stored[p]["rows"].values()} - {""})
-        table = rules.build({p: d["rows"] for p, d in stored.items()}, env, margin=plan.margin,
-                            engine_margin=plan.engine_margin,
-                            command=tables.tune_command(world, plan.model, plan.fused_ops),
-                            extra={"models": models, "tuned_by": "tp-overlap tune"}, fused_ops=plan.fused_ops)
+        table, md = _dispatch_table(world, plan, stored, env)
         out["dispatch"] = tables.write("dispatch", device_name, world, table)
-        md = rules.markdown(table, [(LAYER_OPS[layer], k, n) for layer, k, n in plan.dims.layers(world)], plan.model)
-        norm_rows = [r for r in stored.get("all_reduce", {"rows": {}})["rows"].values()
-                     if "tokens" in r and "row_failed" not in r]
-        if norm_rows:
-            md += _norm_markdown(norm_rows)
     for kind, phase, title, write in (("gemm", "gemm_configs", "GEMM core configs", write_gemm_table),
                                       ("decode", "decode_configs", "Decode matmul configs", write_decode_table)):
         written = write(device_name, world, plan.command) if phase in stored else None
@@ -71,6 +60,23 @@ def build_tables(device_name: str, world: int, plan: Plan, summary: dict | None 
         png = _chart(table, stem.with_suffix(".png"))
         out["png"] = png or "no PNG: matplotlib is not installed (pip install matplotlib)"
     return out
+
+
+def _dispatch_table(world: int, plan: Plan, stored: dict, env: dict) -> tuple[dict, str]:
+    """The dispatch table of the stored rows (with the engine's verdict), and its markdown."""
+    from tp_overlap_plugin.tuning import rules
+    models = sorted({r.get("shape", "").split(" ")[0] for p in ("gemv", "gemm_ar") if p in stored
+                     for r in stored[p]["rows"].values()} - {""})
+    table = rules.build({p: d["rows"] for p, d in stored.items()}, env, margin=plan.margin,
+                        engine_margin=plan.engine_margin,
+                        command=tables.tune_command(world, plan.model, plan.fused_ops),
+                        extra={"models": models, "tuned_by": "tp-overlap tune"}, fused_ops=plan.fused_ops)
+    md = rules.markdown(table, [(LAYER_OPS[layer], k, n) for layer, k, n in plan.dims.layers(world)], plan.model)
+    norm_rows = [r for r in stored.get("all_reduce", {"rows": {}})["rows"].values()
+                 if "tokens" in r and "row_failed" not in r]
+    if norm_rows:
+        md += _norm_markdown(norm_rows)
+    return table, md
 
 
 def write_gemm_table(device_name: str, world: int, command: str) -> tuple[Path, str] | None:

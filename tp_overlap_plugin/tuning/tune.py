@@ -116,6 +116,8 @@ def run(model: str | None, dims: ModelDims | None, world: int, device: str, quic
             print("tp-overlap tune: every row is measured already (--force measures them again)", file=sys.stderr)
         elif engine_todo:
             interrupted = _engine(plan, device_name, designs, engine_todo, deadline, timeout, summary)
+    elif not ops_todo:
+        print("tp-overlap tune: every row is measured already (--force measures them again)", file=sys.stderr)
     return _finish(plan, device_name, summary, interrupted, t0)
 
 
