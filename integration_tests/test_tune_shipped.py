@@ -16,6 +16,7 @@ import json
 
 import pytest
 
+from test_bench_scripts import assert_gemm_table_reproducible
 from tp_overlap_plugin import tables
 from tp_overlap_plugin.tuning import shapes
 from tp_overlap_plugin.tuning.plan import shipped_plan
@@ -136,6 +137,9 @@ def test_the_command_writes_both_config_tables_naming_it(tmp_path, monkeypatch, 
     assert gemm["command"] == decode["command"] == COMMAND
     assert {(e["K"], e["N"]) for e in gemm["entries"]} == set(gemm_shapes)
     assert {(e["K"], e["N"]) for e in decode["entries"]} == set(decode_shapes)
+    # the results the GEMM table is made of, as bench/results keeps a shipped table's
+    assert gemm["source"].startswith("gemm-configs-tune-shipped-cpu-") and gemm["source"].endswith(".json")
+    assert_gemm_table_reproducible(cache / "gemm" / "cpu.json", cache / "evidence")
     # the per-TP dispatch table is not this command's: none written
     assert not (cache / "dispatch").exists()
     evidence = (cache / "evidence" / "cpu-shipped.md").read_text()

@@ -183,7 +183,7 @@ def _write_table(ctx, phase: str, env: dict, plan: Plan) -> None:
 
     from tp_overlap_plugin import decode_config, gemm_config
     if ctx.rank == 0:
-        TABLES_AFTER[phase](env["device"], plan.world, plan.command)
+        TABLES_AFTER[phase](env["device"], plan.world, plan)
     dist.barrier(group=ctx.group)
     gemm_config.find_table.cache_clear()
     decode_config.load_table.cache_clear()

@@ -44,7 +44,7 @@ def build_tables(device_name: str, world: int, plan: Plan, summary: dict | None 
         out["dispatch"] = tables.write("dispatch", device_name, world, table)
     for kind, phase, title, write in (("gemm", "gemm_configs", "GEMM core configs", write_gemm_table),
                                       ("decode", "decode_configs", "Decode matmul configs", write_decode_table)):
-        written = write(device_name, world, plan.command) if phase in stored else None
+        written = write(device_name, world, plan) if phase in stored else None
         if written:
             out[kind], tmd = written
             md += f"\n# {title}\n\n" + tmd
@@ -79,10 +79,13 @@ def _dispatch_table(world: int, plan: Plan, stored: dict, env: dict) -> tuple[di
     return table, md
 
 
-def write_gemm_table(device_name: str, world: int, command: str) -> tuple[Path, str] | None:
-    """The GEMM config table of the gemm_configs phase's stored rows into the cache (`command`: the one
-    that measures it again); its path and markdown (None: nothing measured)."""
+def write_gemm_table(device_name: str, world: int, plan: Plan) -> tuple[Path, str] | None:
+    """The GEMM config table of the gemm_configs phase's stored rows into the cache (naming the plan's
+    command, the one that measures it again); its path and markdown (None: nothing measured). A
+    shipped-shapes run's table names its results file, written beside the evidence with its markdown:
+    what bench/results keeps of a shipped table (test_bench_scripts.py makes the table again of it)."""
     from tp_overlap_plugin.tuning import gemm_configs as gc
+    from tp_overlap_plugin.tuning.results import header
     stored = load_phase(device_name, world, "gemm_configs")
     if not stored or not stored["rows"]:
         return None
@@ -92,24 +95,32 @@ def write_gemm_table(device_name: str, world: int, command: str) -> tuple[Path, 
                                  key=lambda e: (-e["M"], e["K"], e["N"])),
                "stopped": None, "crashed": stored.get("crashed", {})}
     gtable, gmd = gc.build_table(payload)
-    gtable.update(source="tp-overlap tune", command=command)
+    source = (f"gemm-configs-tune-shipped-{tables.device_key(device_name)}-{payload['environment']['date']}"
+              if plan.shapes == "shipped" else None)
+    gtable.update(source=f"{source}.json" if source else "tp-overlap tune", command=plan.command)
     gpath = tables.write("gemm", device_name, None, gtable)
     # the results the table is made of (gemm_configs.build_table makes it again of them alone)
     files.write_atomic(store_dir(device_name, world, "gemm_configs") / "gemm-configs-results.json",
                         json.dumps(payload, indent=1))
+    if source:
+        stem = tables.cache_dir() / "evidence" / source
+        files.write_atomic(stem.with_suffix(".json"), json.dumps(payload, indent=1))
+        files.write_atomic(stem.with_suffix(".md"), header(payload["environment"]) + gmd)
     return gpath, gmd
 
 
-def write_decode_table(device_name: str, world: int, command: str) -> tuple[Path, str] | None:
+def write_decode_table(device_name: str, world: int, plan: Plan) -> tuple[Path, str] | None:
     """The decode matmul's config table of the decode_configs phase's stored rows into the cache
-    (`command`: the one that measures it again); its path and markdown (None: nothing measured)."""
+    (naming the plan's command, the one that measures it again); its path and markdown (None: nothing
+    measured)."""
     from tp_overlap_plugin.tuning import decode_configs as dc
     stored = load_phase(device_name, world, "decode_configs")
     if not stored or not stored["rows"]:
         return None
     rows = [e for e in stored["rows"].values() if "row_failed" not in e]
     env = {**stored["environment"], "date": datetime.date.today().isoformat()}
-    path = tables.write("decode", device_name, None, dc.build_table(rows, stored.get("candidates", {}), env, command))
+    path = tables.write("decode", device_name, None,
+                        dc.build_table(rows, stored.get("candidates", {}), env, plan.command))
     return path, dc.markdown(rows, timed="one eager call, CPU" if device_name == "cpu" else "CUDA graphs")
 
 
