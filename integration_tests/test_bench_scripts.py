@@ -217,11 +217,16 @@ def test_shipped_gemm_table_is_reproducible(shipped):
     """The shipped GEMM config table, and the markdown beside its results, are exactly what
     tuning/gemm_configs.build_table makes of the results JSON the table names, as tables.write
     serialises it."""
+    assert_gemm_table_reproducible(shipped, RESULTS)
+
+
+def assert_gemm_table_reproducible(shipped, results_dir) -> None:
+    """(`tune --shapes shipped` writes a table and its results this way: test_tune_shipped.py)"""
     from tp_overlap_plugin import tables
     from tp_overlap_plugin.tuning import gemm_configs
     from tp_overlap_plugin.tuning.results import header
     shipped_header = json.loads(shipped.read_text())
-    source = RESULTS / shipped_header["source"]
+    source = results_dir / shipped_header["source"]
     payload = json.loads(source.read_text())
     table, md = gemm_configs.build_table(payload)
     # the provenance the table ships with: its results file, and the command that measures it again

@@ -1,7 +1,9 @@
 """`tp-overlap tune`: measure the --tp-overlap tables for this machine, TP size and model
-(tuning/tune.py), into the per-user cache.
+(tuning/tune.py), into the per-user cache; or, with `--shapes shipped`, this device's config tables of
+every shipped model's shapes (what the package ships in gemm_tables/ and decode_tables/).
 
     tp-overlap tune --tp 2 --model llama-3-8b
+    tp-overlap tune --tp 1 --shapes shipped
 
 The measuring code (Triton) is imported when `tune` runs, not when the parser is built.
 """
@@ -12,7 +14,8 @@ import argparse
 import os
 
 from tp_overlap_plugin.serving.user_errors import CliError
-from tp_overlap_plugin.tuning.plan import ONLY_CHOICES   # (no Triton: the plan's shapes only)
+from tp_overlap_plugin.tuning.plan import ONLY_CHOICES, SHAPES   # (no Triton: the plan's shapes only)
+from tp_overlap_plugin.tuning.store import DEVICE_PHASES
 from tp_overlap_plugin.options import FUSED_OPS
 
 from .engine_args import check_tp_option
@@ -24,29 +27,59 @@ def run_tune(args: argparse.Namespace) -> int:
     from tp_overlap_plugin import tables
     from tp_overlap_plugin.serving.config import EngineConfig
 
+    only = _shipped_only(args) if args.shapes == "shipped" else args.only
     try:  # before anything is measured: a cache it cannot write would lose the run
         tables.writable_or_raise(tables.cache_dir())
     except PermissionError as e:
         raise CliError(str(e), status=1) from None
-
+    if args.shapes == "shipped":
+        return _run_shipped(args, only)
+    args.model = args.model or "demo"
     try:
         mcfg = EngineConfig(model=args.model).load_model_config()
     except (FileNotFoundError, ValueError) as e:
         raise CliError(str(e)) from None
-    import torch
-
     from tp_overlap_plugin.shapes import ModelDims
     from tp_overlap_plugin.tuning.tune import run
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and torch.cuda.device_count() < args.tp:
-        raise CliError(f"--tp {args.tp} needs {args.tp} GPUs on this machine, found {torch.cuda.device_count()}")
+    device = _device(args)
     check_tp_option(mcfg, args.tp)
     dims = ModelDims.of(mcfg)
     label = os.path.basename(os.path.normpath(args.model))
     return run(label, dims, args.tp, device, quick=args.quick, budget_min=args.budget_min, force=args.force,
                margin=args.margin, engine_margin=args.engine_margin, model_spec=args.model,
-               step_budget=args.max_num_batched_tokens, only=args.only, fused_ops=args.fused_ops)
+               step_budget=args.max_num_batched_tokens, only=only, fused_ops=args.fused_ops)
+
+
+def _device(args: argparse.Namespace) -> str:
+    import torch
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and torch.cuda.device_count() < args.tp:
+        raise CliError(f"--tp {args.tp} needs {args.tp} GPUs on this machine, found {torch.cuda.device_count()}")
+    return device
+
+
+def _shipped_only(args: argparse.Namespace) -> tuple[str, ...]:
+    """--shapes shipped's phases: the config tables' (--only may pick one of them); a usage error (exit
+    2) for an option that asks for what it does not measure, before anything starts."""
+    unused = [opt for opt, given in (("--model", args.model is not None), ("--margin", args.margin is not None),
+                                     ("--engine-margin", args.engine_margin is not None),
+                                     ("--max-num-batched-tokens", args.max_num_batched_tokens is not None),
+                                     ("--fused-ops", args.fused_ops != "auto")) if given]
+    if unused:
+        raise CliError(f"--shapes shipped measures the config tables ({', '.join(DEVICE_PHASES)}) of every shipped "
+                       f"model's shapes: {' and '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply to it")
+    other = [p for p in args.only or () if p not in DEVICE_PHASES]
+    if other:
+        raise CliError(f"--shapes shipped measures the config tables' phases ({', '.join(DEVICE_PHASES)}) only; "
+                       f"--only {','.join(other)} measures one model at one TP size: use --model instead")
+    return args.only or DEVICE_PHASES
+
+
+def _run_shipped(args: argparse.Namespace, only: tuple[str, ...]) -> int:
+    from tp_overlap_plugin.tuning.tune import run
+    return run(None, None, args.tp, _device(args), quick=args.quick, budget_min=args.budget_min, force=args.force,
+               only=only, shapes="shipped")
 
 
 def _phases(text: str) -> tuple[str, ...]:
@@ -63,9 +96,14 @@ def add_tune_subcommand(sub) -> argparse.ArgumentParser:
     t = sub.add_parser("tune", help="measure the --tp-overlap tables for this machine, TP size and model, into the "
                                     "per-user cache (then `serve --tp-overlap` uses them)")
     t.add_argument("--tp", type=int, required=True, help="the TP size to measure (starts that many ranks here)")
-    t.add_argument("--model", default="demo",
+    t.add_argument("--model", default=None,
                    help="a shipped config name (llama-3-8b, llama-3-70b, qwen2.5-7b), a model directory or "
-                        "'demo': its shard shapes are measured")
+                        "'demo' (the default): its shard shapes are measured")
+    t.add_argument("--shapes", choices=SHAPES, default="model",
+                   help="model: --model's shard shapes at --tp, every phase; shipped: the shard shapes of "
+                        "every model config shipped with the engine at TP=1,2,4,8, for this device's GEMM and decode "
+                        "config tables alone (the tables the package ships); --tp ranks, one GPU each, share the "
+                        "work (a shard's shape is measured on one GPU)")
     t.add_argument("--quick", action="store_true", help="fewer sizes and configs (about 3 minutes at TP=8)")
     t.add_argument("--budget-min", type=float, default=None,
                    help="stop starting new measurements after this many minutes (default 10, --quick 3); "

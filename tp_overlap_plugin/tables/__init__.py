@@ -119,8 +119,13 @@ def _driver_version() -> str:
     return "unknown"
 
 
-def tune_command(world: int | None = None, model: str | None = None, fused_ops: str = "auto") -> str:
-    """The command that measures a table; with a fused-op design named, that design alone."""
+def tune_command(world: int | None = None, model: str | None = None, fused_ops: str = "auto", *,
+                 shapes: str = "model") -> str:
+    """The command that measures a table; with a fused-op design named, that design alone. `shapes`
+    "shipped": the config tables of every shipped model's shapes (what gemm_tables/ and decode_tables/
+    ship), the ranks (`--tp`) sharing the work out."""
+    if shapes == "shipped":
+        return f"tp-overlap tune --tp {world or 1} --shapes shipped"
     design = "" if fused_ops == "auto" else f" --fused-ops {fused_ops}"
     return f"tp-overlap tune --tp {world or 'W'} --model {model or 'MODEL'}{design}"
 

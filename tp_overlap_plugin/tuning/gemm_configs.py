@@ -1,7 +1,9 @@
 """The GEMM core against cuBLAS on one GPU, and the rules that make the config table `pick_config` reads
 of the measurements (`build_table`, pure). `tp-overlap tune` runs it as its gemm_configs phase and is the
-one writer of the table (`tp-overlap tune --only gemm_configs` measures this phase alone); the command
-line (tp_overlap_plugin/cli/gemm_configs.py) measures and writes results only:
+one writer of the table (`tp-overlap tune --only gemm_configs` measures this phase alone; `--shapes
+shipped`, every shipped model's shapes at TP = 1, 2, 4, 8: the sweep below and Qwen2.5-7B's, into the
+table the package ships); the command line (tp_overlap_plugin/cli/gemm_configs.py) measures and writes
+results only:
 
   measure (one GPU, ~4-6 min on an H200, bounded by --budget-s):
     python -m tp_overlap_plugin.cli.gemm_configs measure [--out DIR] [--budget-s 420]
@@ -79,20 +81,22 @@ def candidates():
     return large, small
 
 
-def problem_shapes(models: dict, tps) -> dict:
-    """{(K, N): ["8B tp2 qkv", ...]} for the linear layers of `models` ({label: ModelDims}) at each TP."""
+def problem_shapes(models: dict, lm_head: bool = False) -> dict:
+    """{(K, N): ["8B tp2 qkv", ...]} for the linear layers of `models` ({label: (ModelDims, TP sizes)}) at
+    each of its TP sizes; with `lm_head`, the LM head's vocab shard too (the decode matmul runs it)."""
     shapes = collections.defaultdict(list)
-    for tp in tps:
-        for label, dims in models.items():
-            for layer, k, n in dims.layers(tp):
-                shapes[(k, n)].append(f"{label} tp{tp} {layer}")
+    for tp in sorted({tp for _, tps in models.values() for tp in tps}):
+        for label, (dims, tps) in models.items():
+            if tp in tps:
+                for layer, k, n in dims.layers(tp) + ([dims.lm_head(tp)] if lm_head else []):
+                    shapes[(k, n)].append(f"{label} tp{tp} {layer}")
     return dict(sorted(shapes.items()))
 
 
 def llama_problem_shapes(tps):
     """The bench's sweep: the Llama-3 8B/70B linear layers (the shipped configs) at each TP."""
     from tp_overlap_plugin.tuning.shapes import shipped_dims
-    return problem_shapes({"8B": shipped_dims("llama-3-8b"), "70B": shipped_dims("llama-3-70b")}, tps)
+    return problem_shapes({"8B": (shipped_dims("llama-3-8b"), tps), "70B": (shipped_dims("llama-3-70b"), tps)})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ import threading
 import time
 from pathlib import Path
 
-from tp_overlap_plugin import tables
 from tp_overlap_plugin.tuning import report
 from tp_overlap_plugin.tuning.plan import PHASES, Plan, plan_candidates
 from tp_overlap_plugin.multirank import agree
@@ -97,7 +96,7 @@ def tune_rank(ctx, plan: Plan, deadline: float, force: bool, crashed: dict, cach
             if bar is not None:
                 bar.close()
         if phase in TABLES_AFTER:
-            _write_table(ctx, phase, env, plan.world)
+            _write_table(ctx, phase, env, plan)
         summary["phases"][phase] = {"items": len(items), "resumed": len(items) - len(todo) - len(died),
                                     "measured": state["measured"] - state["failed"], "failed": state["failed"],
                                     "stopped": state["stopped"], "wall_s": time.monotonic() - t0}
@@ -177,14 +176,14 @@ def _kept(ctx, directory, phase: str, env: dict) -> set:
     return set(rows)
 
 
-def _write_table(ctx, phase: str, env: dict, world: int) -> None:
+def _write_table(ctx, phase: str, env: dict, plan: Plan) -> None:
     """After a config phase, its table from the store into the cache (rank 0), and every rank's
     lookups read it from then on: the later phases measure on the configs that will be served."""
     import torch.distributed as dist
 
     from tp_overlap_plugin import decode_config, gemm_config
     if ctx.rank == 0:
-        TABLES_AFTER[phase](env["device"], world, tables.tune_command(world, env.get("model")))
+        TABLES_AFTER[phase](env["device"], plan.world, plan)
     dist.barrier(group=ctx.group)
     gemm_config.find_table.cache_clear()
     decode_config.load_table.cache_clear()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tp_overlap_plugin import tables
 from tp_overlap_plugin.shapes import LAYER_OPS, ModelDims
 
 # in this order: a phase's table is written before the phases that run on it (the decode matmul's
@@ -12,6 +13,10 @@ from tp_overlap_plugin.shapes import LAYER_OPS, ModelDims
 PHASES = ("gemm_configs", "decode_configs", "gemv", "silu_mul", "all_reduce", "fused_ops", "gemm_ar")
 # what `tune --only` can pick: a measuring phase, or the engine's check (tuning/engine_check.py)
 ONLY_CHOICES = (*PHASES, "engine")
+# what `tune --shapes` measures: "model", the shard shapes of --model at --tp (every phase); "shipped",
+# those of every model config shipped with the engine at TP = 1, 2, 4, 8 (the per-device config tables'
+# phases, store.DEVICE_PHASES, alone: what a shipped gemm_tables/ or decode_tables/ file holds)
+SHAPES = ("model", "shipped")
 SHARED_OUT = ("gemm_configs", "decode_configs", "gemv", "silu_mul")  # one GPU's work: shared over the ranks
 GPU_REPEATS = 3
 # seconds per measured item, for the estimate printed first. GPU: gemm_configs and gemv from the H100
@@ -40,9 +45,9 @@ ENGINE_BUILD_SECONDS = {"cuda": 30.0, "cpu": 8.0}
 class Plan:
     """What one run measures: per phase its items (each a dict with the row's key); "engine": the
     step sizes of the engine's check (tuning/engine_check.py)."""
-    model: str              # its name in the tables (a directory's last part)
+    model: str              # its name in the tables (a directory's last part); "shipped": shipped_plan
     model_spec: str         # what the engine loads: a shipped config name, a directory, "demo"
-    dims: ModelDims
+    dims: ModelDims | None  # (None: the shipped models' shapes, every one's own)
     world: int
     device: str
     quick: bool
@@ -54,6 +59,20 @@ class Plan:
     # measure (options.DESIGNS; one where `tune --fused-ops` names it): the verdict chooses one, and the
     # table holds that design's rows and says which
     designs: tuple = ("kernel", "chunked")
+    shapes: str = "model"   # SHAPES
+
+    @property
+    def command(self) -> str:
+        """The command that measures this plan's shapes again (the config tables name it)."""
+        return tables.tune_command(self.world, self.model, shapes=self.shapes)
+
+    def describe(self) -> str:
+        """What the run measures, for its first line."""
+        if self.shapes == "model":
+            return f"{self.model} at TP={self.world}"
+        from tp_overlap_plugin.tuning.shapes import SHIPPED_TPS, shipped_names
+        return (f"the shapes of every shipped model ({', '.join(shipped_names())}) at TP="
+                f"{','.join(map(str, SHIPPED_TPS))}, shared over {self.world} rank(s)")
 
     @property
     def fused_ops(self) -> str:
@@ -76,12 +95,33 @@ class Plan:
         return out
 
 
-def _by_shape(model: str, world: int, layers: list, ms) -> list[dict]:
-    """Items per M and distinct local matmul (K, N), each naming the layers of that shape."""
-    shapes = sorted({(k, n) for _, k, n in layers})
-    return [{"key": f"{m}x{k}x{n}", "M": m, "K": k, "N": n,
-             "names": [f"{model} tp{world} {layer}" for layer, kk, nn in layers if (kk, nn) == (k, n)]}
-            for m in ms for k, n in shapes]
+def _by_shape(shapes: dict, ms) -> list[dict]:
+    """Items per M and distinct local matmul (K, N), each naming the layers of that shape (`shapes`:
+    gemm_configs.problem_shapes)."""
+    return [{"key": f"{m}x{k}x{n}", "M": m, "K": k, "N": n, "names": names}
+            for m in ms for (k, n), names in shapes.items()]
+
+
+def _config_items(models: dict, gpu: bool, quick: bool) -> dict:
+    """The config tables' phases (store.DEVICE_PHASES) on the shapes of `models` ({label: (ModelDims, TP
+    sizes)}): the GEMM core at its M passes, the decode matmul at the decode rows (the LM head too)."""
+    from tp_overlap_plugin.tuning import gemm_configs, gemv
+    if gpu:
+        passes, rows = ((8192, 1024, 64, 1) if quick else gemm_configs.M_PASSES), gemv.decode_rows(quick)
+    else:  # the interpreter: one size each (both decode-matmul paths take 4 rows)
+        passes, rows = (16,), (4,)
+    return {"gemm_configs": _by_shape(gemm_configs.problem_shapes(models), passes),
+            "decode_configs": _by_shape(gemm_configs.problem_shapes(models, lm_head=True), rows)}
+
+
+def shipped_plan(world: int, device: str, quick: bool, margin: float, engine_margin: float) -> Plan:
+    """The config tables' phases on the linear shapes of every shipped model config at each of
+    shapes.SHIPPED_TPS it divides, their items shared out over `world` ranks (one GPU's work each: a
+    shard's shape at TP=8 is measured on one GPU): what the shipped per-device tables hold."""
+    from tp_overlap_plugin.tuning.shapes import shipped_models
+    gpu = device == "cuda"
+    return Plan("shipped", "shipped", None, world, device, quick, GPU_REPEATS if gpu else 1, margin, engine_margin,
+                _config_items(shipped_models(), gpu, quick), shapes="shipped")
 
 
 def make_plan(model: str, dims: ModelDims, world: int, device: str, quick: bool, margin: float,
@@ -91,7 +131,7 @@ def make_plan(model: str, dims: ModelDims, world: int, device: str, quick: bool,
     engine_check.DEFAULT_BUDGET). `fused_ops`: the AG-GEMM / GEMM-RS designs measured ("auto": all of
     options.DESIGNS; or one); each design's rows are stored apart (a key suffix)."""
     from tp_overlap_plugin.options import DESIGNS
-    from tp_overlap_plugin.tuning import engine_check, gemm_ar, gemm_configs, gemv
+    from tp_overlap_plugin.tuning import engine_check, gemm_ar, gemv
     dims.check_tp(world)
     if fused_ops != "auto" and fused_ops not in DESIGNS:
         raise ValueError(f"fused_ops must be 'auto' or one of {DESIGNS}, got {fused_ops!r}")
@@ -99,7 +139,6 @@ def make_plan(model: str, dims: ModelDims, world: int, device: str, quick: bool,
     gpu = device == "cuda"
     layers = dims.layers(world)
     if gpu:
-        passes = (8192, 1024, 64, 1) if quick else gemm_configs.M_PASSES
         rows = gemv.decode_rows(quick)
         sizes = [8 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20] if quick else \
             [8 << 10, 32 << 10, 128 << 10, 512 << 10, 2 << 20, 4 << 20, 8 << 20, 32 << 20]
@@ -111,11 +150,10 @@ def make_plan(model: str, dims: ModelDims, world: int, device: str, quick: bool,
         # layout past the GEMV's rows, the sequential AG path's gathered rows), up to the prefill sizes
         silu_ms = (64, 1024, 8192) if quick else (16, 64, 256, 1024, 2048, 4096, 8192)
     else:  # the interpreter: the pipeline, at sizes it runs in seconds (both decode-matmul paths at 4 rows)
-        passes, rows, sizes, tokens, fused_ms, ar_rows, silu_ms = (16,), [1], [8 << 10], [1], [2 * world], [1], (16,)
+        rows, sizes, tokens, fused_ms, ar_rows, silu_ms = [1], [8 << 10], [1], [2 * world], [1], (16,)
     gate_up = [x for x in layers if x[0] == "gate_up"]
     items = {
-        "gemm_configs": _by_shape(model, world, layers, passes),
-        "decode_configs": _by_shape(model, world, layers + [dims.lm_head(world)], rows if gpu else (4,)),
+        **_config_items({model: (dims, (world,))}, gpu, quick),
         "gemv": [{"key": f"{m}x{k}x{n}", "shape": f"{model} {layer}", "M": m, "K": k, "N": n}
                  for layer, k, n in layers + [dims.lm_head(world)] for m in rows],
         "silu_mul": [{"key": f"{m}x{k}x{n}", "shape": f"{model} {layer}", "M": m, "K": k, "N": n}

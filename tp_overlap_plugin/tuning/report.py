@@ -11,7 +11,7 @@ from pathlib import Path
 from tp_overlap_plugin import files, tables
 from tp_overlap_plugin.tuning.plan import PHASES, Plan
 from tp_overlap_plugin.shapes import LAYER_OPS
-from tp_overlap_plugin.tuning.store import load_phase, store_dir
+from tp_overlap_plugin.tuning.store import DEVICE_PHASES, load_phase, store_dir
 
 
 def design_tables(device_name: str, world: int, plan: Plan) -> dict:
@@ -31,45 +31,61 @@ def build_tables(device_name: str, world: int, plan: Plan, summary: dict | None 
     store (every model tuned here at this TP size), written atomically into the cache under their
     locks; the evidence markdown (with this run's wall time per phase: `summary`) and PNG beside them.
     Returns the paths."""
-    from tp_overlap_plugin.tuning import rules
-    stored = {p: d for p in PHASES + ("engine",) if (d := load_phase(device_name, world, p)) is not None}
+    # a shipped-shapes run measures the config tables alone: the dispatch table (per TP size) is left as is
+    phases = DEVICE_PHASES if plan.shapes == "shipped" else PHASES + ("engine",)
+    stored = {p: d for p in phases if (d := load_phase(device_name, world, p)) is not None}
     if not stored:
         return {}
     env = next(iter(stored.values()))["environment"]
     env = {**env, "date": datetime.date.today().isoformat()}
-    out = {}
+    out, md, table = {}, "", None
+    if plan.shapes == "model":
+        table, md = _dispatch_table(world, plan, stored, env)
+        out["dispatch"] = tables.write("dispatch", device_name, world, table)
+    for kind, phase, title, write in (("gemm", "gemm_configs", "GEMM core configs", write_gemm_table),
+                                      ("decode", "decode_configs", "Decode matmul configs", write_decode_table)):
+        written = write(device_name, world, plan) if phase in stored else None
+        if written:
+            out[kind], tmd = written
+            md += f"\n# {title}\n\n" + tmd
+    if summary:
+        md += run_markdown(plan, summary)
+    # (the config tables are per device: a shipped-shapes run's evidence is too)
+    stem = tables.cache_dir() / "evidence" / (f"{tables.device_key(device_name)}-tp{world}" if table is not None
+                                              else f"{tables.device_key(device_name)}-shipped")
+    head = _header(table, plan) if table is not None else _shipped_header(env, plan)
+    files.write_atomic(stem.with_suffix(".md"), drop_empty_sections(head + md))
+    out["evidence"] = stem.with_suffix(".md")
+    if table is not None:
+        png = _chart(table, stem.with_suffix(".png"))
+        out["png"] = png or "no PNG: matplotlib is not installed (pip install matplotlib)"
+    return out
+
+
+def _dispatch_table(world: int, plan: Plan, stored: dict, env: dict) -> tuple[dict, str]:
+    """The dispatch table of the stored rows (with the engine's verdict), and its markdown."""
+    from tp_overlap_plugin.tuning import rules
     models = sorted({r.get("shape", "").split(" ")[0] for p in ("gemv", "gemm_ar") if p in stored
                      for r in stored[p]["rows"].values()} - {""})
     table = rules.build({p: d["rows"] for p, d in stored.items()}, env, margin=plan.margin,
                         engine_margin=plan.engine_margin,
                         command=tables.tune_command(world, plan.model, plan.fused_ops),
                         extra={"models": models, "tuned_by": "tp-overlap tune"}, fused_ops=plan.fused_ops)
-    out["dispatch"] = tables.write("dispatch", device_name, world, table)
     md = rules.markdown(table, [(LAYER_OPS[layer], k, n) for layer, k, n in plan.dims.layers(world)], plan.model)
     norm_rows = [r for r in stored.get("all_reduce", {"rows": {}})["rows"].values()
                  if "tokens" in r and "row_failed" not in r]
     if norm_rows:
         md += _norm_markdown(norm_rows)
-    for kind, phase, title, write in (("gemm", "gemm_configs", "GEMM core configs", write_gemm_table),
-                                      ("decode", "decode_configs", "Decode matmul configs", write_decode_table)):
-        written = write(device_name, world, tables.tune_command(world, plan.model)) if phase in stored else None
-        if written:
-            out[kind], tmd = written
-            md += f"\n# {title}\n\n" + tmd
-    if summary:
-        md += run_markdown(plan, summary)
-    stem = tables.cache_dir() / "evidence" / f"{tables.device_key(device_name)}-tp{world}"
-    files.write_atomic(stem.with_suffix(".md"), drop_empty_sections(_header(table, plan) + md))
-    out["evidence"] = stem.with_suffix(".md")
-    png = _chart(table, stem.with_suffix(".png"))
-    out["png"] = png or "no PNG: matplotlib is not installed (pip install matplotlib)"
-    return out
+    return table, md
 
 
-def write_gemm_table(device_name: str, world: int, command: str) -> tuple[Path, str] | None:
-    """The GEMM config table of the gemm_configs phase's stored rows into the cache (`command`: the one
-    that measures it again); its path and markdown (None: nothing measured)."""
+def write_gemm_table(device_name: str, world: int, plan: Plan) -> tuple[Path, str] | None:
+    """The GEMM config table of the gemm_configs phase's stored rows into the cache (naming the plan's
+    command, the one that measures it again); its path and markdown (None: nothing measured). A
+    shipped-shapes run's table names its results file, written beside the evidence with its markdown:
+    what bench/results keeps of a shipped table (test_bench_scripts.py makes the table again of it)."""
     from tp_overlap_plugin.tuning import gemm_configs as gc
+    from tp_overlap_plugin.tuning.results import header
     stored = load_phase(device_name, world, "gemm_configs")
     if not stored or not stored["rows"]:
         return None
@@ -79,24 +95,32 @@ def write_gemm_table(device_name: str, world: int, command: str) -> tuple[Path, 
                                  key=lambda e: (-e["M"], e["K"], e["N"])),
                "stopped": None, "crashed": stored.get("crashed", {})}
     gtable, gmd = gc.build_table(payload)
-    gtable.update(source="tp-overlap tune", command=command)
+    source = (f"gemm-configs-tune-shipped-{tables.device_key(device_name)}-{payload['environment']['date']}"
+              if plan.shapes == "shipped" else None)
+    gtable.update(source=f"{source}.json" if source else "tp-overlap tune", command=plan.command)
     gpath = tables.write("gemm", device_name, None, gtable)
     # the results the table is made of (gemm_configs.build_table makes it again of them alone)
     files.write_atomic(store_dir(device_name, world, "gemm_configs") / "gemm-configs-results.json",
                         json.dumps(payload, indent=1))
+    if source:
+        stem = tables.cache_dir() / "evidence" / source
+        files.write_atomic(stem.with_suffix(".json"), json.dumps(payload, indent=1))
+        files.write_atomic(stem.with_suffix(".md"), header(payload["environment"]) + gmd)
     return gpath, gmd
 
 
-def write_decode_table(device_name: str, world: int, command: str) -> tuple[Path, str] | None:
+def write_decode_table(device_name: str, world: int, plan: Plan) -> tuple[Path, str] | None:
     """The decode matmul's config table of the decode_configs phase's stored rows into the cache
-    (`command`: the one that measures it again); its path and markdown (None: nothing measured)."""
+    (naming the plan's command, the one that measures it again); its path and markdown (None: nothing
+    measured)."""
     from tp_overlap_plugin.tuning import decode_configs as dc
     stored = load_phase(device_name, world, "decode_configs")
     if not stored or not stored["rows"]:
         return None
     rows = [e for e in stored["rows"].values() if "row_failed" not in e]
     env = {**stored["environment"], "date": datetime.date.today().isoformat()}
-    path = tables.write("decode", device_name, None, dc.build_table(rows, stored.get("candidates", {}), env, command))
+    path = tables.write("decode", device_name, None,
+                        dc.build_table(rows, stored.get("candidates", {}), env, plan.command))
     return path, dc.markdown(rows, timed="one eager call, CPU" if device_name == "cpu" else "CUDA graphs")
 
 
@@ -106,6 +130,12 @@ def _header(table: dict, plan: Plan) -> str:
             f"{table.get('driver')}; models {', '.join(table.get('models', [])) or plan.model}. Each row was timed "
             f"in {plan.repeats} interleaved repeat(s); ours is chosen only where it won by {table['margin']}x in every "
             f"repeat. Ratios are stock/ours, median [min–max] over the repeats.\n\nRegenerate: `{table['command']}`.\n\n")
+
+
+def _shipped_header(env: dict, plan: Plan) -> str:
+    return (f"# tp-overlap tune: the config tables of {env['device']}, every shipped model's shapes\n\n"
+            f"Measured {env['date']} under torch {env['torch']}, Triton {env['triton']}, driver {env.get('driver')}: "
+            f"{plan.describe()}.\n\nRegenerate: `{plan.command}`.\n\n")
 
 
 def run_markdown(plan: Plan, summary: dict) -> str:

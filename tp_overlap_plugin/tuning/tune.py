@@ -24,6 +24,10 @@ margin, that step size runs stock (or the flag's ops in the replicated layout, w
 -> the dispatch table's "engine" rows. The evidence (markdown, and a PNG where matplotlib is
 installed) shows each ratio with its spread, and the run's wall time per phase.
 
+`--shapes shipped` (plan.shipped_plan) runs the two config phases alone, on the shard shapes of every
+model config shipped with the engine at TP = 1, 2, 4, 8, the W ranks sharing the rows out: the config
+tables are per device, and the command they name regenerates the shipped ones. No dispatch table.
+
 Measurements are stored row by row in the cache (`measurements/`), keyed by shape, so a run cut off
 (Ctrl-C, the time budget) keeps what it finished and the next run resumes from there (`--force`
 measures everything again), and the tables hold the rows of every model tuned on this device and
@@ -33,41 +37,49 @@ TP size. Measurements taken under other versions (torch, Triton, driver) are mea
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import time
 
 from tp_overlap_plugin import tables
 from tp_overlap_plugin.tuning import engine_check
-from tp_overlap_plugin.tuning.plan import PHASES, Plan, heap_bytes, make_plan, plan_candidates
+from tp_overlap_plugin.tuning.plan import PHASES, Plan, heap_bytes, make_plan, plan_candidates, shipped_plan
 from tp_overlap_plugin.tuning.phases import clear_marks, marked, tune_rank
 from tp_overlap_plugin.tuning.report import build_tables, design_tables
 from tp_overlap_plugin.shapes import ModelDims
 from tp_overlap_plugin.tuning.store import load_rows, save_rows, store_dir
 
 
-def run(model: str, dims: ModelDims, world: int, device: str, quick: bool = False, budget_min: float | None = None,
-        force: bool = False, margin: float | None = None, timeout_s: float | None = None, *,
-        engine_margin: float | None = None, model_spec: str | None = None, step_budget: int | None = None,
-        only: tuple[str, ...] | None = None, fused_ops: str = "auto") -> int:
+def run(model: str | None, dims: ModelDims | None, world: int, device: str, quick: bool = False,
+        budget_min: float | None = None, force: bool = False, margin: float | None = None,
+        timeout_s: float | None = None, *, engine_margin: float | None = None, model_spec: str | None = None,
+        step_budget: int | None = None, only: tuple[str, ...] | None = None, fused_ops: str = "auto",
+        shapes: str = "model") -> int:
     """`margin` sets the engine check's margin too, unless `engine_margin` is given. `only`: the phases
     to measure (plan.ONLY_CHOICES), the others' stored rows kept; the tables are built from every stored
     row either way. `fused_ops`: the AG-GEMM / GEMM-RS designs measured ("auto": every one, the verdict
-    choosing; or one: plan.make_plan)."""
+    choosing; or one: plan.make_plan). `shapes` "shipped": the config tables' phases on every shipped
+    model's shapes (plan.shipped_plan; `model` and `dims` unused), shared out over `world` ranks."""
     from tp_overlap_plugin.tuning import rules
     cache = tables.cache_dir()
     if engine_margin is None:
         engine_margin = rules.ENGINE_MARGIN if margin is None else margin
-    plan = make_plan(model, dims, world, device, quick, rules.MARGIN if margin is None else margin, engine_margin,
-                     model_spec, step_budget, fused_ops)
+    margin = rules.MARGIN if margin is None else margin
+    plan = (shipped_plan(world, device, quick, margin, engine_margin) if shapes == "shipped" else
+            make_plan(model, dims, world, device, quick, margin, engine_margin, model_spec, step_budget, fused_ops))
     if only:
         plan = dataclasses.replace(plan, items={p: v for p, v in plan.items.items() if p in only})
     budget_s = 60 * (budget_min if budget_min is not None else (3 if quick else 10))
     total = sum(len(v) for v in plan.items.values())
-    print(f"tp-overlap tune: {model} at TP={world} on {device}{' (quick)' if quick else ''}: {total} rows in "
+    print(f"tp-overlap tune: {plan.describe()} on {device}{' (quick)' if quick else ''}: {total} rows in "
           f"{len(plan.items)} phases, estimated {plan.estimate_s() / 60:.1f} min (budget {budget_s / 60:.0f} min); "
           f"cache {cache}" + ("; --force: measuring everything again" if force else
                               "; rows measured before under these versions are kept"), file=sys.stderr, flush=True)
+    if plan.estimate_s() > budget_s:
+        print(f"tp-overlap tune: the estimate is over the budget: the run stops starting new rows at "
+              f"{budget_s / 60:.0f} min and keeps what it measured (a rerun resumes); `--budget-min "
+              f"{math.ceil(1.2 * plan.estimate_s() / 60)}` measures them all in one run", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     deadline = time.time() + budget_s
     timeout = timeout_s or max(600.0, 3 * budget_s)
@@ -104,6 +116,8 @@ def run(model: str, dims: ModelDims, world: int, device: str, quick: bool = Fals
             print("tp-overlap tune: every row is measured already (--force measures them again)", file=sys.stderr)
         elif engine_todo:
             interrupted = _engine(plan, device_name, designs, engine_todo, deadline, timeout, summary)
+    elif not ops_todo:
+        print("tp-overlap tune: every row is measured already (--force measures them again)", file=sys.stderr)
     return _finish(plan, device_name, summary, interrupted, t0)
 
 
@@ -174,8 +188,11 @@ def _finish(plan: Plan, device_name: str, summary: dict, interrupted: str | None
     paths = build_tables(device_name, world, plan, summary)
     for name, p in paths.items():
         print(f"  {name}: {p}", file=sys.stderr)
+    left = 0
     for phase, s in summary["phases"].items():
-        note = f"; stopped: {s['stopped']}" if s["stopped"] else ""
+        s_left = s["items"] - s["resumed"] - s["measured"] - s.get("failed", 0)
+        left += s_left
+        note = f"; stopped: {s['stopped']}, {s_left} left" if s["stopped"] else ""
         failed_note = f", {s['failed']} failed" if s.get("failed") else ""
         print(f"  {phase}: {s['measured']} measured{failed_note}, {s['resumed']} kept from before, of {s['items']}, in "
               f"{s['wall_s']:.0f} s{note}", file=sys.stderr)
@@ -183,7 +200,7 @@ def _finish(plan: Plan, device_name: str, summary: dict, interrupted: str | None
     if interrupted:
         error = "" if interrupted.startswith("interrupted") else "error: "
         print(f"tp-overlap tune: {error}{interrupted} after {took:.0f} s; the rows measured so far are kept in the "
-              f"cache, and `tp-overlap tune --tp {world} --model {model}` resumes from there.", file=sys.stderr)
+              f"cache, and `{plan.command}` resumes from there.", file=sys.stderr)
         return 130 if interrupted.startswith("interrupted") else 1
     failed = tables.read("dispatch", path=paths["dispatch"]).get("failed", []) if "dispatch" in paths else []
     if failed:
@@ -192,9 +209,15 @@ def _finish(plan: Plan, device_name: str, summary: dict, interrupted: str | None
         for f in failed:
             print(f"  {f['phase']} {f['key']}: {f['why']}", file=sys.stderr)
     stopped = any(s["stopped"] for s in summary["phases"].values())
-    print(f"tp-overlap tune: done in {took:.0f} s" + (" (stopped early: run it again to measure the rest)"
-                                                     if stopped else "") + f". `tp-overlap serve --tp {world} "
-          f"--model {model} --tp-overlap` now uses these tables.", file=sys.stderr)
+    if plan.shapes == "model":
+        uses = f"`tp-overlap serve --tp {world} --model {model} --tp-overlap` now uses these tables"
+    elif {"gemm", "decode"} & set(paths):
+        uses = ("Engines on this device now take these config tables from the cache; to ship them, copy them into the "
+                "package's gemm_tables/ and decode_tables/")
+    else:
+        uses = "Nothing was measured, so no table was written"
+    print(f"tp-overlap tune: done in {took:.0f} s" + (f" (stopped early with {left} rows left: run it again to measure "
+                                                     f"them)" if stopped else "") + f". {uses}.", file=sys.stderr)
     return 0
 
 
