@@ -202,11 +202,7 @@ def test_the_dispatch_schema_is_written_once():
 
 SHIPPED = sorted(p.relative_to(tables.PACKAGE_DIR).as_posix() for k in tables.KINDS.values()
                  for p in (tables.PACKAGE_DIR / k.folder).glob("*.json"))
-# tables measured by scripts since retired, or that name no command: the lead regenerates or removes
-# them (a test that passes once one is fixed fails here: strict). Both H200 config tables are
-# regenerated on one H200 by SHIPPED_CONFIGS_COMMAND (then their entries here go)
-NO_COMMAND = {"decode_tables/h200.json": "bench/decode_configs.py: retired",
-              "gemm_tables/h200.json": "no command: bench/gemm_configs.py's results, made a table by hand"}
+# every one is tune's now: the H200 config tables come from SHIPPED_CONFIGS_COMMAND (one H200, 2026-11-28)
 
 
 def _console_script(name: str) -> list[str]:
@@ -244,8 +240,7 @@ def _command_exists(command: str) -> list[str]:
     return wrong
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=NO_COMMAND[n], strict=True))
-                                  if n in NO_COMMAND else n for n in SHIPPED])
+@pytest.mark.parametrize("name", SHIPPED)
 def test_every_shipped_table_names_a_command_that_exists(name):
     data = json.loads((tables.PACKAGE_DIR / name).read_text())
     assert data.get("command"), f"{name} names no command that measures it again"
