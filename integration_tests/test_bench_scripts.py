@@ -22,7 +22,7 @@ RESULTS = ROOT / "bench" / "results"
 # the shipped dispatch tables `tp-overlap tune` made, and its store of each run (every phase's rows,
 # bench/results/tune-store-*): the table is what tune's rules make of them
 TUNE_MADE = {"h200-tp1.json": "tune-store-llama-3-8b-tp1-h200-2026-11-28.json",
-             "h200-tp4.json": "tune-store-llama-3-8b-tp4-h200x4-2026-11-28.json",
+             "h200-tp4.json": "tune-store-llama-3-8b-70b-tp4-h200x4-2026-11-28.json",
              "h200-tp2.json": "tune-store-llama-3-8b-tp2-h200x2-2026-11-28.json"}
 
 
@@ -286,20 +286,21 @@ def test_gemm_table_rules():
 
 
 def test_readme_headline_keeps_rows_a_newer_partial_run_did_not_measure(tmp_path):
-    """Per (TP, scenario) the newest run of the flag as shipped: a newer prefill-only run replaces the
-    prefill row and leaves the older run's decode row, each with its own source line; runs of a forced
-    dispatch or another fused-op design never count."""
+    """Per (TP, model, scenario) the newest run of the flag as shipped: a newer prefill-only run replaces
+    the prefill row and leaves the older run's decode row, each with its own source line; runs of a forced
+    dispatch or another fused-op design never count; another model's newer run is a row of its own."""
     sys.path.insert(0, str(ROOT / "bench"))
     import readme_table
 
     def run(name, stamp, ratios, **config):
         summary = {scen: {"workload": scen, "stock": {"output_tokens_per_s": [100.0]},
                           "overlap": {"output_tokens_per_s": [100.0 * r]},
-                          "overlap_over_stock": {"median": r, "min": r, "max": r, "ratios": [r], "call": "no call"}}
+                          "overlap_over_stock": {"median": r, "min": r, "max": r, "ratios": [r] * 3, "call": "no call"}}
                    for scen, r in ratios.items()}
         env = {"device": "NVIDIA H200", "device_count": 2, "tp": 2, "date": stamp[:10], "timestamp": stamp,
                "torch": "t", "triton": "t"}
-        cfg = {"quick": False, "dispatch": "table", "dispatch_table": "x.json", "pairs": 1, "min_seconds": 1, **config}
+        cfg = {"quick": False, "dispatch": "table", "dispatch_table": "x.json", "pairs": 1, "min_seconds": 1,
+               "model": "llama-3-8b", **config}
         (tmp_path / f"e2e-interleaved-{name}.json").write_text(json.dumps(
             {"schema": "e2e-interleaved/1", "environment": env, "config": cfg, "summary": summary}))
 
@@ -308,10 +309,16 @@ def test_readme_headline_keeps_rows_a_newer_partial_run_did_not_measure(tmp_path
     # newer still, but not the flag as shipped: a forced dispatch, another fused-op design
     run("forced", "2026-01-03T00:00:00", {"prefill-b32": 0.5}, dispatch="overlap")
     run("chunked", "2026-01-03T00:00:00", {"decode-b1": 0.6}, fused_ops="chunked")
+    run("big", "2026-01-04T00:00:00", {"prefill-b32": 1.07}, model="llama-3-70b")
+    run("cut-short", "2026-01-05T00:00:00", {"decode-b1": 0.7})
+    (tmp_path / "e2e-interleaved-cut-short.json").write_text((tmp_path / "e2e-interleaved-cut-short.json").read_text()
+                                                             .replace('"ratios": [0.7, 0.7, 0.7]', '"ratios": [0.7]'))
     table = readme_table.render(str(tmp_path))
     rows = [line for line in table.splitlines() if line.startswith("| prefill") or line.startswith("| decode")]
-    assert rows[0].startswith("| prefill-b32") and "1.020" in rows[0] and "0.950" not in table
-    assert rows[1].startswith("| decode-b1") and "1.250" in rows[1]
+    assert rows[0].startswith("| prefill-b32") and "| llama-3-70b |" in rows[0] and "1.070" in rows[0]
+    assert rows[1].startswith("| prefill-b32") and "| llama-3-8b |" in rows[1] and "1.020" in rows[1]
+    assert "0.950" not in table and "0.700" not in table   # one pair: no call, no headline row
+    assert rows[2].startswith("| decode-b1") and "1.250" in rows[2]
     assert "e2e-interleaved-old.json" in table and "e2e-interleaved-new.json" in table
 
 

@@ -441,3 +441,15 @@ def test_the_table_holds_one_fused_op_design_and_an_engine_of_the_other_leaves_i
     assert other.gemm == [] and other.engine_rows == [] and other.all_reduce == table.all_reduce
     assert other.fused_ops == "chunked" and "--fused-ops chunked" in other.warnings[-1]
     assert not other.fused_gemm("ag", 8192, 4096, 1536) and table.fused_gemm("ag", 8192, 4096, 1536)
+
+
+def test_a_table_of_several_models_names_a_run_for_each():
+    """The dispatch table holds every model tuned into the cache at its TP size (h200-tp4: 8B, then
+    70B): its command measures each again, the run that wrote it last."""
+    from types import SimpleNamespace
+
+    from tp_overlap_plugin.tuning.report import _dispatch_command
+    plan = SimpleNamespace(model="llama-3-70b", fused_ops="auto")
+    assert _dispatch_command(4, plan, ["llama-3-70b", "llama-3-8b"]) == (
+        "tp-overlap tune --tp 4 --model llama-3-8b && tp-overlap tune --tp 4 --model llama-3-70b")
+    assert _dispatch_command(2, plan, []) == "tp-overlap tune --tp 2 --model llama-3-70b"

@@ -62,6 +62,13 @@ def build_tables(device_name: str, world: int, plan: Plan, summary: dict | None 
     return out
 
 
+def _dispatch_command(world: int, plan: Plan, models: list[str]) -> str:
+    """The table holds the rows of every model tuned into this cache at this TP size: measuring it
+    again takes one run per model, this run's last."""
+    others = [m for m in models if m != plan.model]
+    return " && ".join(tables.tune_command(world, m, plan.fused_ops) for m in [*others, plan.model])
+
+
 def _dispatch_table(world: int, plan: Plan, stored: dict, env: dict) -> tuple[dict, str]:
     """The dispatch table of the stored rows (with the engine's verdict), and its markdown."""
     from tp_overlap_plugin.tuning import rules
@@ -69,7 +76,7 @@ def _dispatch_table(world: int, plan: Plan, stored: dict, env: dict) -> tuple[di
                      for r in stored[p]["rows"].values()} - {""})
     table = rules.build({p: d["rows"] for p, d in stored.items()}, env, margin=plan.margin,
                         engine_margin=plan.engine_margin,
-                        command=tables.tune_command(world, plan.model, plan.fused_ops),
+                        command=_dispatch_command(world, plan, models),
                         extra={"models": models, "tuned_by": "tp-overlap tune"}, fused_ops=plan.fused_ops)
     md = rules.markdown(table, [(LAYER_OPS[layer], k, n) for layer, k, n in plan.dims.layers(world)], plan.model)
     norm_rows = [r for r in stored.get("all_reduce", {"rows": {}})["rows"].values()
