@@ -41,8 +41,11 @@ class Workers:
             if world_env != world:
                 raise ValueError(f"launched with {world_env} ranks but tensor_parallel_size={world}")
             self.owns_group = not dist.is_initialized()
-            device, group, ctrl = init_distributed(cfg, rank, world, None, launched[2] if launched else None)
-            self.runner = ModelRunner(cfg, rank, world, group, ctrl, device, make_plan(cfg, device, world))
+            local = launched[2] if launched else None
+            # the plan before the group, as rank 0's before the spawn below: a refusal leaves no peer waiting
+            plan = make_plan(cfg, rank_device(cfg, rank, world, local), world)
+            device, group, ctrl = init_distributed(cfg, rank, world, None, local)
+            self.runner = ModelRunner(cfg, rank, world, group, ctrl, device, plan)
             self.is_driver = rank == 0
         elif world > 1:
             self._spawn_and_join(cfg, world)
