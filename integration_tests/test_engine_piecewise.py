@@ -109,13 +109,15 @@ def _tp2_flag_rank(ctx):
     reduce-scatter and the LM head's all-gather (torch.distributed, NCCL in the engine) go through the
     heap's all-reduce here, which graphs do hold."""
     from tp_overlap_plugin import runtime
+    from tp_overlap_plugin.serving.worker.layer_factory import make_plan
     from tp_overlap_plugin.serving.worker.runner import ModelRunner
 
     cfg = EngineConfig(model="demo", device="cuda", dtype="bfloat16", tensor_parallel_size=2, enforce_eager=True,
                        tp_overlap={"dispatch": "overlap"}, block_size=BS, max_model_len=64, max_num_seqs=8,
                        max_num_batched_tokens=32, num_kv_blocks=64, piecewise_graph_token_counts=[16, 17, 32],
                        show_progress=False)
-    r = ModelRunner(cfg, ctx.rank, ctx.world_size, ctx.group, ctx.group, ctx.device)
+    r = ModelRunner(cfg, ctx.rank, ctx.world_size, ctx.group, ctx.group, ctx.device,
+                    make_plan(cfg, ctx.device, ctx.world_size))
     heap_all_reduce = r.model.embed_tokens.layers.all_reduce
     w, rank = ctx.world_size, ctx.rank
 
@@ -181,7 +183,9 @@ def test_steps_above_the_graph_sizes_take_graphs_only_where_the_flag_runs_the_ch
     from types import SimpleNamespace
 
     from tp_overlap_plugin.dispatch import Dispatcher
+    from tp_overlap_plugin.options import TPOverlapOptions
     from tp_overlap_plugin.overlap_layers import OverlapTPLayers
+    from tp_overlap_plugin.overlap_plan import OverlapPlan
     from tp_overlap_plugin.serving.worker.piecewise import PiecewiseGraphs, large_buckets
 
     assert large_buckets(8192, lambda b: True) == list(range(2560, 8193, 512))
@@ -194,7 +198,7 @@ def test_steps_above_the_graph_sizes_take_graphs_only_where_the_flag_runs_the_ch
     def buckets(runs_2048: str, design: str = "chunked", world: int = 4) -> list[int]:
         d = Dispatcher(gemm=gemm, fused_ops=design, engine_rows=[{"M": 2048, "shapes": shapes, "runs": runs_2048},
                                                                  {"M": 8192, "shapes": shapes, "runs": "flag"}])
-        layers = SimpleNamespace(tp=SimpleNamespace(world_size=world), fused_ops=design, dispatcher=d, _ops=ops)
+        layers = SimpleNamespace(plan=OverlapPlan(TPOverlapOptions(), "cpu", world, dispatcher=d), _ops=ops)
         return large_buckets(8192, lambda b: OverlapTPLayers.graph_step(layers, b))
     # 2048 runs stock: between it and 8192 the cautious neighbour (stock), so only the budget's own bucket
     assert buckets("stock") == [8192]

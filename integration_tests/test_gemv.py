@@ -89,11 +89,14 @@ def _tp1_layers_take_the_decode_matmul():
     weights, through the decode matmul at decode sizes and F.linear above 64 rows."""
     from tp_overlap_plugin import stats
     from tp_overlap_plugin.layers import TPGroup, TPLayers
+    from tp_overlap_plugin.options import TPOverlapOptions
     from tp_overlap_plugin.overlap_layers import OverlapTPLayers
+    from tp_overlap_plugin.overlap_plan import OverlapPlan
 
     torch.manual_seed(0)
     dt, tp = torch.bfloat16, TPGroup(0, 1, None)
-    ours = OverlapTPLayers(tp, dt, "cpu", None, max_tokens=80, dispatcher=Dispatcher(mode="overlap"))
+    plan = OverlapPlan(TPOverlapOptions(), "cpu", 1, dispatcher=Dispatcher(mode="overlap"))
+    ours = OverlapTPLayers(tp, dt, "cpu", None, max_tokens=80, plan=plan)
     stock = TPLayers(tp, dt, "cpu")
     mods = []
     for make in (lambda f: f.column(40, [24, 8], bias=True), lambda f: f.row(40, 24, bias=True),

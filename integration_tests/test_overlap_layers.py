@@ -12,7 +12,9 @@ from tp_overlap_plugin import stats
 from tp_overlap_plugin.dispatch import Dispatcher
 from tp_overlap_plugin.layers import TPGroup, TPLayers
 from tp_overlap_plugin.multirank import run_ranks
+from tp_overlap_plugin.options import TPOverlapOptions
 from tp_overlap_plugin.overlap_layers import OverlapTPLayers, required_heap_bytes
+from tp_overlap_plugin.overlap_plan import OverlapPlan
 
 V, H, I = 50, 64, 96
 TOKENS = (1, 3, 8, 13)
@@ -83,10 +85,8 @@ def _compare(ctx, seed, dispatch, block_name="_Block"):
     stock = block(TPLayers(tp, DTYPE, ctx.device))
     dispatch = dict(dispatch)
     capacity = dispatch.pop("all_reduce_capacity", None)
-    fused_ops = dispatch.pop("fused_ops", "kernel")
-    dispatcher = Dispatcher(**dispatch)
-    layers = OverlapTPLayers(tp, DTYPE, ctx.device, ctx.heap, max_tokens=16, dispatcher=dispatcher,
-                             fused_ops=fused_ops)
+    plan = OverlapPlan(TPOverlapOptions(), "cpu", ctx.world_size, dispatcher=Dispatcher(**dispatch))
+    layers = OverlapTPLayers(tp, DTYPE, ctx.device, ctx.heap, max_tokens=16, plan=plan)
     if capacity is not None:  # as if the steps' messages outgrew the all-reduce's heap slots
         layers.all_reduce.max_bytes = capacity
     overlap = block(layers)
@@ -101,7 +101,7 @@ def _compare(ctx, seed, dispatch, block_name="_Block"):
 
 
 def _heap_size():
-    return required_heap_bytes(H, 16, 2, DTYPE) // 16  # the all-reduce stage dominates; 8 MB is plenty
+    return required_heap_bytes(OverlapPlan(TPOverlapOptions(), "cpu", 2, dispatcher=Dispatcher()), H, 16, DTYPE) // 16  # the all-reduce stage dominates; 8 MB is plenty
 
 
 IPC_ALL_REDUCE = dict(mode="table", all_reduce=[{"bytes": 1, "graph_winner": "ipc", "eager_winner": "ipc"}])

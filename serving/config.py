@@ -214,8 +214,9 @@ class EngineConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _flag_shorthand(cls, data):
+        # true / false mean what they mean in vLLM's section and TP_OVERLAP: TPOverlapOptions.from_section
         if isinstance(data, dict) and isinstance(data.get("tp_overlap"), bool):
-            data = {**data, "tp_overlap": {} if data["tp_overlap"] else None}
+            data = {**data, "tp_overlap": TPOverlapOptions.from_section(data["tp_overlap"], "tp_overlap")}
         return data
 
     @property

@@ -6,7 +6,11 @@ environment; vLLM from `--additional-config '{"tp_overlap": {...}}'` or the envi
 (vllm_plugin.parse_options).
 
 The environment, read alike by both: TP_OVERLAP unset, or 0 / false / off / no: off; 1 / true / on /
-yes: on with the defaults; a JSON object: on with those options.
+yes: on with the defaults; a JSON object: on with those options. `true` / `false` in place of the
+object mean the same wherever they are written: `TPOverlapOptions.from_section` is their one reader.
+
+Each rank of either adapter turns the options into one `OverlapPlan` (overlap_plan.py): the table, the
+design, the limits, resolved once; the layers, the model runner and the piecewise graphs take the plan.
 
 Every environment variable the package reads is read here, each by one function at the end of this
 file (integration_tests/test_code_layout.py checks that no other module reads one), so that one file

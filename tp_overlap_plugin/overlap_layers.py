@@ -11,7 +11,8 @@ Per step (decided by the embedding, the first module of every step) the residual
     norm run as one kernel (HeapAllReduceNorm). Or a row layer runs as one GEMM + all-reduce
     kernel (GemmAllReduce) whose output the norm then adds and normalises itself.
 Which, and whether each op takes the fused kernel or the sequential NCCL + GEMM pair, is the
-dispatcher's call (dispatch.py: measured tables, stock where unmeasured), per step size within the
+dispatcher's call (dispatch.py: measured tables, stock where unmeasured; the rank's OverlapPlan holds
+it, with the design whose AG-GEMM / GEMM-RS classes the layers build), per step size within the
 engine's verdict (Dispatcher.step_runs, from tune's whole-step check): a step size where the flag's
 step lost to the stock engine's runs the replicated layout, or every op stock; the fused all-reduce +
 norm runs where the dispatcher picks our all-reduce, GEMM + all-reduce where the dispatcher's
@@ -35,14 +36,11 @@ from tp_overlap_plugin.dispatch import Dispatcher
 from tp_overlap_plugin.heap import SymmetricHeap
 from tp_overlap_plugin.layers import (ColumnParallelLinear, ParallelLMHead, PendingAllReduce, RowParallelLinear,
                                       TPGroup, TPLayers, VocabParallelEmbedding, activate_silu_mul)
-from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm
-from tp_overlap_plugin.ops.chunked import ChunkedAllGatherGemm, ChunkedGemmReduceScatter
 from tp_overlap_plugin.ops.gemm import gemm_silu_mul, gemm_silu_mul_applies
 from tp_overlap_plugin.ops.gemm_ar import GemmAllReduce
-from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter
 from tp_overlap_plugin.ops.gemv import gemv, gemv_applies
 from tp_overlap_plugin.ops.operands import KERNEL_DTYPES
-from tp_overlap_plugin.options import DEFAULT_MAX_BYTES
+from tp_overlap_plugin.overlap_plan import OverlapPlan
 
 STOCK = Dispatcher(mode="stock")  # the ops of a step that the engine's verdict runs stock
 # The fused all-reduce + norm takes steps of up to this many bytes of rows (decode batches): its
@@ -86,17 +84,15 @@ def warm_up_token_counts(max_tokens: int, world: int, buckets=()) -> list[int]:
     return sorted(shard | rows_up_to(max_tokens))
 
 
-def required_heap_bytes(hidden: int, max_tokens: int, world: int, dtype: torch.dtype,
-                        all_reduce_bytes: int = DEFAULT_MAX_BYTES, fused_ops: str = "kernel") -> int:
-    """Heap for one model: AG-GEMM's and GEMM-RS's receive slots of T/W rows of the hidden size
-    (every column layer reads, and every row layer writes, the hidden size; one op of each serves all
-    layers), the all-reduce's, the fused all-reduce + norm's and GEMM + all-reduce's receive slots
-    (row layers output the hidden size: one op of each), flags."""
+def required_heap_bytes(plan: OverlapPlan, hidden: int, max_tokens: int, dtype: torch.dtype) -> int:
+    """Heap for one model: the plan's AG-GEMM's and GEMM-RS's receive slots of T/W rows of the hidden
+    size (every column layer reads, and every row layer writes, the hidden size; one op of each serves
+    all layers), the all-reduce's (up to the plan's capacity), the fused all-reduce + norm's and GEMM +
+    all-reduce's receive slots (row layers output the hidden size: one op of each), flags."""
+    world = plan.world
     rows = -(-max_tokens // world)
-    ag, rs = (ChunkedAllGatherGemm, ChunkedGemmReduceScatter) if fused_ops == "chunked" else (AllGatherGemm,
-                                                                                              GemmReduceScatter)
-    return (ag.heap_bytes(world, rows, hidden, dtype) + rs.heap_bytes(world, rows, hidden, dtype)
-            + HeapAllReduce.heap_bytes(world, all_reduce_bytes)
+    return (plan.ag_gemm.heap_bytes(world, rows, hidden, dtype) + plan.gemm_rs.heap_bytes(world, rows, hidden, dtype)
+            + HeapAllReduce.heap_bytes(world, plan.max_bytes)
             + HeapAllReduceNorm.heap_bytes(world, hidden, fused_norm_rows(hidden, max_tokens, dtype), dtype)
             + GemmAllReduce.heap_bytes(world, gemm_ar_rows(max_tokens), hidden, dtype) + (16 << 20))
 
@@ -105,27 +101,28 @@ class OverlapTPLayers(TPLayers):
     name = "overlap"
 
     def __init__(self, tp: TPGroup, dtype: torch.dtype, device, heap: Optional[SymmetricHeap], max_tokens: int,
-                 dispatcher: Optional[Dispatcher] = None, all_reduce_bytes: int = DEFAULT_MAX_BYTES,
-                 fused_ops: str = "kernel"):
+                 plan: OverlapPlan):
         """`heap` is None only at TP=1: nothing is communicated, and the layers are the local matmuls
-        (the decode matmul where the table picks it). `all_reduce_bytes`: the all-reduce's capacity
-        (tp_overlap.max_bytes); larger messages take the stock all-reduce. `fused_ops`: which AG-GEMM
-        and GEMM-RS the sharded layout runs (tp_overlap.fused_ops)."""
+        (the decode matmul where the table picks it). `plan`: the rank's table, the design whose AG-GEMM
+        and GEMM-RS the sharded layout runs, and the all-reduce's capacity (larger messages take the
+        stock all-reduce)."""
         super().__init__(tp, dtype, device)
         if heap is None and tp.world_size > 1:
             raise ValueError(f"the overlap layers at TP={tp.world_size} need a symmetric heap")
         if heap is not None and heap.world_size != tp.world_size:
             raise ValueError(f"heap spans {heap.world_size} ranks, the TP group {tp.world_size}")
+        if plan.world != tp.world_size:
+            raise ValueError(f"the plan is for TP={plan.world}, the TP group has {tp.world_size} ranks")
         self.heap = heap
-        self.fused_ops = fused_ops
+        self.plan = plan
         self.max_tokens = max_tokens
         self.max_rows = -(-max_tokens // tp.world_size)
-        self.dispatcher = dispatcher or Dispatcher()
+        self.dispatcher = plan.dispatcher
         self.step_dispatcher = self.dispatcher  # the current step's: the table's, or STOCK by the verdict
-        self._ag: dict[int, AllGatherGemm] = {}
-        self._rs: dict[int, GemmReduceScatter] = {}
+        self._ag: dict[int, object] = {}  # the plan's AG-GEMM per input size
+        self._rs: dict[int, object] = {}  # the plan's GEMM-RS per output size
         self._ops: set[tuple[str, int, int]] = set()  # (op, K, N) of every linear layer built
-        self.all_reduce = (HeapAllReduce(heap, all_reduce_bytes, device_group=tp.group,
+        self.all_reduce = (HeapAllReduce(heap, plan.max_bytes, device_group=tp.group,
                                          auto_one_shot_bytes=self.dispatcher.one_shot_max_bytes)
                            if heap is not None else None)
         self._norms: dict[int, HeapAllReduceNorm] = {}  # the fused all-reduce + norm, per hidden size
@@ -136,24 +133,22 @@ class OverlapTPLayers(TPLayers):
 
     # Heap-backed ops are collective to build: every rank builds the same model in the same order,
     # so creating them as modules are constructed keeps the heap symmetric.
-    def column_op(self, k: int, n: int) -> "Optional[AllGatherGemm | ChunkedAllGatherGemm]":
-        """The AG-GEMM for a column layer of input size k and n local output columns (None at TP=1)."""
+    def column_op(self, k: int, n: int):
+        """The plan's AG-GEMM for a column layer of input size k and n local output columns (None at TP=1)."""
         self._ops.add(("ag", k, n))
         if self.heap is None:
             return None
         if k not in self._ag:
-            op = ChunkedAllGatherGemm if self.fused_ops == "chunked" else AllGatherGemm
-            self._ag[k] = op(self.heap, self.max_rows, k, self.dtype, device_group=self.tp.group)
+            self._ag[k] = self.plan.ag_gemm(self.heap, self.max_rows, k, self.dtype, device_group=self.tp.group)
         return self._ag[k]
 
-    def rs_op(self, k: int, n: int) -> "Optional[GemmReduceScatter | ChunkedGemmReduceScatter]":
-        """The GEMM-RS for a row layer of k local input rows and n output columns (None at TP=1)."""
+    def rs_op(self, k: int, n: int):
+        """The plan's GEMM-RS for a row layer of k local input rows and n output columns (None at TP=1)."""
         self._ops.add(("rs", k, n))
         if self.heap is None:
             return None
         if n not in self._rs:
-            op = ChunkedGemmReduceScatter if self.fused_ops == "chunked" else GemmReduceScatter
-            self._rs[n] = op(self.heap, self.max_rows, n, self.dtype, device_group=self.tp.group)
+            self._rs[n] = self.plan.gemm_rs(self.heap, self.max_rows, n, self.dtype, device_group=self.tp.group)
         return self._rs[n]
 
     def norm_op(self, hidden: int) -> HeapAllReduceNorm:
@@ -171,14 +166,9 @@ class OverlapTPLayers(TPLayers):
         return self._gemm_ar[n]
 
     def graph_step(self, tokens: int) -> bool:
-        """A step of `tokens` above the default graph size runs in a piecewise graph where the flag runs it
-        with the chunked fused ops in the sharded layout (their ~20 host operations a call lose eagerly),
-        by the table and its verdict for that size; every other such step runs eagerly, as stock's does."""
-        w = self.tp.world_size
-        if w == 1 or self.fused_ops != "chunked":
-            return False
-        return (self.dispatcher.step_runs(tokens, tuple(sorted(self._ops))) == "flag"
-                and self.dispatcher.sequence_parallel(-(-tokens // w) * w, self._ops))
+        """Whether a step of `tokens` above the default graph size runs in a piecewise graph: the plan's
+        answer for the linear ops built (OverlapPlan.graph_step)."""
+        return self.plan.graph_step(tokens, self._ops)
 
     def begin_step(self, tokens: int) -> None:
         if tokens > self.max_tokens:

@@ -215,19 +215,20 @@ def _ensure_all_reduce(opts: TPOverlapOptions) -> str:
     from tp_overlap_plugin.ops.all_reduce import HeapAllReduce
     from tp_overlap_plugin.heap import SymmetricHeap
 
-    from tp_overlap_plugin.dispatch import Dispatcher
+    from tp_overlap_plugin.overlap_plan import OverlapPlan
 
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    dispatcher = Dispatcher.load(opts.dispatch, device_name=device_name, world=tp.world_size,
-                                 path=opts.dispatch_table, model=_model_name())
+    # the same plan as our engine's ranks make (its table, its byte limits), once per TP group
+    plan = OverlapPlan(opts, device_name, tp.world_size, model=_model_name())
+    dispatcher = plan.dispatcher
     if tp.rank_in_group == 0:
         # only the all-reduce rows matter here (the plugin replaces RowParallelLinear's all-reduce), and
         # they do not depend on the model's shapes
-        for w in dispatcher.startup_warnings(device_name, tp.world_size, model=_model_name()):
+        for w in plan.startup_warnings():
             logger.warning(w)
-    heap = SymmetricHeap(tp.cpu_group, device, heap_size=opts.all_reduce_heap_bytes(tp.world_size),
+    heap = SymmetricHeap(tp.cpu_group, device, heap_size=plan.all_reduce_heap_bytes(),
                          backend=opts.backend, timeout_s=opts.heap_timeout_s)
-    reducer = HeapAllReduce(heap, max_bytes=opts.max_bytes, device_group=tp.device_group,
+    reducer = HeapAllReduce(heap, max_bytes=plan.max_bytes, device_group=tp.device_group,
                             auto_one_shot_bytes=dispatcher.one_shot_max_bytes)
     ops = _row_ops.setdefault(key, set())
 

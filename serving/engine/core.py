@@ -20,9 +20,8 @@ from typing import Optional
 
 import torch
 
-from ..config import EngineConfig, default_device
+from ..config import EngineConfig
 from ..model.sampler import TokenState
-from ..worker.layer_factory import require_triton_interpreter
 from ..worker.runner import SamplingBatch, StepResult
 from ..worker.step_message import StepInput
 from ..worker.workers import Workers
@@ -51,7 +50,6 @@ class EngineCore:
         self.cfg = cfg
         self.mcfg = cfg.load_model_config()
         self.mcfg.check_tp(cfg.tensor_parallel_size)   # fail before any process is spawned
-        require_triton_interpreter(cfg, default_device(cfg), cfg.tensor_parallel_size)
         self._closed = False
         self._broken: Optional[BaseException] = None
         self.workers = Workers(cfg)

@@ -37,7 +37,9 @@ class EngineCoreClient:
         ctx = mp.get_context("spawn")
         req_r, self._req = ctx.Pipe(duplex=False)
         self._out, out_w = ctx.Pipe(duplex=False)
-        args = (cfg.model_dump_json(), req_r, out_w, setup)
+        # the config itself, as the front end holds it: spawn pickles it, and the core hands the same on
+        # to the ranks it spawns (no dump to JSON and parse back at either boundary)
+        args = (cfg, req_r, out_w, setup)
         if in_thread:
             self.proc = threading.Thread(target=run_core, args=args + (False,), name="engine-core", daemon=True)
         else:

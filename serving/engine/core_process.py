@@ -62,7 +62,7 @@ def parent_logging() -> tuple[int, Optional[str]]:
     return root.level, fmt
 
 
-def run_core(cfg_json: str, requests, outputs, setup: Optional[Callable] = None, in_process: bool = True,
+def run_core(cfg: EngineConfig, requests, outputs, setup: Optional[Callable] = None, in_process: bool = True,
              logging_setup: Optional[tuple[int, Optional[str]]] = None) -> None:
     """The core's loop: build the EngineCore, then add / abort / step until told to stop or the server
     goes away. `setup(core)` runs once the core is built (tests use it to inject faults)."""
@@ -77,7 +77,7 @@ def run_core(cfg_json: str, requests, outputs, setup: Optional[Callable] = None,
     eng = None
     try:
         try:
-            eng = EngineCore(EngineConfig.model_validate_json(cfg_json))
+            eng = EngineCore(cfg)
             if setup is not None:
                 setup(eng)
         except BaseException as e:

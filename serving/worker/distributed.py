@@ -18,23 +18,28 @@ from ..config import EngineConfig, default_device
 log = logging.getLogger(__name__)
 
 
+def rank_device(cfg: EngineConfig, rank: int, world_size: int, local_rank: Optional[int] = None) -> torch.device:
+    """The device of rank `rank` (init_distributed selects it; rank 0 plans on it before it spawns the others)."""
+    if default_device(cfg) != "cuda":
+        return torch.device("cpu")
+    lr = rank if local_rank is None else local_rank
+    if shares_gpus(world_size):
+        # correctness checks only (ranks on one GPU are time-sliced): rank r on GPU r % count, as
+        # in multirank.run_ranks
+        lr %= torch.cuda.device_count()
+    return torch.device("cuda", lr)
+
+
 def init_distributed(cfg: EngineConfig, rank: int, world_size: int, store=None,
                      local_rank: Optional[int] = None):
     """Join (or reuse) the default process group; returns (device, model group, control group)."""
-    dev_kind = default_device(cfg)
-    if dev_kind == "cuda":
-        lr = rank if local_rank is None else local_rank
-        if shares_gpus(world_size):
-            # correctness checks only (ranks on one GPU are time-sliced): rank r on GPU r % count, as
-            # in multirank.run_ranks. NCCL refuses two ranks of a communicator on one GPU unless they
-            # claim different hosts; then it connects them through its socket transport.
-            lr %= torch.cuda.device_count()
-            if not dist.is_initialized():
-                os.environ["NCCL_HOSTID"] = f"tp-overlap-shared-gpu-rank-{rank}"
-        torch.cuda.set_device(lr)
-        device = torch.device("cuda", lr)
-    else:
-        device = torch.device("cpu")
+    device = rank_device(cfg, rank, world_size, local_rank)
+    if device.type == "cuda":
+        if shares_gpus(world_size) and not dist.is_initialized():
+            # NCCL refuses two ranks of a communicator on one GPU unless they claim different hosts;
+            # then it connects them through its socket transport
+            os.environ["NCCL_HOSTID"] = f"tp-overlap-shared-gpu-rank-{rank}"
+        torch.cuda.set_device(device)
     if world_size == 1 and not dist.is_initialized():
         return device, None, None
     if not dist.is_initialized():

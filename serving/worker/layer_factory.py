@@ -1,6 +1,6 @@
-"""The `tp_overlap` flag's one switch in the engine: the stock TP layers, or the overlap factory over a
-symmetric heap sized for the step token budget; and what rank 0 says at start-up about the tables
-the flag runs on."""
+"""The `tp_overlap` flag's one switch in the engine: each rank's plan (tp_overlap_plugin/overlap_plan.py,
+made once per rank), then the stock TP layers, or the plan's overlap factory over a symmetric heap sized
+for the step token budget; and what rank 0 says at start-up about the tables the flag runs on."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from tp_overlap_plugin import runtime
 from tp_overlap_plugin.layers import TPGroup, TPLayers
+from tp_overlap_plugin.overlap_plan import OverlapPlan
 
 from ..config import EngineConfig, ModelConfig
 from .distributed import shares_gpus
@@ -18,17 +19,22 @@ from .distributed import shares_gpus
 log = logging.getLogger(__name__)
 
 
-def require_triton_interpreter(cfg: EngineConfig, device_type: str, world_size: int) -> bool:
-    """With the flag on the CPU, the overlap kernels can only run under the Triton interpreter.
-    Checked at start-up (before workers are spawned, and on each rank before its heap is built),
-    so that a process which cannot run them refuses to start instead of failing its first request.
-    Returns whether the kernels will be interpreted."""
-    if not (cfg.overlap_enabled and device_type == "cpu"):
-        return False
-    from tp_overlap_plugin.dispatch import Dispatcher
+def make_plan(cfg: EngineConfig, device: torch.device, world: int) -> Optional[OverlapPlan]:
+    """This rank's plan for the flag (None: the flag is off): made once per rank, before its layers,
+    and on rank 0 before the other ranks are spawned, so that a process that cannot run the kernels
+    refuses to start instead of failing its first request (require_triton_interpreter)."""
+    if not cfg.overlap_enabled:
+        return None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    plan = OverlapPlan(cfg.tp_overlap, name, world, model=cfg.model)
+    require_triton_interpreter(plan, device.type)
+    return plan
 
-    oc = cfg.tp_overlap
-    if not Dispatcher.load(oc.dispatch, "cpu", world_size, oc.dispatch_table).may_use_kernels:
+
+def require_triton_interpreter(plan: OverlapPlan, device_type: str) -> bool:
+    """With the flag on the CPU, the overlap kernels can only run under the Triton interpreter.
+    Returns whether the kernels will be interpreted; raises where they would run and cannot."""
+    if device_type != "cpu" or not plan.dispatcher.may_use_kernels:
         return False
     if runtime.use_triton_interpreter():
         return True
@@ -40,29 +46,25 @@ def require_triton_interpreter(cfg: EngineConfig, device_type: str, world_size: 
         "sets it), or turn the flag off.")
 
 
-def make_layers(cfg: EngineConfig, mcfg: ModelConfig, tp: TPGroup, ctrl_group, device: torch.device,
-                dtype: torch.dtype) -> tuple[TPLayers, Optional[object]]:
-    """(the layer factory, its symmetric heap or None). Collective with the flag at TP > 1: every
-    rank builds its heap together over `ctrl_group`."""
-    if not cfg.overlap_enabled:
+def make_layers(cfg: EngineConfig, plan: Optional[OverlapPlan], mcfg: ModelConfig, tp: TPGroup, ctrl_group,
+                device: torch.device, dtype: torch.dtype) -> tuple[TPLayers, Optional[object]]:
+    """(the layer factory, its symmetric heap or None): the stock layers without a plan, else the
+    plan's. Collective with the flag at TP > 1: every rank builds its heap together over `ctrl_group`."""
+    if plan is None:
         return TPLayers(tp, dtype, device), None
-    from tp_overlap_plugin.dispatch import Dispatcher
     from tp_overlap_plugin.heap import SymmetricHeap
     from tp_overlap_plugin.overlap_layers import OverlapTPLayers, required_heap_bytes
     world = tp.world_size
-    interpreted = require_triton_interpreter(cfg, device.type, world)
-    oc = cfg.tp_overlap
+    interpreted = require_triton_interpreter(plan, device.type)
+    oc = plan.options
     max_tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    dispatcher = Dispatcher.load(oc.dispatch, name, world, oc.dispatch_table, model=cfg.model).for_design(oc.fused_ops)
-    design = dispatcher.fused_ops  # "auto": the table's (its verdict chose it); else the one named
     if world == 1:
         # nothing to communicate, so no heap: the flag's layers run the local matmuls alone (the
         # decode matmul where the table's gemv rows pick it, F.linear elsewhere)
-        _log_dispatch(cfg, mcfg, tp, device, dtype, dispatcher, name, "no heap at TP=1", interpreted)
-        return OverlapTPLayers(tp, dtype, device, None, max_tokens, dispatcher, oc.max_bytes), None
-    needed = required_heap_bytes(mcfg.hidden_size, max_tokens, world, dtype, oc.max_bytes, design)
-    size = oc.heap_bytes(needed)
+        _log_dispatch(plan, mcfg, tp, device, dtype, "no heap at TP=1", interpreted)
+        return OverlapTPLayers(tp, dtype, device, None, max_tokens, plan), None
+    needed = required_heap_bytes(plan, mcfg.hidden_size, max_tokens, dtype)
+    size = plan.heap_bytes(needed)
     try:
         # ranks sharing a GPU map each other's heaps through IPC handles (as multirank.run_ranks)
         backend = oc.backend or ("ipc" if device.type == "cuda" and shares_gpus(world) else None)
@@ -78,28 +80,27 @@ def make_layers(cfg: EngineConfig, mcfg: ModelConfig, tp: TPGroup, ctrl_group, d
                       f"{max_tokens}; lower those, or free device memory")
         raise RuntimeError(f"tp_overlap: could not allocate a {size / 2**20:.0f} MiB symmetric heap per rank "
                            f"on {device} ({e}); {advice}") from e
-    _log_dispatch(cfg, mcfg, tp, device, dtype, dispatcher, name, f"heap {size >> 20} MiB/rank (fused-op and "
+    _log_dispatch(plan, mcfg, tp, device, dtype, f"heap {size >> 20} MiB/rank (fused-op and "
                   f"all-reduce buffers for {max_tokens} tokens per step)", interpreted)
-    return OverlapTPLayers(tp, dtype, device, heap, max_tokens, dispatcher, oc.max_bytes, design), heap
+    return OverlapTPLayers(tp, dtype, device, heap, max_tokens, plan), heap
 
 
-def _log_dispatch(cfg: EngineConfig, mcfg: ModelConfig, tp: TPGroup, device: torch.device, dtype: torch.dtype,
-                  dispatcher, device_name: str, heap: str, interpreted: bool) -> None:
+def _log_dispatch(plan: OverlapPlan, mcfg: ModelConfig, tp: TPGroup, device: torch.device, dtype: torch.dtype,
+                  heap: str, interpreted: bool) -> None:
     """Rank 0 says once which tables the flag runs on and what they lack (tp_overlap_plugin/tables/)."""
     if tp.rank != 0:
         return
     from tp_overlap_plugin.gemm_config import table_source
     from tp_overlap_plugin.ops.operands import KERNEL_DTYPES
     from tp_overlap_plugin.shapes import ModelDims
-    oc, world = cfg.tp_overlap, tp.world_size
-    log.info("tp_overlap: %s, dispatch %s (%s); GEMM configs: %s", heap, oc.dispatch, dispatcher.source,
+    dispatcher, world = plan.dispatcher, tp.world_size
+    log.info("tp_overlap: %s, dispatch %s (%s); GEMM configs: %s", heap, plan.options.dispatch, dispatcher.source,
              table_source(device))
     if interpreted:
         log.info("tp_overlap: on the CPU the kernels run under the Triton interpreter "
                  "(TRITON_INTERPRET=1): correct, and slow")
     dims = ModelDims.of(mcfg)
-    for w in dispatcher.startup_warnings(device_name, world, dims.layers(world) + [dims.lm_head(world)],
-                                         model=cfg.model):
+    for w in plan.startup_warnings(dims.layers(world) + [dims.lm_head(world)]):
         log.warning(w)
     if dispatcher.missing is None and dtype not in KERNEL_DTYPES and dispatcher.may_use_kernels:
         log.warning("tp_overlap: the AG-GEMM and GEMM-RS kernels take %s only, so with dtype %s "

@@ -66,7 +66,8 @@ def default_token_counts(max_tokens: int, large=()) -> list[int]:
 def large_buckets(max_tokens: int, in_graph) -> list[int]:
     """The buckets above DEFAULT_MAX_GRAPH_TOKENS, every LARGE_BUCKET_STEP tokens and the budget itself,
     whose steps `in_graph(tokens)` says run in graphs: where the flag runs the chunked fused ops sharded
-    (OverlapTPLayers.graph_step). Every other step above the limit runs eagerly, as the stock engine's:
+    (the rank's OverlapPlan.graph_step, asked through OverlapTPLayers.graph_step with the model's ops).
+    Every other step above the limit runs eagerly, as the stock engine's:
     a step the verdict runs stock must be stock's step (no bucket padding, no graph of stock's ops)."""
     sizes = set(range(DEFAULT_MAX_GRAPH_TOKENS + LARGE_BUCKET_STEP, max_tokens + 1, LARGE_BUCKET_STEP))
     if max_tokens > DEFAULT_MAX_GRAPH_TOKENS:

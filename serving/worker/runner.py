@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tp_overlap_plugin.layers import TPGroup
+from tp_overlap_plugin.overlap_plan import OverlapPlan
 
 from ..model import weights as W
 from ..model.attention import AttnMeta
@@ -83,8 +84,11 @@ def resolve_max_model_len(cfg: EngineConfig, mcfg: ModelConfig) -> int:
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, rank: int, world_size: int, group, ctrl_group, device: torch.device):
+    def __init__(self, cfg: EngineConfig, rank: int, world_size: int, group, ctrl_group, device: torch.device,
+                 plan: Optional[OverlapPlan]):
+        """`plan`: this rank's plan for the flag (layer_factory.make_plan), None with the flag off."""
         self.cfg = cfg
+        self.plan = plan
         self.rank, self.world_size = rank, world_size
         self.group, self.ctrl_group = group, ctrl_group
         self.device = device
@@ -95,8 +99,8 @@ class ModelRunner:
         self.block_size = cfg.block_size
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
 
-        self.layers, self.heap = make_layers(cfg, self.mcfg, TPGroup(rank, world_size, group), ctrl_group, device,
-                                             self.dtype)
+        self.layers, self.heap = make_layers(cfg, plan, self.mcfg, TPGroup(rank, world_size, group), ctrl_group,
+                                             device, self.dtype)
         layers = self.layers
         # the ids sampled by the latest step, for the next (async scheduling); shared over `group`
         self.sampled = SampledIds(cfg.max_num_seqs, device, group if world_size > 1 else None)

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import EngineConfig, env_rank_world
-from .distributed import destroy_group_bounded, init_distributed
+from .distributed import destroy_group_bounded, init_distributed, rank_device
+from .layer_factory import make_plan
 from .runner import ModelRunner
 
 
@@ -40,24 +41,29 @@ class Workers:
             if world_env != world:
                 raise ValueError(f"launched with {world_env} ranks but tensor_parallel_size={world}")
             self.owns_group = not dist.is_initialized()
-            device, group, ctrl = init_distributed(cfg, rank, world, None, launched[2] if launched else None)
-            self.runner = ModelRunner(cfg, rank, world, group, ctrl, device)
+            local = launched[2] if launched else None
+            # the plan before the group, as rank 0's before the spawn below: a refusal leaves no peer waiting
+            plan = make_plan(cfg, rank_device(cfg, rank, world, local), world)
+            device, group, ctrl = init_distributed(cfg, rank, world, None, local)
+            self.runner = ModelRunner(cfg, rank, world, group, ctrl, device, plan)
             self.is_driver = rank == 0
         elif world > 1:
             self._spawn_and_join(cfg, world)
         else:
             device, group, ctrl = init_distributed(cfg, 0, 1, None)
-            self.runner = ModelRunner(cfg, 0, 1, group, ctrl, device)
+            self.runner = ModelRunner(cfg, 0, 1, group, ctrl, device, make_plan(cfg, device, 1))
 
     def _spawn_and_join(self, cfg: EngineConfig, world: int) -> None:
+        # rank 0's plan before any rank starts: a process that cannot run the flag's kernels refuses here
+        plan = make_plan(cfg, rank_device(cfg, 0, world), world)
         ctx = mp.get_context("spawn")
         host, port = "127.0.0.1", _free_port()
         self.errq = ctx.Queue()
         store = dist.TCPStore(host, port, world, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=cfg.dist_timeout_s))
-        cfg_json = cfg.model_dump_json()
         for r in range(1, world):
-            p = ctx.Process(target=worker_main, args=(cfg_json, r, world, host, port, self.errq), daemon=True)
+            # the config as this process received it: spawn pickles it, with nothing to parse again
+            p = ctx.Process(target=worker_main, args=(cfg, r, world, host, port, self.errq), daemon=True)
             p.start()
             self.procs.append(p)
         try:
@@ -74,7 +80,7 @@ class Workers:
                 time.sleep(0.05)
             device, group, ctrl = init_distributed(cfg, 0, world, store)
             self.owns_group = True
-            self.runner = ModelRunner(cfg, 0, world, group, ctrl, device)
+            self.runner = ModelRunner(cfg, 0, world, group, ctrl, device, plan)
         except BaseException as e:
             msg = self.errors()
             self._kill()
@@ -129,10 +135,9 @@ class Workers:
             self._kill()
 
 
-def worker_main(cfg_json: str, rank: int, world_size: int, host: str, port: int, err_queue=None) -> None:
+def worker_main(cfg: EngineConfig, rank: int, world_size: int, host: str, port: int, err_queue=None) -> None:
     """Entry point of a spawned worker rank: build the runner, then serve steps until told to stop."""
     try:
-        cfg = EngineConfig.model_validate_json(cfg_json)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         store = dist.TCPStore(host, port, world_size, is_master=False,
                               timeout=timedelta(seconds=cfg.dist_timeout_s))
@@ -140,7 +145,7 @@ def worker_main(cfg_json: str, rank: int, world_size: int, host: str, port: int,
         # (bad import, bad config) is reported instead of leaving rank 0 waiting in a rendezvous.
         store.set(f"worker_ready/{rank}", "1")
         device, group, ctrl = init_distributed(cfg, rank, world_size, store)
-        runner = ModelRunner(cfg, rank, world_size, group, ctrl, device)
+        runner = ModelRunner(cfg, rank, world_size, group, ctrl, device, make_plan(cfg, device, world_size))
         runner.worker_loop()
         runner.release()  # graphs hold NCCL work: gone before the communicator is
     except BaseException as e:  # surfaced to rank 0, which would otherwise only see a closed socket

@@ -160,9 +160,10 @@ def _ops(plan) -> list[tuple]:
 
 def _layouts(plan, table_path: str) -> dict:
     """The flag's layout per measured step size, by the table it runs on (sequence-parallel: "sharded")."""
-    from tp_overlap_plugin.dispatch import Dispatcher
+    from tp_overlap_plugin.options import TPOverlapOptions
+    from tp_overlap_plugin.overlap_plan import OverlapPlan
     W = plan.world
-    d = Dispatcher.load("table", world=W, path=table_path)
+    d = OverlapPlan(TPOverlapOptions(dispatch_table=table_path), "cpu", W).dispatcher
     return {it["tokens"]: "sharded" if W > 1 and d.sequence_parallel(-(-it["tokens"] // W) * W, _ops(plan))
             else "replicated" for it in plan.items["engine"]}
 
@@ -181,6 +182,7 @@ def _runner(ctx, plan, table_path: str | None, design: str | None, graph_steps):
     runs them sharded (serving/worker/piecewise.py)."""
     from tp_overlap_plugin.serving.config import EngineConfig
     from tp_overlap_plugin.serving.worker.piecewise import DEFAULT_MAX_GRAPH_TOKENS
+    from tp_overlap_plugin.serving.worker.layer_factory import make_plan
     from tp_overlap_plugin.serving.worker.runner import ModelRunner
     max_len = _max_len(plan)
     items = _fitted(plan.items["engine"], max_len)
@@ -198,7 +200,8 @@ def _runner(ctx, plan, table_path: str | None, design: str | None, graph_steps):
                        piecewise_graph_token_counts=graphs or None, piecewise_cuda_graphs=bool(graphs),
                        show_progress=False,
                        tp_overlap={"fused_ops": design, "dispatch_table": table_path} if table_path is not None else None)
-    runner = ModelRunner(cfg, ctx.rank, plan.world, ctx.device_group, ctx.group, ctx.device)
+    runner = ModelRunner(cfg, ctx.rank, plan.world, ctx.device_group, ctx.group, ctx.device,
+                         make_plan(cfg, ctx.device, plan.world))
     runner.messages = None
     return runner
 
