@@ -453,3 +453,18 @@ def test_a_table_of_several_models_names_a_run_for_each():
     assert _dispatch_command(4, plan, ["llama-3-70b", "llama-3-8b"]) == (
         "tp-overlap tune --tp 4 --model llama-3-8b && tp-overlap tune --tp 4 --model llama-3-70b")
     assert _dispatch_command(2, plan, []) == "tp-overlap tune --tp 2 --model llama-3-70b"
+
+
+@pytest.mark.parametrize("est_ms", [0.01, 0.9, 2.8, 19.4, 29.0, 67.0, 110.0, 520.0, 5000.0])
+def test_the_verdicts_repeat_is_whole_turns_of_both_orders(est_ms):
+    """A repeat: about TARGET_S of steps (2..MAX_CALLS), in turns of about TURN_S (a step at least),
+    a whole number of them and at least two, so that each engine runs first in one."""
+    from tp_overlap_plugin.tuning import engine_check as ec
+    calls, per_turn = ec._turns(est_ms)
+    assert 2 <= calls <= ec.MAX_CALLS and calls % per_turn == 0 and calls // per_turn >= 2
+    if 1e3 * ec.TARGET_S / est_ms <= ec.MAX_CALLS:      # not capped: the repeat runs about TARGET_S
+        assert calls * est_ms >= min(1e3 * ec.TARGET_S, 2 * est_ms) * 0.9
+    if est_ms >= 1e3 * ec.TURN_S:                         # a long step: a turn of one step
+        assert per_turn == 1
+    else:                                                 # short steps: a turn of about TURN_S, launched back to back
+        assert per_turn * est_ms >= 1e3 * ec.TURN_S * 0.5 or per_turn == calls // 2
