@@ -119,8 +119,8 @@ class OverlapTPLayers(TPLayers):
         self.max_rows = -(-max_tokens // tp.world_size)
         self.dispatcher = plan.dispatcher
         self.step_dispatcher = self.dispatcher  # the current step's: the table's, or STOCK by the verdict
-        self._ag: dict[int, object] = {}  # the plan's AG-GEMM per input size
-        self._rs: dict[int, object] = {}  # the plan's GEMM-RS per output size
+        # the plan's AG-GEMM per input size ("ag", k) and GEMM-RS per output size ("rs", n)
+        self._fused: dict[tuple[str, int], object] = {}
         self._ops: set[tuple[str, int, int]] = set()  # (op, K, N) of every linear layer built
         self.all_reduce = (HeapAllReduce(heap, plan.max_bytes, device_group=tp.group,
                                          auto_one_shot_bytes=self.dispatcher.one_shot_max_bytes)
@@ -135,21 +135,20 @@ class OverlapTPLayers(TPLayers):
     # so creating them as modules are constructed keeps the heap symmetric.
     def column_op(self, k: int, n: int):
         """The plan's AG-GEMM for a column layer of input size k and n local output columns (None at TP=1)."""
-        self._ops.add(("ag", k, n))
-        if self.heap is None:
-            return None
-        if k not in self._ag:
-            self._ag[k] = self.plan.ag_gemm(self.heap, self.max_rows, k, self.dtype, device_group=self.tp.group)
-        return self._ag[k]
+        return self._fused_op("ag", k, n, k, self.plan.ag_gemm)
 
     def rs_op(self, k: int, n: int):
         """The plan's GEMM-RS for a row layer of k local input rows and n output columns (None at TP=1)."""
-        self._ops.add(("rs", k, n))
+        return self._fused_op("rs", k, n, n, self.plan.gemm_rs)
+
+    def _fused_op(self, kind: str, k: int, n: int, width: int, cls):
+        """One op per (kind, width) on the heap, shared by the layers of that width."""
+        self._ops.add((kind, k, n))
         if self.heap is None:
             return None
-        if n not in self._rs:
-            self._rs[n] = self.plan.gemm_rs(self.heap, self.max_rows, n, self.dtype, device_group=self.tp.group)
-        return self._rs[n]
+        if (kind, width) not in self._fused:
+            self._fused[(kind, width)] = cls(self.heap, self.max_rows, width, self.dtype, device_group=self.tp.group)
+        return self._fused[(kind, width)]
 
     def norm_op(self, hidden: int) -> HeapAllReduceNorm:
         """The fused all-reduce + residual add + RMSNorm for rows of `hidden` (built with the first
