@@ -58,20 +58,15 @@ def measure_shape(ctx, op, m, k, n, gname, row: dict, calls, torch_fused=False, 
     t0 = time.perf_counter()
     if ctx.rank == 0 and log:
         print(f"[bench] {op} M={m} K={k} N={n} {'torch_fused' if torch_fused else ''}", file=sys.stderr, flush=True)
+    # the chunked op where it is timed or is "ours"; never in torch's pass, which times torch's op alone
+    chunked_too = ("chunked" in variants or design == "chunked") and not torch_fused
     with h.scope():
         if op == "ag":
             a_shard = torch.randn(rows, k, device=dev, dtype=torch.bfloat16, generator=gen)
             b = weight_t(n, k, dev, gen)
             a_full = torch.empty(m, k, device=dev, dtype=torch.bfloat16)
-            chunked = (ChunkedAllGatherGemm(h, rows, k) if ("chunked" in variants or design == "chunked")
-                       and not torch_fused else None)
-            fused = chunked if design == "chunked" else AllGatherGemm(h, rows, k)
-
-            def gather():
-                if gpu:
-                    dist.all_gather_into_tensor(a_full, a_shard, group=ctx.device_group)
-                else:
-                    a_full.copy_(runtime.all_gather(a_shard, ctx.device_group))
+            fused, chunked = _ops(op, h, rows, k, design, chunked_too)
+            gather = _collective(op, gpu, a_shard, a_full, ctx.device_group)
             fns = {
                 "cublas": lambda: torch.matmul(a_full, b),
                 "nccl": gather,
@@ -89,15 +84,8 @@ def measure_shape(ctx, op, m, k, n, gname, row: dict, calls, torch_fused=False, 
             b = weight_t(n, k, dev, gen)
             full = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
             shard = torch.empty(rows, n, device=dev, dtype=torch.bfloat16)
-            chunked = (ChunkedGemmReduceScatter(h, rows, n) if ("chunked" in variants or design == "chunked")
-                       and not torch_fused else None)
-            fused = chunked if design == "chunked" else GemmReduceScatter(h, rows, n)
-
-            def scatter():
-                if gpu:
-                    dist.reduce_scatter_tensor(shard, full, group=ctx.device_group)
-                else:
-                    shard.copy_(runtime.reduce_scatter(full, ctx.device_group))
+            fused, chunked = _ops(op, h, rows, n, design, chunked_too)
+            scatter = _collective(op, gpu, full, shard, ctx.device_group)
             fns = {
                 "cublas": lambda: torch.matmul(a, b, out=full),
                 "nccl": scatter,
@@ -133,6 +121,24 @@ def measure_shape(ctx, op, m, k, n, gname, row: dict, calls, torch_fused=False, 
         h.check()
         dist.barrier(group=ctx.group)  # no peer kernel may still touch this scope's heap space
     row["bench_seconds"] = time.perf_counter() - t0
+
+
+def _ops(op: str, h, rows: int, width: int, design: str, chunked_too: bool):
+    """(what "ours" runs: the design's op, the chunked op or None): the AG-GEMM ("ag", `width` = K) or
+    GEMM-RS ("rs", `width` = N) on the heap; the chunked one only with `chunked_too`."""
+    one, chunk = (AllGatherGemm, ChunkedAllGatherGemm) if op == "ag" else (GemmReduceScatter, ChunkedGemmReduceScatter)
+    chunked = chunk(h, rows, width) if chunked_too else None
+    return (chunked if design == "chunked" else one(h, rows, width)), chunked
+
+
+def _collective(op: str, gpu: bool, src, dst, group):
+    """The stock collective of the op into `dst`: NCCL's all-gather ("ag") or reduce-scatter ("rs") on
+    GPUs, runtime's on the CPU."""
+    if gpu:
+        nccl = dist.all_gather_into_tensor if op == "ag" else dist.reduce_scatter_tensor
+        return lambda: nccl(dst, src, group=group)
+    cpu = runtime.all_gather if op == "ag" else runtime.reduce_scatter
+    return lambda: dst.copy_(cpu(src, group))
 
 
 def _time(ctx, timed: dict, row: dict, calls: int, repeats: int, samples: int, gpu: bool, log: bool) -> None:
