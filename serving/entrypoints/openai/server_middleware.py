@@ -179,8 +179,8 @@ class ApiKeyGuard:
 class ResponseCounter:
     """ASGI middleware counting responses by route and status for /metrics."""
 
-    _ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
-               "/metrics", "/version"}
+    _ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
+               "/health", "/metrics", "/version"}
 
     def __init__(self, app, metrics: ServerMetrics):
         self.app = app
