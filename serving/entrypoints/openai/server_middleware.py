@@ -23,13 +23,9 @@ from .server_errors import error_response, internal_error_body, is_json_media_ty
 logger = logging.getLogger("tp_overlap.server")
 
 
-class ErrorBarrier:
-    """ASGI middleware: an exception no handler turned into a response ends here, as a JSON 500 in OpenAI's
-    shape, or, once a stream has started, as an error event that closes the stream.
-
-    Starlette re-raises an exception after its handler has sent the 500, and uvicorn then drops the
-    connection without `Connection: close`, so a keep-alive client's next request fails with a reset. This
-    middleware keeps the exception from reaching uvicorn, and the connection stays usable."""
+class HttpMiddleware:
+    """An ASGI middleware of HTTP requests: every other scope (lifespan, websocket) passes through
+    untouched; `handle` sees the HTTP ones."""
 
     def __init__(self, app):
         self.app = app
@@ -38,6 +34,21 @@ class ErrorBarrier:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        await self.handle(scope, receive, send)
+
+    async def handle(self, scope, receive, send):
+        await self.app(scope, receive, send)
+
+
+class ErrorBarrier(HttpMiddleware):
+    """ASGI middleware: an exception no handler turned into a response ends here, as a JSON 500 in OpenAI's
+    shape, or, once a stream has started, as an error event that closes the stream.
+
+    Starlette re-raises an exception after its handler has sent the 500, and uvicorn then drops the
+    connection without `Connection: close`, so a keep-alive client's next request fails with a reset. This
+    middleware keeps the exception from reaching uvicorn, and the connection stays usable."""
+
+    async def handle(self, scope, receive, send):
         state = {"started": False, "done": False, "sse": False}
 
         async def tracking_send(message):
@@ -90,18 +101,18 @@ def json_body_problem(body: bytes) -> Optional[str]:
     return None
 
 
-class BodyCheck:
+class BodyCheck(HttpMiddleware):
     """ASGI middleware: a POST body is read whole (as FastAPI would), but never more than `max_bytes` of it:
     a body that its Content-Length or its bytes so far put over the limit is a 413 at once, nothing more of
     it is read, and the connection closes (a client still sending learns so). A JSON body is then checked
     by json_body_problem; a problem is a 400 that says what and where, else the body is handed on."""
 
     def __init__(self, app, max_bytes: int = DEFAULT_MAX_BODY_BYTES):
-        self.app = app
+        super().__init__(app)
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") != "POST":
+    async def handle(self, scope, receive, send):
+        if scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
@@ -151,7 +162,7 @@ def _replay(messages: list, receive):
     return replayed
 
 
-class ApiKeyGuard:
+class ApiKeyGuard(HttpMiddleware):
     """ASGI middleware: /v1/*, /tokenize and /detokenize need `Authorization: Bearer <key>`. Checked before
     the body is parsed, so an unauthenticated client learns nothing about its request. /health, /metrics
     and /version stay open."""
@@ -159,11 +170,11 @@ class ApiKeyGuard:
     GUARDED = ("/v1", "/tokenize", "/detokenize")
 
     def __init__(self, app, key: str):
-        self.app = app
+        super().__init__(app)
         self.expected = f"Bearer {key}".encode()
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith(self.GUARDED):
+    async def handle(self, scope, receive, send):
+        if scope["path"].startswith(self.GUARDED):
             auth = b""
             for k, v in scope.get("headers", []):
                 if k == b"authorization":
@@ -176,20 +187,17 @@ class ApiKeyGuard:
         await self.app(scope, receive, send)
 
 
-class ResponseCounter:
+class ResponseCounter(HttpMiddleware):
     """ASGI middleware counting responses by route and status for /metrics."""
 
     _ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
                "/health", "/metrics", "/version"}
 
     def __init__(self, app, metrics: ServerMetrics):
-        self.app = app
+        super().__init__(app)
         self.metrics = metrics
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope, receive, send):
         path = scope["path"]
         route = path if path in self._ROUTES else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 

@@ -21,6 +21,7 @@ from typing import Callable
 import uvicorn
 
 from .server_errors import error_response
+from .server_middleware import HttpMiddleware
 
 logger = logging.getLogger("tp_overlap.server")
 
@@ -58,20 +59,17 @@ class InFlight:
         return not self.requests
 
 
-class DrainGuard:
+class DrainGuard(HttpMiddleware):
     """ASGI middleware: counts the requests in flight on the work routes; while the server drains, new
     ones get a 503 (the connection then closes) and /health says the server is stopping."""
 
     WORK = ("/v1", "/tokenize", "/detokenize")
 
     def __init__(self, app, in_flight: InFlight):
-        self.app = app
+        super().__init__(app)
         self.in_flight = in_flight
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope, receive, send):
         path = scope["path"]
         if self.in_flight.draining and (path.startswith(self.WORK) or path == "/health"):
             resp = error_response(503, "the server is shutting down and takes no new requests; send it to another "
