@@ -34,9 +34,15 @@ def pytest_cmdline_main(config):
 # The files that take longest on 2 cores (CI's "slowest" lists, bench/notes/ci.md), longest first. xdist's
 # loadfile hands each idle worker the next file in collection order, so these go first: collected
 # alphabetically, several of them came last, and one worker ran the tail alone while the other idled.
-LONGEST_FIRST = ("test_bench_scripts.py", "test_tune.py", "test_tp_overlap_flag.py", "test_server_tp_overlap.py",
-                 "test_dead_peer.py", "test_server_errors.py", "test_kernels_compile.py", "test_server_processes.py",
-                 "test_engine_triton_attention.py", "test_gemm_core.py", "test_overlap.py", "test_world8.py")
+# By the per-file times of 2026-11-28 (bench/notes/ci.md); test_kernels_compile.py is cheap with a warm
+# Triton cache but ~190 s with CI's cold one.
+LONGEST_FIRST = ("test_bench_scripts.py", "test_tune.py", "test_dead_peer.py", "test_engine_api.py",
+                 "test_tp_overlap_flag.py", "test_kernels_compile.py", "test_server_openai.py",
+                 "test_server_tp_overlap.py", "test_engine_decode_profile.py", "test_gemv.py", "test_allreduce.py",
+                 "test_server_processes.py", "test_server_responses.py", "test_server_errors.py", "test_overlap.py",
+                 "test_tp_overlap_startup.py", "test_engine_async.py", "test_overlap_layers.py",
+                 "test_engine_hf_parity.py", "test_gemm_core.py", "test_readme.py", "test_world8.py",
+                 "test_engine_triton_attention.py")
 
 
 def pytest_collection_modifyitems(config, items):
