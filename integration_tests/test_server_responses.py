@@ -238,6 +238,12 @@ def test_unknown_model_and_ids_are_404(client, server):
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
 
+def test_metrics_count_the_route_by_its_name(client, server):
+    client.responses.create(model="demo", input="x", max_output_tokens=1)
+    metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    assert 'tp_overlap_http_responses_total{route="/v1/responses",status="200"}' in metrics
+
+
 def _response(i: int) -> ResponseObject:
     return ResponseObject(id=f"resp-{i}", model="demo", status="completed")
 
