@@ -109,7 +109,7 @@ def _tp2_flag_rank(ctx):
     reduce-scatter and the LM head's all-gather (torch.distributed, NCCL in the engine) go through the
     heap's all-reduce here, which graphs do hold."""
     from tp_overlap_plugin import runtime
-    from tp_overlap_plugin.serving.worker.layer_factory import make_plan
+    from tp_overlap_plugin.serving.worker.layer_factory import make_overlap_plan
     from tp_overlap_plugin.serving.worker.runner import ModelRunner
 
     cfg = EngineConfig(model="demo", device="cuda", dtype="bfloat16", tensor_parallel_size=2, enforce_eager=True,
@@ -117,7 +117,7 @@ def _tp2_flag_rank(ctx):
                        max_num_batched_tokens=32, num_kv_blocks=64, piecewise_graph_token_counts=[16, 17, 32],
                        show_progress=False)
     r = ModelRunner(cfg, ctx.rank, ctx.world_size, ctx.group, ctx.group, ctx.device,
-                    make_plan(cfg, ctx.device, ctx.world_size))
+                    make_overlap_plan(cfg, ctx.device, ctx.world_size))
     heap_all_reduce = r.model.embed_tokens.layers.all_reduce
     w, rank = ctx.world_size, ctx.rank
 

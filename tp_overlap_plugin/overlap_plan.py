@@ -11,7 +11,7 @@ Everything the flag decides before a step runs, in one object made from the opti
     (`heap_bytes`: the option's size, or what the layers need);
   * which steps above the engine's graph token limit run in piecewise graphs (`graph_step`).
 
-Who makes it: each rank of our engine once (serving/worker/layer_factory.make_plan: rank 0 before it
+Who makes it: each rank of our engine once (serving/worker/layer_factory.make_overlap_plan: rank 0 before it
 spawns the others, so that a process that cannot run the kernels refuses before anything starts), and
 vLLM's adapter once per TP group (vllm_plugin.py). The layers (overlap_layers.OverlapTPLayers), the
 model runner and the piecewise graphs take the plan; none of them reads the options or the table again.

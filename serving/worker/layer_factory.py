@@ -19,7 +19,7 @@ from .distributed import shares_gpus
 log = logging.getLogger(__name__)
 
 
-def make_plan(cfg: EngineConfig, device: torch.device, world: int) -> Optional[OverlapPlan]:
+def make_overlap_plan(cfg: EngineConfig, device: torch.device, world: int) -> Optional[OverlapPlan]:
     """This rank's plan for the flag (None: the flag is off): made once per rank, before its layers,
     and on rank 0 before the other ranks are spawned, so that a process that cannot run the kernels
     refuses to start instead of failing its first request (require_triton_interpreter)."""

@@ -86,7 +86,7 @@ def resolve_max_model_len(cfg: EngineConfig, mcfg: ModelConfig) -> int:
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, rank: int, world_size: int, group, ctrl_group, device: torch.device,
                  plan: Optional[OverlapPlan]):
-        """`plan`: this rank's plan for the flag (layer_factory.make_plan), None with the flag off."""
+        """`plan`: this rank's plan for the flag (layer_factory.make_overlap_plan), None with the flag off."""
         self.cfg = cfg
         self.plan = plan
         self.rank, self.world_size = rank, world_size

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..config import EngineConfig, env_rank_world
 from .distributed import destroy_group_bounded, init_distributed, rank_device
-from .layer_factory import make_plan
+from .layer_factory import make_overlap_plan
 from .runner import ModelRunner
 
 
@@ -43,7 +43,7 @@ class Workers:
             self.owns_group = not dist.is_initialized()
             local = launched[2] if launched else None
             # the plan before the group, as rank 0's before the spawn below: a refusal leaves no peer waiting
-            plan = make_plan(cfg, rank_device(cfg, rank, world, local), world)
+            plan = make_overlap_plan(cfg, rank_device(cfg, rank, world, local), world)
             device, group, ctrl = init_distributed(cfg, rank, world, None, local)
             self.runner = ModelRunner(cfg, rank, world, group, ctrl, device, plan)
             self.is_driver = rank == 0
@@ -51,11 +51,11 @@ class Workers:
             self._spawn_and_join(cfg, world)
         else:
             device, group, ctrl = init_distributed(cfg, 0, 1, None)
-            self.runner = ModelRunner(cfg, 0, 1, group, ctrl, device, make_plan(cfg, device, 1))
+            self.runner = ModelRunner(cfg, 0, 1, group, ctrl, device, make_overlap_plan(cfg, device, 1))
 
     def _spawn_and_join(self, cfg: EngineConfig, world: int) -> None:
         # rank 0's plan before any rank starts: a process that cannot run the flag's kernels refuses here
-        plan = make_plan(cfg, rank_device(cfg, 0, world), world)
+        plan = make_overlap_plan(cfg, rank_device(cfg, 0, world), world)
         ctx = mp.get_context("spawn")
         host, port = "127.0.0.1", _free_port()
         self.errq = ctx.Queue()
@@ -145,7 +145,7 @@ def worker_main(cfg: EngineConfig, rank: int, world_size: int, host: str, port: 
         # (bad import, bad config) is reported instead of leaving rank 0 waiting in a rendezvous.
         store.set(f"worker_ready/{rank}", "1")
         device, group, ctrl = init_distributed(cfg, rank, world_size, store)
-        runner = ModelRunner(cfg, rank, world_size, group, ctrl, device, make_plan(cfg, device, world_size))
+        runner = ModelRunner(cfg, rank, world_size, group, ctrl, device, make_overlap_plan(cfg, device, world_size))
         runner.worker_loop()
         runner.release()  # graphs hold NCCL work: gone before the communicator is
     except BaseException as e:  # surfaced to rank 0, which would otherwise only see a closed socket

@@ -182,7 +182,7 @@ def _runner(ctx, plan, table_path: str | None, design: str | None, graph_steps):
     runs them sharded (serving/worker/piecewise.py)."""
     from tp_overlap_plugin.serving.config import EngineConfig
     from tp_overlap_plugin.serving.worker.piecewise import DEFAULT_MAX_GRAPH_TOKENS
-    from tp_overlap_plugin.serving.worker.layer_factory import make_plan
+    from tp_overlap_plugin.serving.worker.layer_factory import make_overlap_plan
     from tp_overlap_plugin.serving.worker.runner import ModelRunner
     max_len = _max_len(plan)
     items = _fitted(plan.items["engine"], max_len)
@@ -201,7 +201,7 @@ def _runner(ctx, plan, table_path: str | None, design: str | None, graph_steps):
                        show_progress=False,
                        tp_overlap={"fused_ops": design, "dispatch_table": table_path} if table_path is not None else None)
     runner = ModelRunner(cfg, ctx.rank, plan.world, ctx.device_group, ctx.group, ctx.device,
-                         make_plan(cfg, ctx.device, plan.world))
+                         make_overlap_plan(cfg, ctx.device, plan.world))
     runner.messages = None
     return runner
 

@@ -109,14 +109,13 @@ def run(model: str | None, dims: ModelDims | None, world: int, device: str, quic
             summary["phases"].update(got["phases"])
             device_name = got["environment"]["device"]
     build_tables(device_name, world, plan)  # the flag's engine runs on these
+    engine_todo = None
     if interrupted is None and plan.items.get("engine"):
         designs = design_tables(device_name, world, plan)
         engine_todo = _engine_todo(plan, device_name, designs, force)
-        if not ops_todo and not engine_todo:
-            print("tp-overlap tune: every row is measured already (--force measures them again)", file=sys.stderr)
-        elif engine_todo:
+        if engine_todo:
             interrupted = _engine(plan, device_name, designs, engine_todo, deadline, timeout, summary)
-    elif not ops_todo:
+    if not ops_todo and not engine_todo:
         print("tp-overlap tune: every row is measured already (--force measures them again)", file=sys.stderr)
     return _finish(plan, device_name, summary, interrupted, t0)
 
