@@ -48,6 +48,9 @@ class Dispatcher:
     mode: str = "table"
     gemm: list[dict] = field(default_factory=list)        # {op, M, K, N, winner}
     all_reduce: list[dict] = field(default_factory=list)  # {bytes, graph_winner, eager_winner}
+    # {hidden, tokens, graph_winner, eager_winner}: "fused" (all-reduce + add + RMSNorm in one kernel) or
+    # "unfused" (our all-reduce, then the add + norm kernel)
+    norm_rows: list[dict] = field(default_factory=list)
     # {M, K, N, graph_winner, eager_winner, norm_graph_winner, norm_eager_winner}: "gemm_ar" or "stock"
     # (other columns, such as an older table's, are ignored)
     gemm_all_reduce_rows: list[dict] = field(default_factory=list)
@@ -223,6 +226,17 @@ class Dispatcher:
             return self.mode == "overlap"
         return bool(self.all_reduce) and _wins(self.all_reduce, "bytes", nbytes,
                                                "graph_winner" if in_graph else "eager_winner", "ipc")
+
+    @_remembered
+    def fused_norm(self, hidden: int, tokens: int, in_graph: bool) -> bool:
+        """True: a row layer whose all-reduce is ours and feeds the residual add + RMSNorm runs the three as
+        one kernel (ops.all_reduce_norm); False: our all-reduce, then the add + norm kernel. By the table's
+        rows of this hidden size (tune's all_reduce phase); unmeasured: False, the two kernels whose
+        parts were each measured."""
+        if self.mode != "table":
+            return self.mode == "overlap"
+        rows = [r for r in self.norm_rows if r["hidden"] == hidden]
+        return bool(rows) and _wins(rows, "tokens", tokens, "graph_winner" if in_graph else "eager_winner", "fused")
 
     @_remembered
     def gemm_all_reduce(self, m: int, k: int, n: int, in_graph: bool, into_norm: bool = False) -> bool:

@@ -307,7 +307,8 @@ class OverlapRow(RowParallelLinear):
             # rows say ipc above their largest size, which the op's capacity does not reach)
             if (self.tp.world_size > 1 and L.all_reduce.kernel_applies(y)
                     and L.step_dispatcher.ipc_all_reduce(y.numel() * y.element_size(), runtime.capturing(y.device))):
-                if self.norm_op is not None and self.norm_op.applies(y):
+                if (self.norm_op is not None and self.norm_op.applies(y)
+                        and L.step_dispatcher.fused_norm(self.output_size, y.shape[0], runtime.capturing(y.device))):
                     # the bias goes in after the sum, inside the fused kernel
                     return PendingAllReduce(y, self._reduce_add_rmsnorm)
                 y = L.all_reduce(y)

@@ -36,6 +36,7 @@ class Section:
 DISPATCH_SECTIONS = (
     Section("gemm", "fused_ops", "gemm", always=True),            # AG-GEMM / GEMM-RS vs sequential
     Section("all_reduce", "all_reduce", "all_reduce", always=True),  # ours vs NCCL per message size
+    Section("all_reduce_norm", "all_reduce", "norm_rows"),        # the fused all-reduce + norm vs unfused
     Section("gemm_all_reduce", "gemm_ar", "gemm_all_reduce_rows"),  # GEMM + all-reduce in one kernel
     Section("gemv", "gemv", "gemv_rows"),                         # our GEMV vs F.linear
     Section("gemm_silu_mul", "silu_mul", "silu_mul_rows"),        # gate_up + SiLU-mul in one kernel
