@@ -107,7 +107,7 @@ def _run(ctx, seed):
     return outs, stats.snapshot(), errors
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_fused_all_reduce_rmsnorm_matches_reference(world, device):
     seed = int(torch.randint(0, 2**30, ()))
     results = run_ranks(_run, world, (seed,), device=device, heap_size=8 << 20, timeout=300)

@@ -345,10 +345,38 @@ def test_peer_traffic_moves_in_16_byte_vectors(name, target):
     else:
         gcn = asm["amdgcn"]
         assert re.search(r"global_store_dwordx4 .*sc0 sc1", gcn), f"{name}: no 16-byte write-through pushes"
-        polls = re.findall(r"(?:global|buffer)_load_dwordx4 .*", gcn)
-        assert any("sc0 sc1" in p for p in polls), f"{name}: no 16-byte coherent polls"
+        polls = _polls(gcn)
+        assert polls and all("sc0 sc1" in p for p in polls), f"{name}: polls that are not 16-byte and coherent"
         incoherent_buffer_loads = [p for p in polls if p.startswith("buffer") and "sc0 sc1" not in p]
         assert not incoherent_buffer_loads, f"{name}: buffer loads without sc0 sc1 (a poll that may never see a push)"
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles real kernels")
+def test_the_fused_norm_waits_for_the_kernel_ahead_before_it_reads_its_input():
+    """Launched with programmatic dependent launch on Hopper, the fused all-reduce + norm may start while the
+    matmul ahead of it runs: its griddepcontrol.wait comes before any load of its input or push to a peer,
+    and it lets the kernel behind start only after that wait (triton_compat.release_dependents)."""
+    ptx = _compiled("all_reduce_rmsnorm_bf16_w2", "sm90").asm["ptx"]
+    wait, release = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    assert 0 <= wait < release, "no griddepcontrol.wait before launch_dependents"
+    # before it: only the norm's weight (no kernel writes it); the row (16-byte loads), the epochs (8-byte
+    # loads) and every store come after
+    before = ptx[:wait]
+    assert not re.search(r"st\.global|ld\.global(\.\w+)*\.(v4|b64)", before), "read or wrote before the wait"
+
+
+def _polls(gcn: str) -> list[str]:
+    """The 16-byte loads of CDNA code that the receive polls emit: those whose source line (the nearest
+    `.loc` before them) is in kernels/lamport.py, where every poll is. A kernel's other loads (its own
+    input, read before it pushes) may be buffer loads without the coherence bits."""
+    polls, source = [], ""
+    for line in gcn.splitlines():
+        loc = re.search(r";\s*(\w+\.py):\d+", line)
+        if loc and ".loc" in line:
+            source = loc.group(1)
+        elif re.search(r"(?:global|buffer)_load_dwordx4 ", line) and source == "lamport.py":
+            polls.append(line.strip())
+    return polls
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles real kernels")

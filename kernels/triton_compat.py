@@ -14,6 +14,10 @@ What we take and why:
   interpreter's native memory operations, which the CPU heap wraps in a lock shared by the ranks
   (tp_overlap_plugin/heap.py: _InterpreterMemoryLock).
 - `is_interpreted(fn)`: whether a jit function runs under the interpreter in this process.
+- `wait_for_previous()` / `release_dependents()`: programmatic dependent launch (tl.extra.cuda's
+  gdc_wait / gdc_launch_dependents, Hopper and later) where the target has it, nothing elsewhere (CDNA, the
+  interpreter), so one kernel source serves both; `dependent_launch(device)` says whether a launch may
+  ask for it.
 - `clock_ns()`: a device clock in nanoseconds for the wall-clock bound of spin-waits (kernels/rma.py):
   %globaltimer on NVIDIA (tl.extra.cuda.globaltimer, ns), s_memrealtime on AMD
   (tl.extra.hip.memrealtime, a 100 MHz counter on CDNA), the host's monotonic clock under the
@@ -96,6 +100,43 @@ def clock_ns(_semantic=None):
 
 
 setattr(clock_ns, tl.core.TRITON_BUILTIN, True)  # what @tl.core.builtin marks, without its interpreter check
+
+
+def _backend(_semantic) -> str | None:
+    options = _get(_semantic.builder, "options", "the compiler options of a builtin's _semantic.builder")
+    return getattr(options, "backend_name", None)
+
+
+def wait_for_previous(_semantic=None):
+    """In a kernel launched with programmatic dependent launch (`launch_pdl`), the point before which it
+    may run while the kernel ahead of it in the stream still runs, and after which everything that kernel
+    wrote is visible (griddepcontrol.wait; it returns at once in a kernel launched without it). Nothing
+    on targets without it, and under the interpreter, where every kernel runs alone."""
+    if _semantic is not None and _backend(_semantic) == "cuda":
+        from triton.language.extra import cuda
+        _get(cuda, "gdc_wait", "triton.language.extra.cuda.gdc_wait")(_semantic=_semantic)
+
+
+def release_dependents(_semantic=None):
+    """Let the kernel behind this one in the stream, if launched with programmatic dependent launch, start
+    its own work up to its wait_for_previous() (griddepcontrol.launch_dependents); nothing elsewhere.
+    Called only after this kernel's wait_for_previous(): a dependent that starts early then never runs
+    beside a kernel two places ahead of it, so what it reads before its own wait is settled."""
+    if _semantic is not None and _backend(_semantic) == "cuda":
+        from triton.language.extra import cuda
+        _get(cuda, "gdc_launch_dependents", "triton.language.extra.cuda.gdc_launch_dependents")(_semantic=_semantic)
+
+
+for _builtin in (wait_for_previous, release_dependents):
+    setattr(_builtin, tl.core.TRITON_BUILTIN, True)
+
+
+def dependent_launch(device) -> bool:
+    """Whether kernels on `device` may be launched with programmatic dependent launch: NVIDIA from Hopper
+    (compute capability 9) on. Not on ROCm, nor the CPU."""
+    import torch
+    return (device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def launch_hooks_active() -> bool:

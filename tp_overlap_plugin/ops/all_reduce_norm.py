@@ -14,6 +14,7 @@ from tp_overlap_plugin.kernels.all_reduce_norm import (
     row_blocks,
 )
 from tp_overlap_plugin.kernels.lamport import peers_pow2
+from tp_overlap_plugin.kernels import triton_compat
 from tp_overlap_plugin.launch import Launcher
 from tp_overlap_plugin.ops.all_reduce import REDUCE_DTYPES
 from tp_overlap_plugin.ops.device import cache_modifiers, resident_programs, warp_size
@@ -42,7 +43,8 @@ class HeapAllReduceNorm:
     HeapAllReduce; `dtype` is fixed at construction.
     """
 
-    def __init__(self, heap: SymmetricHeap, hidden: int, max_rows: int, dtype: torch.dtype):
+    def __init__(self, heap: SymmetricHeap, hidden: int, max_rows: int, dtype: torch.dtype,
+                 dependent_launch: bool | None = None):
         if dtype not in REDUCE_DTYPES:
             raise ValueError(f"all_reduce_rmsnorm dtype must be one of {REDUCE_DTYPES}, got {dtype}")
         if hidden <= 0 or max_rows <= 0:
@@ -69,8 +71,19 @@ class HeapAllReduceNorm:
             slot_stride=self.slots.stride(0), src_stride=self.slots.stride(1), row_stride=self.slots.stride(2),
             rank=heap.rank, heap_bases=heap.heap_bases, error_ptr=heap.error, WORLD=W, PEERS=peers_pow2(W),
             BLOCK=self.block, SUB=self.sub, ONE_TILE=hidden <= self.sub, num_warps=self.num_warps,
-            **cache_modifiers(heap.device))
+            **cache_modifiers(heap.device), **self._launch_options(heap.device, dependent_launch))
         heap.publish()
+
+    @staticmethod
+    def _launch_options(device: torch.device, dependent_launch: bool | None) -> dict:
+        """Programmatic dependent launch where the device has it (None: wherever it does): the kernel's
+        launch and its first reads overlap the tail of the matmul ahead of it (bench/notes/allreduce.md)."""
+        if dependent_launch is None:
+            dependent_launch = triton_compat.dependent_launch(device)
+        if dependent_launch and not triton_compat.dependent_launch(device):
+            raise ValueError(f"all_reduce_rmsnorm: dependent_launch=True needs an NVIDIA GPU of compute "
+                             f"capability 9 or later; {device} has none")
+        return {"launch_pdl": True} if dependent_launch else {}
 
     @staticmethod
     def heap_bytes(world: int, hidden: int, max_rows: int, dtype: torch.dtype) -> int:
