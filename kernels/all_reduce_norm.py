@@ -55,120 +55,79 @@ def all_reduce_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, bias_ptr, out_ptr, res_out_
     0.16-0.25 us less at 1-32 rows (bench/notes/allreduce.md). So a row's pieces may go out from
     other programs than the one that receives it, and each counts its own epoch: piece b of row r in
     push_epochs[r * pieces + b], the row's receiver in row_epochs[r]. All of them count the calls
-    that had row r, so they agree, with no program reading another's counter.
-
-    Where a row is one piece and the grid has a program per row (decode's batches of a 4096-wide
-    model), program r pushes and receives row r: it reads the one epoch (push_epochs[r], equal to
-    row_epochs[r]) and the row together and pushes after a single round trip to memory, instead of
-    three in a row (epoch, row, then the receiver's epoch) before its peers' data could start to land."""
+    that had row r, so they agree, with no program reading another's counter."""
     pid = tl.program_id(0)
+    lane = tl.arange(0, BLOCK)
     dtype = x_ptr.dtype.element_ty
-    pieces = tl.cdiv(n, BLOCK)
+    pcols, srcs = peer_tile(rank, WORLD, PEERS)
+    sub = tl.arange(0, SUB)
     if ONE_TILE:  # the norm's weight, which no kernel writes: read while the kernel ahead may still run
-        w_row = tl.load(w_ptr + tl.arange(0, SUB), mask=tl.arange(0, SUB) < n, other=0).to(tl.float32)
-    else:
-        w_row = tl.zeros((SUB,), dtype=tl.float32)
-    # Launched with programmatic dependent launch (ops/all_reduce_norm.py), this kernel starts while the
-    # row layer's matmul ahead of it finishes; from here on, what that kernel wrote (x) is visible. The
-    # kernel behind (the next layer's matmul) may then start its own launch and prologue.
+        w_row = tl.load(w_ptr + sub, mask=sub < n, other=0).to(tl.float32)
+    # Launched with programmatic dependent launch (ops/all_reduce_norm.py), the kernel starts while the
+    # kernel ahead of it (the row layer's matmul) finishes; after this wait, what that kernel wrote (x) is
+    # visible. The kernel behind (the next layer's matmul) may then start its launch.
     triton_compat.wait_for_previous()
     triton_compat.release_dependents()
     live = flag(rma.no_error(error_ptr))  # a rank that has given up pushes nothing
-    if (pieces == 1) & (rows <= tl.num_programs(0)):
-        if pid < rows:
-            cols = tl.arange(0, BLOCK)
-            mask = cols < n
-            epoch = tl.load(push_epoch_ptr + pid)
-            payload = sendable(bits(tl.load(x_ptr + pid * stride_x + cols, mask=mask)))
-            tl.debug_barrier()  # every thread has read the epoch before any thread advances it
-            tl.store(push_epoch_ptr + pid, epoch + 1)
-            tl.store(row_epoch_ptr + pid, epoch + 1)
-            _push(payload, cols, mask & live, slots_ptr + (epoch % 2) * slot_stride + rank * src_stride
-                  + pid * row_stride, rank, heap_bases, WORLD, PEER_STORE)
-            _receive_row(pid, epoch, pid >= 0, x_ptr, res_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr, slots_ptr, w_row,
-                         n, stride_x, stride_res, stride_out, stride_res_out, slot_stride, src_stride, row_stride, eps,
-                         rank, heap_bases, error_ptr, WORLD, PEERS, SUB, ONE_TILE, HAS_BIAS, POLL_LOAD)
-    else:
-        lane = tl.arange(0, BLOCK)
-        for i in range(pid, rows * pieces, tl.num_programs(0)):
-            r = i // pieces
-            cols = (i % pieces) * BLOCK + lane
-            mask = cols < n
-            epoch = advance(push_epoch_ptr + i)
-            payload = sendable(bits(tl.load(x_ptr + r * stride_x + cols, mask=mask)))
-            _push(payload, cols, mask & live, slots_ptr + (epoch % 2) * slot_stride + rank * src_stride
-                  + r * row_stride, rank, heap_bases, WORLD, PEER_STORE)
-        ok = pid >= 0
-        for r in range(pid, rows, tl.num_programs(0)):
-            ok = _receive_row(r, advance(row_epoch_ptr + r), ok, x_ptr, res_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr,
-                              slots_ptr, w_row, n, stride_x, stride_res, stride_out, stride_res_out, slot_stride,
-                              src_stride, row_stride, eps, rank, heap_bases, error_ptr, WORLD, PEERS, SUB, ONE_TILE,
-                              HAS_BIAS, POLL_LOAD)
-
-
-@triton.jit
-def _push(payload, cols, mask, dst, rank, heap_bases, WORLD: tl.constexpr, PEER_STORE: tl.constexpr):
-    """A block of my row into slot `dst` (my source row of my own heap) of every peer's heap."""
-    for q in tl.static_range(1, WORLD):
-        peer = (rank + q) % WORLD
-        tl.store(rma.translate(dst + cols, rank, peer, heap_bases), payload, mask=mask, cache_modifier=PEER_STORE)
-
-
-@triton.jit
-def _receive_row(r, epoch, ok, x_ptr, res_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr, slots_ptr, w_row, n, stride_x,
-                 stride_res, stride_out, stride_res_out, slot_stride, src_stride, row_stride, eps, rank, heap_bases,
-                 error_ptr, WORLD: tl.constexpr, PEERS: tl.constexpr, SUB: tl.constexpr, ONE_TILE: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, POLL_LOAD: tl.constexpr):
-    """Row r of call `epoch`: wait for every peer's copy, sum in rank order, add the bias and the
-    residual, normalise, and put NOT_YET back. `ok`: no wait of this program has given up; returns it
-    after this row's waits (a row after a failed wait is NaN, not partial or stale)."""
-    dtype = x_ptr.dtype.element_ty
-    pcols, srcs = peer_tile(rank, WORLD, PEERS)
-    lane = tl.arange(0, SUB)
-    if ok:
-        base = slots_ptr + (epoch % 2) * slot_stride + r * row_stride
-        squares = tl.zeros((SUB,), dtype=tl.float32)
-        for start in range(0, n, SUB):
-            if ok:
-                cols = start + lane
-                mask = cols < n
-                mine = sendable(bits(tl.load(x_ptr + r * stride_x + cols, mask=mask, other=0)))
-                res = tl.load(res_ptr + r * stride_res + cols, mask=mask, other=0).to(tl.float32)
-                ptrs = base + srcs * src_stride + cols[:, None]
-                m = mask[:, None] & (pcols < WORLD - 1)
-                tile, landed = wait_landed(ptrs, m, srcs, epoch, rank, heap_bases, error_ptr, POLL_LOAD)
-                ok = ok & landed
+    pieces = tl.cdiv(n, BLOCK)
+    for i in range(pid, rows * pieces, tl.num_programs(0)):
+        r = i // pieces
+        cols = (i % pieces) * BLOCK + lane
+        mask = cols < n
+        epoch = advance(push_epoch_ptr + i)
+        dst = slots_ptr + (epoch % 2) * slot_stride + rank * src_stride + r * row_stride
+        payload = sendable(bits(tl.load(x_ptr + r * stride_x + cols, mask=mask)))
+        for q in tl.static_range(1, WORLD):
+            peer = (rank + q) % WORLD
+            tl.store(rma.translate(dst + cols, rank, peer, heap_bases), payload, mask=mask & live,
+                     cache_modifier=PEER_STORE)
+    ok = pid >= 0
+    lane = sub
+    for r in range(pid, rows, tl.num_programs(0)):
+        epoch = advance(row_epoch_ptr + r)
+        if ok:
+            base = slots_ptr + (epoch % 2) * slot_stride + r * row_stride
+            squares = tl.zeros((SUB,), dtype=tl.float32)
+            for start in range(0, n, SUB):
                 if ok:
-                    total = sum_in_rank_order(tile, mine.to(dtype, bitcast=True).to(tl.float32), rank, WORLD, dtype)
-                    total = total.to(dtype).to(tl.float32)
-                    if HAS_BIAS:
-                        bias = tl.load(bias_ptr + cols, mask=mask, other=0).to(tl.float32)
-                        total = (total + bias).to(dtype).to(tl.float32)
-                    h = (total + res).to(dtype)
-                    tl.store(res_out_ptr + r * stride_res_out + cols, h, mask=mask)
-                    hf = tl.where(mask, h.to(tl.float32), 0.0)
-                    squares += hf * hf
-                    not_yet(ptrs, m)
-                    if ONE_TILE:  # the whole row is here, in registers
-                        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / n + eps)
-                        y = (hf * rstd).to(dtype).to(tl.float32) * w_row
-                        tl.store(out_ptr + r * stride_out + cols, y.to(dtype), mask=mask)
-        if ok and not ONE_TILE:
-            rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / n + eps)
-            # the new residual is read back by the threads that normalise it, after the
-            # reduction above (a CTA barrier) has ordered its stores before these loads
+                    cols = start + lane
+                    mask = cols < n
+                    mine = sendable(bits(tl.load(x_ptr + r * stride_x + cols, mask=mask, other=0)))
+                    res = tl.load(res_ptr + r * stride_res + cols, mask=mask, other=0).to(tl.float32)
+                    ptrs = base + srcs * src_stride + cols[:, None]
+                    m = mask[:, None] & (pcols < WORLD - 1)
+                    tile, landed = wait_landed(ptrs, m, srcs, epoch, rank, heap_bases, error_ptr, POLL_LOAD)
+                    ok = ok & landed
+                    if ok:
+                        total = sum_in_rank_order(tile, mine.to(dtype, bitcast=True).to(tl.float32), rank, WORLD, dtype)
+                        total = total.to(dtype).to(tl.float32)
+                        if HAS_BIAS:
+                            bias = tl.load(bias_ptr + cols, mask=mask, other=0).to(tl.float32)
+                            total = (total + bias).to(dtype).to(tl.float32)
+                        h = (total + res).to(dtype)
+                        tl.store(res_out_ptr + r * stride_res_out + cols, h, mask=mask)
+                        hf = tl.where(mask, h.to(tl.float32), 0.0)
+                        squares += hf * hf
+                        not_yet(ptrs, m)
+                        if ONE_TILE:  # the whole row is here, in registers
+                            rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / n + eps)
+                            y = (hf * rstd).to(dtype).to(tl.float32) * w_row
+                            tl.store(out_ptr + r * stride_out + cols, y.to(dtype), mask=mask)
+            if ok and not ONE_TILE:
+                rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / n + eps)
+                # the new residual is read back by the threads that normalise it, after the
+                # reduction above (a CTA barrier) has ordered its stores before these loads
+                for start in range(0, n, SUB):
+                    cols = start + lane
+                    mask = cols < n
+                    h = tl.load(res_out_ptr + r * stride_res_out + cols, mask=mask, other=0).to(tl.float32)
+                    w = tl.load(w_ptr + cols, mask=mask, other=0).to(tl.float32)
+                    y = (h * rstd).to(dtype).to(tl.float32) * w
+                    tl.store(out_ptr + r * stride_out + cols, y.to(dtype), mask=mask)
+        if not ok:  # a NaN row, not a partial or stale one
+            nan = tl.full((SUB,), float("nan"), dtype)
             for start in range(0, n, SUB):
                 cols = start + lane
                 mask = cols < n
-                h = tl.load(res_out_ptr + r * stride_res_out + cols, mask=mask, other=0).to(tl.float32)
-                w = tl.load(w_ptr + cols, mask=mask, other=0).to(tl.float32)
-                y = (h * rstd).to(dtype).to(tl.float32) * w
-                tl.store(out_ptr + r * stride_out + cols, y.to(dtype), mask=mask)
-    if not ok:  # a NaN row, not a partial or stale one
-        nan = tl.full((SUB,), float("nan"), dtype)
-        for start in range(0, n, SUB):
-            cols = start + lane
-            mask = cols < n
-            tl.store(res_out_ptr + r * stride_res_out + cols, nan, mask=mask)
-            tl.store(out_ptr + r * stride_out + cols, nan, mask=mask)
-    return ok
+                tl.store(res_out_ptr + r * stride_res_out + cols, nan, mask=mask)
+                tl.store(out_ptr + r * stride_out + cols, nan, mask=mask)
