@@ -71,11 +71,8 @@ class OpenAIServer:
                  model_root: Optional[str] = None, tool_parser: Optional[str] = None,
                  trust_request_chat_template: bool = False, max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.engine = engine
-        self.max_request_body_bytes = max_request_body_bytes
         self.model_name = served_model_name
         self.model_root = model_root
-        self.api_key = api_key
-        self.max_model_len = engine.max_model_len
         self.metrics = ServerMetrics(served_model_name, self._stats, engine.max_model_len)
         self.in_flight = InFlight()
         shared = (engine, served_model_name, self.metrics, self.in_flight)
@@ -84,7 +81,13 @@ class OpenAIServer:
                                       trust_request_chat_template=trust_request_chat_template)
         self.responses = OpenAIServingResponses(*shared, tool_parser=tool_parser)
         self.tokenization = OpenAIServingTokenization(*shared, trust_request_chat_template=trust_request_chat_template)
-        self.app = self._build_app()
+        routes = self._routes()
+        # the middlewares, outermost first (server_middleware.py)
+        checked = BodyCheck(routes, max_request_body_bytes)
+        inner = ApiKeyGuard(checked, api_key) if api_key else checked
+        self.app = ResponseCounter(ErrorBarrier(DrainGuard(inner, self.in_flight)), self.metrics)
+        # Route tables and the OpenAPI schema stay reachable on the FastAPI object.
+        self.app.fastapi = routes
 
     def _stats(self) -> Optional[dict]:
         try:
@@ -92,7 +95,8 @@ class OpenAIServer:
         except Exception:   # a shut-down engine has no stats to read
             return None
 
-    def _build_app(self):
+    def _routes(self) -> FastAPI:
+        """The routes, as a FastAPI object (the middlewares go around it in __init__)."""
         version = package_version()
         app = FastAPI(title="tp-overlap OpenAI-compatible server", version=version,
                       description="A subset of the OpenAI API over the tp-overlap engine.")
@@ -163,7 +167,7 @@ class OpenAIServer:
             return server.tokenization.detokenize(req)
 
         def card() -> ModelCard:
-            return ModelCard(id=server.model_name, root=server.model_root, max_model_len=server.max_model_len)
+            return ModelCard(id=server.model_name, root=server.model_root, max_model_len=server.engine.max_model_len)
 
         @app.get("/v1/models", response_model=ModelList, responses={401: ERROR_RESPONSES[401]})
         async def models():
@@ -193,12 +197,7 @@ class OpenAIServer:
         async def version_route():
             return VersionResponse(version=version)
 
-        checked = BodyCheck(app, self.max_request_body_bytes)
-        inner = ApiKeyGuard(checked, self.api_key) if self.api_key else checked
-        wrapped = ResponseCounter(ErrorBarrier(DrainGuard(inner, self.in_flight)), server.metrics)
-        # Route tables and the OpenAPI schema stay reachable on the FastAPI object.
-        wrapped.fastapi = app
-        return wrapped
+        return app
 
 
 def _with_request_id(result, request: Request, response: Response):

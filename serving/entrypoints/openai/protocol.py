@@ -28,6 +28,7 @@ from ...config import (MAX_LOGIT_BIAS, MinP, Penalty, RepetitionPenalty, Tempera
 from .chat_messages import (MAX_TOOLS, ChatMessage, ChatTool, DeltaToolCall, ToolCall, ToolChoice,
                             TextContentPart, null_only)
 from .protocol_base import RequestModel as _Request
+from .protocol_base import schema_iff_json_schema, stream_options_need_stream
 from .protocol_base import ResponseModel as _Response
 from .protocol_vllm import PromptLogprobs, VllmExtensions
 
@@ -71,10 +72,8 @@ class ResponseFormat(_Request):
 
     @model_validator(mode="after")
     def _schema_iff_json_schema(self):
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format of type 'json_schema' needs a 'json_schema' object")
-        if self.type != "json_schema" and self.json_schema is not None:
-            raise ValueError(f"'json_schema' is only allowed with type 'json_schema', not {self.type!r}")
+        schema_iff_json_schema(self.type, self.json_schema, "json_schema",
+                               "response_format of type 'json_schema' needs a 'json_schema' object")
         return self
 
     def structured_output(self) -> Optional[dict[str, Any]]:
@@ -153,9 +152,7 @@ class _SamplingFields(VllmExtensions):
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
-        return self
+        return stream_options_need_stream(self)
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

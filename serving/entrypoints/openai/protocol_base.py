@@ -71,3 +71,21 @@ class RequestModel(BaseModel):
 
 class ResponseModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+# Checks two request models make alike, called from their validators.
+def stream_options_need_stream(req):
+    """A request's stream_options come only with stream true (its model's validator; returns the request)."""
+    if req.stream_options is not None and not req.stream:
+        raise ValueError("stream_options is only allowed when stream is true")
+    return req
+
+
+def schema_iff_json_schema(kind: str, schema: Any, field: str, missing: str) -> None:
+    """A structured-output format's schema (its `field`) comes with type 'json_schema' and with no other
+    type; `missing`: the error when it does not come. Chat's response_format and the Responses API's
+    text.format say so alike."""
+    if kind == "json_schema" and schema is None:
+        raise ValueError(missing)
+    if kind != "json_schema" and schema is not None:
+        raise ValueError(f"'{field}' is only allowed with type 'json_schema', not {kind!r}")

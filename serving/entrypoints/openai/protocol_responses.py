@@ -24,6 +24,7 @@ from ...config import MinP, Penalty, RepetitionPenalty, Temperature, TopP
 from .chat_messages import FUNCTION_NAME_PATTERN, MAX_TOOLS, PromptCacheBreakpoint, null_only
 from .protocol import MAX_STOP_STRINGS
 from .protocol_base import RequestModel as _Request
+from .protocol_base import schema_iff_json_schema, stream_options_need_stream
 from .protocol_base import ResponseModel as _Response
 from .protocol_vllm import MAX_REQUEST_ID_CHARS
 
@@ -174,10 +175,7 @@ class TextFormat(_Request):
 
     @model_validator(mode="after")
     def _schema_iff_json_schema(self):
-        if self.type == "json_schema" and self.schema_ is None:
-            raise ValueError("a format of type 'json_schema' needs its 'schema'")
-        if self.type != "json_schema" and self.schema_ is not None:
-            raise ValueError(f"'schema' is only allowed with type 'json_schema', not {self.type!r}")
+        schema_iff_json_schema(self.type, self.schema_, "schema", "a format of type 'json_schema' needs its 'schema'")
         return self
 
     def for_chat(self) -> dict:
@@ -301,9 +299,7 @@ class ResponsesRequest(_Request):
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
-        return self
+        return stream_options_need_stream(self)
 
     def to_chat(self, messages: list[dict]) -> dict:
         """The body of the chat completion request that serves this one, for these chat `messages`."""
