@@ -5,6 +5,7 @@ where we measure) and CDNA3 (gfx942, MI300X, where we ship). One code path, chec
 import functools
 import os
 import re
+from pathlib import Path
 
 import pytest
 import triton
@@ -27,6 +28,8 @@ from tp_overlap_plugin.ops.ag_gemm import AG_SEGMENTS
 from tp_overlap_plugin.ops.gemm_rs import RS_CHUNKS
 from tp_overlap_plugin.kernels import triton_compat
 import triton.language as tl
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @triton.jit
@@ -115,9 +118,17 @@ KERNELS = {
     # decode GEMV at one row (the JIT makes M == 1 a constant) with a bias and a K tail, as the layers launch it
     "gemv": (gemv_kernel, _sig("x_ptr:*bf16 w_ptr:*bf16 bias_ptr:*bf16 y_ptr:*bf16 M:i32 N:i32 K:i32 stride_xm:i32 "
                                "stride_wn:i32 stride_ym:i32", None,
-                               ["M", "M_PAD", "BLOCK_N", "BLOCK_K", "NUM_STAGES", "EVEN_K", "HAS_BIAS"]),
-             {"M": 1, "M_PAD": 1, "BLOCK_N": 16, "BLOCK_K": 256, "NUM_STAGES": 4, "EVEN_K": False, "HAS_BIAS": True},
+                               ["M", "M_PAD", "BLOCK_N", "BLOCK_K", "NUM_STAGES", "EVEN_K", "HAS_BIAS", "PDL"]),
+             {"M": 1, "M_PAD": 1, "BLOCK_N": 16, "BLOCK_K": 256, "NUM_STAGES": 4, "EVEN_K": False, "HAS_BIAS": True,
+              "PDL": False},
              {"num_warps": 4, "num_stages": 4}),
+    # with dependent launch, K a multiple of the tile (as every shipped model's): the first weight tile
+    # before the wait (ops.gemv: dependent_launch)
+    "gemv_pdl": (gemv_kernel, _sig("x_ptr:*bf16 w_ptr:*bf16 bias_ptr:*bf16 y_ptr:*bf16 M:i32 N:i32 K:i32 "
+                                   "stride_xm:i32 stride_wn:i32 stride_ym:i32", None,
+                                   ["M", "M_PAD", "BLOCK_N", "BLOCK_K", "NUM_STAGES", "EVEN_K", "HAS_BIAS", "PDL"]),
+                 {"M": 1, "M_PAD": 1, "BLOCK_N": 16, "BLOCK_K": 256, "NUM_STAGES": 4, "EVEN_K": True,
+                  "HAS_BIAS": True, "PDL": True}, {"num_warps": 4, "num_stages": 4}),
     # the decode matmul's tensor-core path: the core with the operands swapped (A = the weight, 64 rows a
     # tile; B = x^T, 16 columns, x's row count N == 1 made a constant by the JIT; C = y^T, unit row
     # stride), split-K, through descriptors and through pointers
@@ -161,7 +172,8 @@ _SLOTS = {"x_ptr": 16, "out_ptr": 16, "slots_ptr": 16, "scatter_ptr": 16, "gathe
           "res_out_ptr": 16, "n": 16, "slot_stride": 16, "src_stride": 16, "scatter_slot_stride": 16,
           "scatter_src_stride": 16, "gather_slot_stride": 16, "row_stride": 16, "stride_x": 16, "stride_res": 16,
           "stride_out": 16, "stride_res_out": 16, "N": 16, "K": 16, "stride_om": 16, "stride_bn": 16,
-          "stride_am": 16, "a_ptr": 16, "b_ptr": 16, "bias_ptr": 16, "calls_ptr": 16, "gathered_ptr": 16}
+          "stride_am": 16, "a_ptr": 16, "b_ptr": 16, "bias_ptr": 16, "calls_ptr": 16, "gathered_ptr": 16,
+          "w_ptr": 16, "y_ptr": 16, "stride_wn": 16}
 _CACHE = {"PEER_STORE": "", "POLL_LOAD": ""}
 for _w, _peers in ((2, 1), (8, 8)):
     _sub = sub_block(4096, _w, 8 * 32)  # what ops/all_reduce.py launches on NVIDIA (8 warps)
@@ -203,7 +215,7 @@ for _name, _w, _peers, _bm, _bn, _bk, _sub, _one in (("gemm_all_reduce_bf16_w2",
                       {"num_warps": 4, "num_stages": 4 if _bm == 16 else 3})
 LAMPORT = sorted(k for k in KERNELS if "all_reduce" in k)
 # kernels compiled as a launch with aligned operands sees them (heap slots, K and strides divisible by 16)
-ALIGNED = LAMPORT + ["ag_gemm"]
+ALIGNED = LAMPORT + ["ag_gemm", "gemv_pdl"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -359,10 +371,39 @@ def test_the_fused_norm_waits_for_the_kernel_ahead_before_it_reads_its_input():
     ptx = _compiled("all_reduce_rmsnorm_bf16_w2", "sm90").asm["ptx"]
     wait, release = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
     assert 0 <= wait < release, "no griddepcontrol.wait before launch_dependents"
-    # before it: only the norm's weight (no kernel writes it); the row (16-byte loads), the epochs (8-byte
-    # loads) and every store come after
+    # before it: only the norm's weight (no kernel writes it); the row, the epochs and every store come after
+    assert _memory_sources(ptx[:wait]) <= {("ld", "w_ptr")}, _memory_sources(ptx[:wait])
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles real kernels")
+def test_the_gemv_reads_weights_before_its_wait_and_x_after():
+    """With dependent launch the GEMV may run beside the kernel ahead of it: before its griddepcontrol.wait it
+    loads weights only (no kernel writes them); x, which the kernel ahead writes, and every store come after."""
+    ptx = _compiled("gemv_pdl", "sm90").asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    assert 0 < wait < ptx.find("griddepcontrol.launch_dependents"), "no wait before the release"
     before = ptx[:wait]
-    assert not re.search(r"st\.global|ld\.global(\.\w+)*\.(v4|b64)", before), "read or wrote before the wait"
+    loads = re.findall(r"ld\.global[\w.]*", before)
+    # the weight tile, 16 x 256 bf16 over 128 threads: 16-byte vectors; x's one row of 256 (M == 1) is read
+    # in narrower loads, all after the wait, and so are the pipelined loop's copies and every store
+    assert loads and all(ld.endswith(".v4.b32") for ld in loads), f"before the wait: {sorted(set(loads))}"
+    assert not re.search(r"st\.global|cp\.async", before), "a store or a copy before the wait"
+    assert "griddepcontrol" not in _compiled("gemv", "sm90").asm["ptx"]
+
+
+def _memory_sources(ptx: str) -> set[tuple[str, str]]:
+    """("ld" or "st", the kernel argument its source line names) for each global load and store in `ptx`,
+    by the source line of the nearest `.loc` before it (the line's first *_ptr name, else the line)."""
+    out, line = set(), ""
+    for text in ptx.splitlines():
+        loc = re.search(r"//\s*(\w+\.py):(\d+)", text)
+        if loc and ".loc" in text:
+            src = (ROOT / "kernels" / loc.group(1))
+            line = src.read_text().splitlines()[int(loc.group(2)) - 1] if src.exists() else loc.group(0)
+        elif re.search(r"\b(ld|st)\.global", text):
+            name = re.search(r"\b(\w+_ptr)\b", line)
+            out.add(("st" if "st.global" in text else "ld", name.group(1) if name else line.strip()))
+    return out
 
 
 def _polls(gcn: str) -> list[str]:

@@ -22,12 +22,19 @@ Program p owns BLOCK_N consecutive output columns, i.e. BLOCK_N whole rows of W,
   across the lanes happens once, after the loop.
 - Rows of W past N and rows of x past M are clamped, not masked, so the loads carry no mask except
   for the K tail; the extra rows are computed and not stored.
+- With programmatic dependent launch (PDL, ops.gemv's `dependent_launch`), the kernel may start while the
+  kernel ahead of it still runs (the fused all-reduce + norm lets it, once its own inputs are in): each
+  program loads its first weight tile, which no kernel writes, then waits for the kernel ahead
+  (triton_compat.wait_for_previous) before it reads x; the first tile's product is peeled off the loop.
+  So the weight stream starts while the all-reduce before the matmul waits for its peers.
 No split of K: at these shapes the column blocks alone give 192-4000 programs, and a measured
 split-K variant (deterministic: the last slice to arrive sums them) gained at most 2% at M <= 4.
 """
 
 import triton
 import triton.language as tl
+
+from tp_overlap_plugin.kernels import triton_compat
 
 VEC = tl.constexpr(8)  # bf16 elements in a 16-byte load
 
@@ -55,9 +62,28 @@ def _add_vector(acc, p):
 
 
 @triton.jit
+def _tile(ptrs, k0, ks, K, EVEN_K: tl.constexpr):
+    """The [rows, BLOCK_K] tile at k0 (zeros past K)."""
+    if EVEN_K:
+        t = tl.load(ptrs + k0)
+    else:
+        t = tl.load(ptrs + k0, mask=((k0 + ks) < K)[None, :], other=0.0)
+    return t
+
+
+@triton.jit
+def _product(xt, wt, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x's tile times W's, [M_PAD, BLOCK_N, BLOCK_K // VEC, VEC], widened before the product: exact, and
+    the interpreter has no bf16 arithmetic."""
+    x4 = tl.reshape(xt.to(tl.float32), [M_PAD, 1, BLOCK_K // VEC, VEC])
+    w4 = tl.reshape(wt.to(tl.float32), [1, BLOCK_N, BLOCK_K // VEC, VEC])
+    return w4 * x4
+
+
+@triton.jit
 def gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+                EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = tl.minimum(cols, N - 1)
     x_rows = tl.minimum(tl.arange(0, M_PAD), M - 1)
@@ -65,18 +91,17 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
     w_ptrs = w_ptr + w_rows.to(tl.int64)[:, None] * stride_wn + ks[None, :]
     x_ptrs = x_ptr + x_rows[:, None] * stride_xm + ks[None, :]
     acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        if EVEN_K:
-            xt = tl.load(x_ptrs + k0)
-            wt = tl.load(w_ptrs + k0)
-        else:
-            k_in = (k0 + ks) < K
-            xt = tl.load(x_ptrs + k0, mask=k_in[None, :], other=0.0)
-            wt = tl.load(w_ptrs + k0, mask=k_in[None, :], other=0.0)
-        # widened before the product: exact, and the interpreter has no bf16 arithmetic
-        x4 = tl.reshape(xt.to(tl.float32), [M_PAD, 1, BLOCK_K // VEC, VEC])
-        w4 = tl.reshape(wt.to(tl.float32), [1, BLOCK_N, BLOCK_K // VEC, VEC])
-        acc = _add_vector(acc, w4 * x4)
+    first = 0
+    if PDL:  # the first weight tile before the wait, x after it (see the module's docstring)
+        wt = _tile(w_ptrs, 0, ks, K, EVEN_K)
+        triton_compat.wait_for_previous()
+        triton_compat.release_dependents()
+        acc = _add_vector(acc, _product(_tile(x_ptrs, 0, ks, K, EVEN_K), wt, M_PAD, BLOCK_N, BLOCK_K))
+        first = BLOCK_K
+    for k0 in tl.range(first, K, BLOCK_K, num_stages=NUM_STAGES):
+        xt = _tile(x_ptrs, k0, ks, K, EVEN_K)
+        wt = _tile(w_ptrs, k0, ks, K, EVEN_K)
+        acc = _add_vector(acc, _product(xt, wt, M_PAD, BLOCK_N, BLOCK_K))
     y = tl.sum(acc, axis=2)
     if HAS_BIAS:
         y += tl.load(bias_ptr + w_rows).to(tl.float32)[None, :]
