@@ -193,11 +193,16 @@ def test_gemm_all_reduce_rule():
     rows = [{"M": m, "K": 2048, "N": 4096, "graph_winner": "gemm_ar" if m <= 16 else "stock",
              "eager_winner": "stock", "norm_graph_winner": "gemm_ar" if m <= 8 else "stock",
              "norm_eager_winner": "stock"} for m in (1, 8, 16, 64)]
-    d = Dispatcher(gemm_all_reduce_rows=rows)
+    fused = [{"hidden": 4096, "tokens": 1, "graph_winner": "fused", "eager_winner": "fused"}]
+    d = Dispatcher(gemm_all_reduce_rows=rows, norm_rows=fused)
     assert d.may_use_kernels
     assert [d.gemm_all_reduce(m, 2048, 4096, True) for m in (1, 4, 16, 17, 64, 128)] == [True, True, True, False,
                                                                                          False, False]
+    # feeding a norm: against the fused all-reduce + norm where the table runs it, else against the plain
+    # all-reduce (the norm kernel after it is the same on both sides)
     assert [d.gemm_all_reduce(m, 2048, 4096, True, into_norm=True) for m in (1, 8, 9)] == [True, True, False]
+    plain = Dispatcher(gemm_all_reduce_rows=rows)
+    assert [plain.gemm_all_reduce(m, 2048, 4096, True, into_norm=True) for m in (1, 8, 9, 16, 17)] == [True] * 4 + [False]
     assert not d.gemm_all_reduce(1, 2048, 4096, False) and not d.gemm_all_reduce(1, 7168, 4096, True)
     assert not Dispatcher(gemm_all_reduce_rows=[dict(rows[1])]).gemm_all_reduce(1, 2048, 4096, True)
     assert not Dispatcher.load("table", device_name="NVIDIA H200", world=2).gemm_all_reduce(1, 2048, 4096, True)
@@ -213,8 +218,10 @@ def test_tables_with_the_removed_fused_norm_columns_still_load(tmp_path):
              "norm_graph_winner": "gemm_ar" if m <= 8 else "stock", "norm_eager_winner": "stock", **old}
             for m in (1, 8, 64)]
     path = tmp_path / "old.json"
+    # (the fused all-reduce + norm runs at this hidden size, so the "+norm" columns decide)
+    fused = [{"hidden": 4096, "tokens": 1, "graph_winner": "fused", "eager_winner": "fused"}]
     path.write_text(json.dumps({"device": "cpu", "world": 2, "margin": 1.02, "gemm": [], "all_reduce": [],
-                                "gemm_all_reduce": rows}))
+                                "gemm_all_reduce": rows, "all_reduce_norm": fused}))
     d = Dispatcher.load("table", device_name="cpu", world=2, path=path)
     assert d.gemm_all_reduce_rows == rows, d.source
     assert [d.gemm_all_reduce(m, 2048, 4096, True, into_norm=True) for m in (1, 8, 9)] == [True, True, False]

@@ -397,7 +397,9 @@ def test_the_gemm_all_reduce_rule_ignores_the_removed_fused_norm_measurements():
                    16: ("stock", "gemm_ar", "stock", "stock", 15, 16),
                    64: ("stock", "stock", "stock", "stock", 15, 16)}, got
     assert not any("fused" in k for r in rows for k in r), rows
-    d = Dispatcher(gemm_all_reduce_rows=rows)
+    # (the table runs the fused all-reduce + norm at this hidden size: the "+norm" columns decide)
+    d = Dispatcher(gemm_all_reduce_rows=rows,
+                   norm_rows=[{"hidden": 4096, "tokens": 1, "graph_winner": "fused", "eager_winner": "fused"}])
     assert [d.gemm_all_reduce(m, 1024, 4096, True) for m in (1, 8, 16)] == [True, False, False]
     assert [d.gemm_all_reduce(m, 1024, 4096, True, into_norm=True) for m in (1, 16, 17)] == [True, True, False]
 

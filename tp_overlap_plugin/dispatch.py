@@ -242,13 +242,17 @@ class Dispatcher:
     def gemm_all_reduce(self, m: int, k: int, n: int, in_graph: bool, into_norm: bool = False) -> bool:
         """True: a row-parallel layer of the replicated layout ([m, k] local input, n outputs) runs as
         one GEMM + all-reduce kernel; False: F.linear and then the all-reduce (fused with the residual
-        add and RMSNorm where `into_norm`: the layer feeds a norm). The table's rows compare the
-        kernel (+ the add + norm kernel where into_norm) with the faster of the alternatives, NCCL's
-        and ours, as `tp-overlap tune` measures them (phase gemm_ar). Unmeasured: False."""
+        add and RMSNorm where `into_norm`, the layer feeds a norm, and the table runs the fused kernel
+        at this size: fused_norm). The table's rows compare the kernel (+ the add + norm kernel where
+        into_norm) with the faster of the alternatives, NCCL's and ours, as `tp-overlap tune` measures
+        them (phase gemm_ar): against F.linear + the fused all-reduce + norm where that is what would run,
+        else against F.linear + the all-reduce alone, since the add + norm kernel after it costs the same
+        on both sides. Unmeasured: False."""
         if self.mode != "table":
             return self.mode == "overlap"
         rows = [r for r in self.gemm_all_reduce_rows if r["K"] == k and r["N"] == n]
-        key = ("norm_" if into_norm else "") + ("graph_winner" if in_graph else "eager_winner")
+        against_fused = into_norm and self.fused_norm(n, m, in_graph)
+        key = ("norm_" if against_fused else "") + ("graph_winner" if in_graph else "eager_winner")
         return bool(rows) and _wins(rows, "M", m, key, "gemm_ar")
 
     @_remembered
