@@ -49,6 +49,7 @@ class HeapAllReduceNorm:
             raise ValueError(f"all_reduce_rmsnorm dtype must be one of {REDUCE_DTYPES}, got {dtype}")
         if hidden <= 0 or max_rows <= 0:
             raise ValueError(f"all_reduce_rmsnorm needs hidden > 0 and max_rows > 0, got {hidden}, {max_rows}")
+        launch_options = self._launch_options(heap.device, dependent_launch)  # (refused before any heap is taken)
         self.heap, self.hidden, self.max_rows, self.dtype = heap, hidden, max_rows, dtype
         self._weight_shape = torch.Size((hidden,))
         W, es = heap.world_size, torch.empty((), dtype=dtype).element_size()
@@ -71,7 +72,7 @@ class HeapAllReduceNorm:
             slot_stride=self.slots.stride(0), src_stride=self.slots.stride(1), row_stride=self.slots.stride(2),
             rank=heap.rank, heap_bases=heap.heap_bases, error_ptr=heap.error, WORLD=W, PEERS=peers_pow2(W),
             BLOCK=self.block, SUB=self.sub, ONE_TILE=hidden <= self.sub, num_warps=self.num_warps,
-            **cache_modifiers(heap.device), **self._launch_options(heap.device, dependent_launch))
+            **cache_modifiers(heap.device), **launch_options)
         heap.publish()
 
     @staticmethod
