@@ -59,10 +59,8 @@ def all_reduce_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, bias_ptr, out_ptr, res_out_
     pid = tl.program_id(0)
     lane = tl.arange(0, BLOCK)
     dtype = x_ptr.dtype.element_ty
-    pcols, srcs = peer_tile(rank, WORLD, PEERS)
-    sub = tl.arange(0, SUB)
     if ONE_TILE:  # the norm's weight, which no kernel writes: read while the kernel ahead may still run
-        w_row = tl.load(w_ptr + sub, mask=sub < n, other=0).to(tl.float32)
+        w_row = tl.load(w_ptr + tl.arange(0, SUB), mask=tl.arange(0, SUB) < n, other=0).to(tl.float32)
     # Launched with programmatic dependent launch (ops/all_reduce_norm.py), the kernel starts while the
     # kernel ahead of it (the row layer's matmul) finishes; after this wait, what that kernel wrote (x) is
     # visible. The kernel behind (the next layer's matmul) may then start its launch.
@@ -82,7 +80,8 @@ def all_reduce_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, bias_ptr, out_ptr, res_out_
             tl.store(rma.translate(dst + cols, rank, peer, heap_bases), payload, mask=mask & live,
                      cache_modifier=PEER_STORE)
     ok = pid >= 0
-    lane = sub
+    pcols, srcs = peer_tile(rank, WORLD, PEERS)
+    lane = tl.arange(0, SUB)
     for r in range(pid, rows, tl.num_programs(0)):
         epoch = advance(row_epoch_ptr + r)
         if ok:

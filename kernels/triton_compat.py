@@ -27,6 +27,7 @@ What we take and why:
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 
 import numpy as np
@@ -89,8 +90,7 @@ def clock_ns(_semantic=None):
     if _semantic is None:  # the interpreter calls builtins it has not patched without a semantic
         from triton.runtime.interpreter import TensorHandle
         return tl.tensor(TensorHandle(np.array([time.monotonic_ns()], dtype=np.int64), tl.int64), tl.int64)
-    options = _get(_semantic.builder, "options", "the compiler options of a builtin's _semantic.builder")
-    backend = getattr(options, "backend_name", None)
+    backend = _backend(_semantic)
     if backend == "cuda":
         return tl.extra.cuda.globaltimer(_semantic=_semantic)
     if backend == "hip":
@@ -107,14 +107,19 @@ def _backend(_semantic) -> str | None:
     return getattr(options, "backend_name", None)
 
 
+def _grid_dependency(name: str, _semantic) -> None:
+    """tl.extra.cuda's grid dependency control op `name` on NVIDIA targets; nothing elsewhere."""
+    if _semantic is not None and _backend(_semantic) == "cuda":
+        from triton.language.extra import cuda
+        _get(cuda, name, f"triton.language.extra.cuda.{name}")(_semantic=_semantic)
+
+
 def wait_for_previous(_semantic=None):
     """In a kernel launched with programmatic dependent launch (`launch_pdl`), the point before which it
     may run while the kernel ahead of it in the stream still runs, and after which everything that kernel
     wrote is visible (griddepcontrol.wait; it returns at once in a kernel launched without it). Nothing
     on targets without it, and under the interpreter, where every kernel runs alone."""
-    if _semantic is not None and _backend(_semantic) == "cuda":
-        from triton.language.extra import cuda
-        _get(cuda, "gdc_wait", "triton.language.extra.cuda.gdc_wait")(_semantic=_semantic)
+    _grid_dependency("gdc_wait", _semantic)
 
 
 def release_dependents(_semantic=None):
@@ -122,18 +127,17 @@ def release_dependents(_semantic=None):
     its own work up to its wait_for_previous() (griddepcontrol.launch_dependents); nothing elsewhere.
     Called only after this kernel's wait_for_previous(): a dependent that starts early then never runs
     beside a kernel two places ahead of it, so what it reads before its own wait is settled."""
-    if _semantic is not None and _backend(_semantic) == "cuda":
-        from triton.language.extra import cuda
-        _get(cuda, "gdc_launch_dependents", "triton.language.extra.cuda.gdc_launch_dependents")(_semantic=_semantic)
+    _grid_dependency("gdc_launch_dependents", _semantic)
 
 
 for _builtin in (wait_for_previous, release_dependents):
     setattr(_builtin, tl.core.TRITON_BUILTIN, True)
 
 
+@functools.lru_cache(maxsize=None)
 def dependent_launch(device) -> bool:
     """Whether kernels on `device` may be launched with programmatic dependent launch: NVIDIA from Hopper
-    (compute capability 9) on. Not on ROCm, nor the CPU."""
+    (compute capability 9) on. Not on ROCm, nor the CPU. Kept per device: an op may ask at every launch."""
     import torch
     return (device.type == "cuda" and torch.version.hip is None
             and torch.cuda.get_device_capability(device)[0] >= 9)

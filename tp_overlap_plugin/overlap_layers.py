@@ -295,9 +295,10 @@ class OverlapRow(RowParallelLinear):
                 stats.record("gemm_rs.sequential")
                 y = runtime.reduce_scatter(x @ w, self.tp.group)
         else:
+            in_graph = runtime.capturing(x.device)
             if (self.gemm_ar is not None and self.gemm_ar.applies(x, self.weight)
                     and L.step_dispatcher.gemm_all_reduce(x.shape[0], self.weight.shape[1], self.output_size,
-                                                     runtime.capturing(x.device), into_norm=self.norm_op is not None)):
+                                                     in_graph, into_norm=self.norm_op is not None)):
                 # the bias goes in after the sum, inside the kernel; the norm (if any) adds the residual
                 return self.gemm_ar(x, self.weight, bias=self.bias)
             y = L.linear(x, self.weight)
@@ -306,9 +307,9 @@ class OverlapRow(RowParallelLinear):
             # 8192-token prefill step paid 2.7 ms for them, the flag's whole loss there; the table's
             # rows say ipc above their largest size, which the op's capacity does not reach)
             if (self.tp.world_size > 1 and L.all_reduce.kernel_applies(y)
-                    and L.step_dispatcher.ipc_all_reduce(y.numel() * y.element_size(), runtime.capturing(y.device))):
+                    and L.step_dispatcher.ipc_all_reduce(y.numel() * y.element_size(), in_graph)):
                 if (self.norm_op is not None and self.norm_op.applies(y)
-                        and L.step_dispatcher.fused_norm(self.output_size, y.shape[0], runtime.capturing(y.device))):
+                        and L.step_dispatcher.fused_norm(self.output_size, y.shape[0], in_graph)):
                     # the bias goes in after the sum, inside the fused kernel
                     return PendingAllReduce(y, self._reduce_add_rmsnorm)
                 y = L.all_reduce(y)

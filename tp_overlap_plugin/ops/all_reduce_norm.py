@@ -79,12 +79,11 @@ class HeapAllReduceNorm:
     def _launch_options(device: torch.device, dependent_launch: bool | None) -> dict:
         """Programmatic dependent launch where the device has it (None: wherever it does): the kernel's
         launch and its first reads overlap the tail of the matmul ahead of it (bench/notes/allreduce.md)."""
-        if dependent_launch is None:
-            dependent_launch = triton_compat.dependent_launch(device)
-        if dependent_launch and not triton_compat.dependent_launch(device):
+        supported = triton_compat.dependent_launch(device)
+        if dependent_launch and not supported:
             raise ValueError(f"all_reduce_rmsnorm: dependent_launch=True needs an NVIDIA GPU of compute "
                              f"capability 9 or later; {device} has none")
-        return {"launch_pdl": True} if dependent_launch else {}
+        return {"launch_pdl": True} if supported and dependent_launch is not False else {}
 
     @staticmethod
     def heap_bytes(world: int, hidden: int, max_rows: int, dtype: torch.dtype) -> int:
