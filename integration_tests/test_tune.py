@@ -445,6 +445,25 @@ def test_the_table_holds_one_fused_op_design_and_an_engine_of_the_other_leaves_i
     assert not other.fused_gemm("ag", 8192, 4096, 1536) and table.fused_gemm("ag", 8192, 4096, 1536)
 
 
+def test_the_fused_ops_are_measured_at_the_engines_own_prefill_steps():
+    """A step between two measured sizes runs as the more cautious of them, so the sizes the engine's
+    prefill steps take (its budget, and the shorter step the verdict checks) are measured themselves."""
+    from tp_overlap_plugin.shapes import ModelDims
+    from tp_overlap_plugin.serving.config import EngineConfig
+    from tp_overlap_plugin.tuning import engine_check
+    from tp_overlap_plugin.tuning.plan import make_plan
+
+    dims = ModelDims.of(EngineConfig(model="llama-3-8b").load_model_config())
+    for world, budget in ((4, None), (2, 6000), (8, None)):
+        plan = make_plan("llama-3-8b", dims, world, "cuda", False, 1.02, 1.02, step_budget=budget)
+        steps = {it["tokens"] for it in plan.items["engine"] if it["kind"] == "prefill"}
+        assert steps == {budget or engine_check.DEFAULT_BUDGET, engine_check.PREFILL_TOKENS}
+        for layer, _, _ in dims.layers(world):
+            for design in plan.designs:
+                ms = {it["M"] for it in plan.items["fused_ops"] if it["layer"] == layer and it["design"] == design}
+                assert steps <= ms and {1024, 4096, 16384} <= ms, (world, layer, design, sorted(ms))
+
+
 def test_a_table_of_several_models_names_a_run_for_each():
     """The dispatch table holds every model tuned into the cache at its TP size (h200-tp4: 8B, then
     70B): its command measures each again, the run that wrote it last."""

@@ -138,13 +138,18 @@ def make_plan(model: str, dims: ModelDims, world: int, device: str, quick: bool,
     designs = DESIGNS if fused_ops == "auto" else (fused_ops,)
     gpu = device == "cuda"
     layers = dims.layers(world)
+    engine = engine_check.plan_items(model, world, device, step_budget)
     if gpu:
         rows = gemv.decode_rows(quick)
         sizes = [8 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20] if quick else \
             [8 << 10, 32 << 10, 128 << 10, 512 << 10, 2 << 20, 4 << 20, 8 << 20, 32 << 20]
         tokens = [1, 8, 32] if quick else [1, 8, 32, 128, 256]
-        # decode-sized steps (multiples of W: each rank a whole number of rows) up to the prefill sizes
-        fused_ms = sorted({world * m for m in ((2, 64, 512) if quick else (1, 16, 64, 256))} | {1024, 4096, 16384})
+        # decode-sized steps (multiples of W: each rank a whole number of rows) up to the prefill sizes, and
+        # the engine's own prefill steps: a size between two measured ones runs as the more cautious, so a
+        # step of the budget measured only at its neighbours ran qkv and o_proj sequential at 8192 tokens
+        # on H200x4 while both won there (bench/notes/prefill.md, section 6)
+        fused_ms = sorted({world * m for m in ((2, 64, 512) if quick else (1, 16, 64, 256))} | {1024, 4096, 16384}
+                          | {it["tokens"] for it in engine if it["kind"] == "prefill"})
         ar_rows = [1, 16, 64] if quick else list(gemm_ar.ROWS)
         # gate_up with its SiLU-mul fused: where the layer's matmul is a plain GEMM (the replicated
         # layout past the GEMV's rows, the sequential AG path's gathered rows), up to the prefill sizes
@@ -169,7 +174,7 @@ def make_plan(model: str, dims: ModelDims, world: int, device: str, quick: bool,
         row_layers = [x for x in layers if LAYER_OPS[x[0]] == "rs"][:None if gpu else 1]
         items["gemm_ar"] = [{"key": f"{m}x{k}x{n}", "shape": f"{model} {layer}", "M": m, "K": k, "N": n}
                             for layer, k, n in row_layers for m in ar_rows]
-    items["engine"] = engine_check.plan_items(model, world, device, step_budget)
+    items["engine"] = engine
     return Plan(model, model_spec or model, dims, world, device, quick, GPU_REPEATS if gpu else 1, margin,
                 engine_margin, items, designs)
 
