@@ -344,14 +344,18 @@ def test_overlap_bench_smoke_run_measures_each_variant_and_the_all_reduce(tmp_pa
 
 
 @pytest.mark.timeout(300)
-def test_overlap_stress_smoke_run_checks_every_call(tmp_path):
-    """bench/overlap_stress.py on the CPU (interpreter, eager only, tiny shapes): every call checked
-    against the fp32 reference, both ops drawn, no mismatch (the script exits 1 on one)."""
-    _run("overlap_stress.py", "--tp", "2", "--device", "cpu", "--calls", "6", "--out", str(tmp_path), timeout=280)
-    (js,) = tmp_path.glob("overlap-stress-tp2-cpu-*.json")
+@pytest.mark.parametrize("design", ["kernel", "chunked"])
+def test_overlap_stress_smoke_run_checks_every_call(tmp_path, design):
+    """bench/overlap_stress.py on the CPU (interpreter, eager only, tiny shapes), each design: every call
+    checked against the fp32 reference, both ops drawn, no mismatch and no call that fell back to the
+    stock path (the script exits 1 on either)."""
+    _run("overlap_stress.py", "--tp", "2", "--device", "cpu", "--calls", "6", "--fused-ops", design,
+         "--out", str(tmp_path), timeout=280)
+    (js,) = tmp_path.glob("overlap-stress-tp2-cpu-*.json" if design == "kernel" else "overlap-stress-tp2-chunked-cpu-*.json")
     res = json.loads(js.read_text())
-    assert set(res) >= {"eager"} and "graph" not in res
+    assert set(res) >= {"eager"} and "graph" not in res and res["fused_ops"] == design
     assert res["eager"]["mismatches"] == 0 and res["eager"]["max_rel_err"] < res["tolerance"]
+    assert res["eager"]["fallbacks"] == 0
     for rank in res["per_rank"]:
         assert rank["eager"]["calls"] == 6 and rank["eager"]["ag_calls"] + rank["eager"]["rs_calls"] == 6
     assert res["shapes"] == {"ag": [64, 48], "rs": [32, 64]} and res["max_rows"] == 8

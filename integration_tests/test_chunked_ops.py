@@ -42,7 +42,7 @@ def _rel_err(x, ref):
     return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_chunked_ops_match_float64(world, device):
     seed = int(torch.randint(0, 2**30, ()))
     dtype = torch.float16 if device == "cpu" else torch.bfloat16

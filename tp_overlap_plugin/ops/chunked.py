@@ -9,9 +9,11 @@ say "ready"; the GEMM multiplies my own rows while the side stream pulls each pe
 
 `ChunkedGemmReduceScatter`: c_shard = reduce_scatter(a @ b). The GEMM computes the rows each peer
 owns into my send slot, the peer after me first, and says "ready" to that peer after each block;
-then my own rows. The side stream pulls my rows of every peer's product in the order the peers
-compute them (rank me - 1 first); one kernel sums the W partials in rank order (fp32), so every
-rank rounds alike whatever the arrival order.
+then my own rows. A side stream per peer pulls my rows of that peer's product, all at once: the
+blocks for me are ready at staggered times (rank me - 1's first), and one copy-engine copy reaches
+~270 GB/s of a link that takes more, so serial pulls left the last block landing well after the
+GEMMs (bench/notes/prefill.md, section 6). One kernel sums the W partials in rank order (fp32), so
+the result does not depend on the arrival order.
 
 State lives in device memory (the call number, the flags) and the copies' addresses never change, so
 calls can be captured in CUDA graphs. A case they do not take goes to the sequential op (stock
@@ -43,10 +45,11 @@ ALL_PEERS = -1
 class _ChunkedOp:
     """What both ops share: the send slot [blocks, max_rows, cols] and the ready and pulled words [W]
     in the heap; the landed blocks [W - 1, max_rows, cols] in ordinary memory; the call counter; the
-    side stream the pulls run on; the one-program kernels' launchers."""
+    side streams the pulls run on (`lanes`: one, peer after peer, or one per peer, all at once); the
+    one-program kernels' launchers."""
 
     def __init__(self, heap: SymmetricHeap, max_rows: int, cols: int, dtype: torch.dtype, device_group,
-                 blocks: int, name: str):
+                 blocks: int, name: str, lanes: int = 1):
         if max_rows < 1 or cols < 1:
             raise ValueError(f"{type(self).__name__} needs max_rows and cols >= 1; got {max_rows}, {cols}")
         self.heap, self.max_rows, self.cols, self.dtype = heap, max_rows, cols, dtype
@@ -60,7 +63,8 @@ class _ChunkedOp:
         self.pulled.zero_()
         self.landed = torch.empty((peers, max_rows, cols), dtype=dtype, device=dev)
         self.calls = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self.sides = [torch.cuda.Stream(dev) for _ in range(min(lanes, peers))] if dev.type == "cuda" else None
+        self.side = self.sides[0] if self.sides else None
         self.events = [torch.cuda.Event() for _ in range(peers)] if self.side is not None else None
         self.begun = torch.cuda.Event() if self.side is not None else None
         self.stream_order = runtime.StreamOrder()
@@ -88,28 +92,35 @@ class _ChunkedOp:
         if self.side is not None:
             self.begun.record()
 
-    def _fork(self):
-        """The side stream, after `_mark_begun`'s point of the caller's stream (not after the GEMMs the
+    def _fork(self, lane: int = 0):
+        """Side stream `lane`, after `_mark_begun`'s point of the caller's stream (not after the GEMMs the
         host queued since); a no-op context on the CPU."""
         if self.side is None:
             return contextlib.nullcontext()
-        self.side.wait_event(self.begun)
-        return torch.cuda.stream(self.side)
+        self.sides[lane].wait_event(self.begun)
+        return torch.cuda.stream(self.sides[lane])
 
-    def _pull(self, rows: int, mark: bool = False) -> None:
-        """On the side stream, peer by peer in `srcs` order: wait for its ready word, copy its block's
-        first `rows` rows into the landed slot (the copy engine), and with `mark` record the block's
-        event (AG's GEMM of that block waits for it); then tell every peer its blocks were pulled."""
-        with self._fork():
-            for j in range(len(self.srcs)):
+    def _pull(self, rows: int) -> None:
+        """Peer j's block on side stream j % lanes, in `srcs` order on each: wait for its ready word,
+        copy its block's first `rows` rows into the landed slot (the copy engine) and record the block's
+        event (AG's GEMM of that block waits for it); then, on the first side stream once every copy is
+        done, tell every peer its blocks were pulled."""
+        lanes = len(self.sides) if self.sides else 1
+        for j in range(len(self.srcs)):
+            with self._fork(j % lanes):
                 self._waits[j](1)
                 self.landed[j, :rows].copy_(self._theirs[j][:rows])
-                if mark and self.events is not None:
+                if self.events is not None:
                     self.events[j].record()
+        with self._fork(0):
+            if self.side is not None and lanes > 1:
+                for j in range(1, len(self.srcs)):  # each other lane's copies, the last one's event among these
+                    self.side.wait_event(self.events[j])
             self._signal_pulled(1)
 
     def _join(self) -> None:
-        """The caller's stream waits for the side stream: a graph capture must end on the stream it began on."""
+        """The caller's stream waits for the first side stream (which waited for the others): a graph capture
+        must end on the stream it began on, every stream it forked joined."""
         if self.side is not None:
             torch.cuda.current_stream(self.heap.device).wait_stream(self.side)
 
@@ -147,7 +158,7 @@ class ChunkedAllGatherGemm(_ChunkedOp):
         self.send[0, :rows].copy_(a_shard)
         self._signal_ready[ALL_PEERS](1)  # launched before the waits (kernels/chunked.py)
         self._mark_begun()
-        self._pull(rows, mark=True)
+        self._pull(rows)
         cur = torch.cuda.current_stream(h.device) if self.side is not None else None
         torch.mm(a_shard, b, out=c[me * rows:(me + 1) * rows])
         for j, src in enumerate(self.srcs):
@@ -168,7 +179,7 @@ class ChunkedGemmReduceScatter(_ChunkedOp):
     def __init__(self, heap: SymmetricHeap, max_rows: int, n: int, dtype: torch.dtype = torch.bfloat16,
                  device_group: dist.ProcessGroup | None = None):
         W, me = heap.world_size, heap.rank
-        super().__init__(heap, max_rows, n, dtype, device_group, max(W - 1, 1), "chunked_rs")
+        super().__init__(heap, max_rows, n, dtype, device_group, max(W - 1, 1), "chunked_rs", lanes=W - 1)
         # send block j holds the rows of rank me + 1 + j, computed in that order; so rank src computes
         # mine as its block (me - src - 1) mod W, and I pull from me - 1 first
         self.dsts = [(me + 1 + j) % W for j in range(W - 1)]
