@@ -156,8 +156,13 @@ KERNELS = {
     # RS's sum
     "chunked_begin": (begin_call_kernel, _sig("pulled_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM, None, ["WORLD"]),
                       {"WORLD": 4}),
+    "chunked_begin_w8": (begin_call_kernel, _sig("pulled_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM, None, ["WORLD"]),
+                         {"WORLD": 8}),
     "chunked_signal": (signal_kernel, _sig("flags_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM + " dst:i32", None,
                                            ["WORLD"]), {"WORLD": 4}),
+    # at 8 ranks: a signal to every peer is still one releasing atomic (test_signals_to_every_peer_...)
+    "chunked_signal_w8": (signal_kernel, _sig("flags_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM + " dst:i32", None,
+                                              ["WORLD"]), {"WORLD": 8}),
     "chunked_wait": (wait_ready_kernel, _sig("ready_ptr:*i64 calls_ptr:*i64 src:i32 slot_ptr:*bf16 slot_numel:i32 "
                                              + _FUSED_COMM, None, ["BLOCK"]), {"BLOCK": 1024}),
     "chunked_reduce": (reduce_rows_kernel, _sig("own_ptr:*bf16 landed_ptr:*bf16 out_ptr:*bf16 rows:i32 N:i32 "
@@ -266,7 +271,8 @@ def test_gemm_silu_mul_wgmmas_stay_asynchronous():
     assert "C7515" not in r.stdout + r.stderr, (r.stdout + r.stderr)[-2000:]
 
 
-WAITING = ("barrier", "ag_gemm", "gemm_rs")
+WAITING = ("chunked_wait", "ag_gemm", "gemm_rs")   # rma.signal_wait: one flag
+WAITING_MANY = ("barrier", "chunked_begin", "chunked_begin_w8")  # rma.signal_wait_ranks: a flag per rank at once
 
 
 def _spin_loops(ttgir: str):
@@ -306,10 +312,30 @@ def test_a_wait_decides_once_for_all_threads(name, target):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles real kernels")
 @pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("name", WAITING_MANY)
+def test_a_wait_for_every_rank_decides_once_for_all_threads(name, target):
+    """rma.signal_wait_ranks polls a flag per rank together: the loop's condition and the decision after
+    it are reductions (which every thread receives) of the polled values and of one acquiring atomic read
+    per flag, so all threads leave the loop at the same poll and take the same branch; no barrier and no
+    atomic inside the loop."""
+    loops = list(_spin_loops(_compiled(name, target).asm["ttgir"]))
+    assert loops, f"{name}: no spin loop found"
+    for loop, after in loops:
+        assert "gpu.barrier" not in loop and "tt.atomic" not in loop, f"{name}: a barrier inside the spin"
+        assert re.search(r"scf\.while \(.*\) : \(tensor<", loop.split("} do {", 1)[0]), \
+            f"{name}: the spin does not poll a block of flags"
+        assert re.search(r"\"tt\.reduce\"", loop.split("} do {", 1)[0]), f"{name}: the spin's condition is not a reduction"
+        read = re.search(r"(%\w+) = tt\.atomic_rmw add, acquire, sys, .* : \(tensor<", after)
+        assert read, f"{name}: no acquiring atomic read of the flags after the spin"
+        assert re.search(r"\"tt\.reduce\"\(", after[read.end():]), f"{name}: the decision is not a reduction"
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles real kernels")
+@pytest.mark.parametrize("target", sorted(TARGETS))
 def test_a_scalar_atomic_reaches_every_thread(target):
     """What the waits rely on: the scalar atomic runs in one thread (predicated or branched), and its
     result goes through shared memory behind a CTA barrier before anyone branches on it."""
-    llir = _compiled("barrier", target).asm["llir"].splitlines()
+    llir = _compiled("chunked_wait", target).asm["llir"].splitlines()
     acquire = next(i for i, line in enumerate(llir)
                    if "sys.acquire" in line or ("atomicrmw" in line and "acquire" in line))
     window = "\n".join(llir[acquire:acquire + 12])
@@ -448,3 +474,14 @@ def test_ag_gemm_pushes_16_byte_vectors_then_releases(target):
         assert re.search(r"(atom|red)\.global\.(sys\.release|release\.sys)\.add", ptx), "no releasing sys add"
     else:
         assert "global_store_dwordx4" in asm["amdgcn"], "no 16-byte stores"
+
+
+@pytest.mark.parametrize("name", ["chunked_signal", "chunked_signal_w8", "barrier"])
+def test_signals_to_every_peer_are_one_releasing_atomic_at_any_world_size(name):
+    """A signal to every peer (and the barrier's to every rank) is one predicated atomic instruction that
+    each thread issues for its own rank, not a loop of W - 1 releases each waiting for the last one's
+    round trip: a cost that grew with W."""
+    ptx = _compiled(name, "sm90").asm["ptx"]
+    releases = [line for line in ptx.splitlines() if "atom" in line and ".release" in line and ".sys" in line]
+    assert len(releases) == 1, releases  # an unrolled loop over the ranks (static_range) would show W - 1 or W
+

@@ -52,10 +52,9 @@ def begin_call_kernel(pulled_ptr, calls_ptr, rank, heap_bases, error_ptr, WORLD:
     tl.store(calls_ptr, e)
     ok = True
     ok = ok & rma.no_error(error_ptr)
-    for j in tl.static_range(WORLD - 1):
-        if ok:
-            peer = (rank + 1 + j) % WORLD
-            ok = ok & rma.signal_wait(pulled_ptr + peer, e - 1, rank, peer, heap_bases, error_ptr)
+    if ok:
+        peers, is_peer = rma.peer_ranks(rank, WORLD)
+        ok = ok & rma.signal_wait_ranks(pulled_ptr, peers, is_peer, e - 1, rank, heap_bases, error_ptr)
 
 
 @triton.jit
@@ -65,10 +64,9 @@ def signal_kernel(flags_ptr, calls_ptr, rank, heap_bases, error_ptr, dst, WORLD:
     up signals nothing: its peers then give up too, rather than pull what it never finished."""
     e = tl.load(calls_ptr)
     if rma.no_error(error_ptr):
-        for j in tl.static_range(WORLD - 1):
-            peer = (rank + 1 + j) % WORLD
-            if (dst < 0) | (dst == peer):
-                rma.signal_set(flags_ptr + rank, e, rank, peer, heap_bases)
+        peers, is_peer = rma.peer_ranks(rank, WORLD)
+        every_peer = (peers * 0 + dst) < 0  # a block, not a scalar: the interpreter types a scalar comparison as an int
+        rma.signal_ranks(flags_ptr + rank, e, rank, peers, is_peer & (every_peer | (peers == dst)), heap_bases)
 
 
 @triton.jit

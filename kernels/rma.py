@@ -22,7 +22,10 @@ checking: a scalar volatile load is executed by every thread, each may see a dif
 nothing reconciles them. A scalar atomic is different: one thread performs it and Triton hands the
 result to all threads through shared memory behind a CTA barrier (checked in the compiled code for
 sm_90 and gfx942 by test_kernels_compile.py). So `signal_wait` and `no_error` decide on a scalar
-atomic read, one round trip for the program, after threads have polled on their own.
+atomic read, one round trip for the program, after threads have polled on their own. A wait for a flag
+of every peer (`signal_wait_ranks`) and a signal to every peer (`signal_ranks`) take the peers at once,
+a thread each, and decide on a reduction every thread receives: a loop over the peers would cost one
+round trip after another, a cost that grows with W.
 """
 
 import triton
@@ -95,11 +98,22 @@ def atomic_cas(ptr, compare, value, rank, peer, heap_bases, sem: tl.constexpr = 
 
 
 @triton.jit
-def signal_set(flag_ptr, value, rank, peer, heap_bases):
-    """Publish `value` into `peer`'s copy of the flag after all of this program's earlier stores.
-    The CTA barrier orders every thread's stores before the one releasing atomic (cumulativity)."""
+def signal_ranks(flag_ptr, value, rank, ranks, mask, heap_bases):
+    """Publish `value` into the flag in the heap of every rank of the block `ranks` under `mask`, after all
+    of this program's earlier stores: one releasing atomic per rank, each on its own thread, issued
+    together: a loop over the ranks would take one system-scope release and remote round trip after
+    another, W - 1 of them for a signal to every peer; this takes one whatever W is. The CTA barrier
+    orders every thread's earlier stores before the releasing atomics (cumulativity)."""
     tl.debug_barrier()
-    tl.atomic_xchg(translate(flag_ptr, rank, peer, heap_bases), value, sem="release", scope="sys")
+    tl.atomic_xchg(translate(flag_ptr, rank, ranks, heap_bases), tl.full(ranks.shape, value, tl.int64), mask=mask,
+                   sem="release", scope="sys")
+
+
+@triton.jit
+def peer_ranks(rank, WORLD: tl.constexpr):
+    """(ranks, mask): rank + 1, rank + 2, ... of every peer, as a block of W - 1 rounded up to a power of two."""
+    j = tl.arange(0, triton.next_power_of_2(max(WORLD - 1, 1)))
+    return (rank + 1 + j) % WORLD, j < WORLD - 1
 
 
 @triton.jit
@@ -173,14 +187,47 @@ def signal_wait(flag_ptr, expected, rank, peer, heap_bases, error_ptr):
 
 
 @triton.jit
+def _behind(flags, mask, expected):
+    """1 while some flag under `mask` is below `expected`, else 0: one value for the whole program (a
+    max-reduction every thread receives), written with the standard max combine as lamport's polls are."""
+    return tl.reduce(tl.where(mask & (flags < expected), 1, 0), 0, triton_compat.elementwise_max)
+
+
+@triton.jit
+def signal_wait_ranks(flags_ptr, ranks, mask, expected, rank, heap_bases, error_ptr):
+    """signal_wait for my flags of every rank in the block `ranks` under `mask` at once (flag of rank s at
+    flags_ptr + s): one poll of all of them at a time, and one acquiring atomic read per flag, each on its
+    own thread, after the loop, so a wait for W - 1 peers costs one wait, not W - 1 in a chain. The loop's
+    condition comes out of a reduction every thread receives, so all threads leave it at the same poll;
+    the decision is the reduction of the acquired values. On giving up, the error slot names the lowest
+    rank whose flag is behind."""
+    ptrs = flags_ptr + ranks
+    timeout = timeout_ns(error_ptr)
+    start = triton_compat.clock_ns()
+    seen = tl.load(ptrs, mask=mask, other=0, volatile=True)
+    failed = tl.load(error_ptr, volatile=True)
+    while (_behind(seen, mask, expected) != 0) & (failed == 0) & (triton_compat.clock_ns() - start < timeout):
+        seen = tl.load(ptrs, mask=mask, other=0, volatile=True)
+        failed = tl.load(error_ptr, volatile=True)
+    landed = tl.atomic_add(ptrs, tl.zeros(ranks.shape, tl.int64), mask=mask, sem="acquire", scope="sys")
+    ok = _behind(landed, mask, expected) == 0
+    if not ok:
+        late = mask & (landed < expected)
+        peer = tl.min(tl.where(late, ranks, 1 << 30), axis=0)
+        report_stuck(flags_ptr + peer, expected, tl.max(tl.where(late & (ranks == peer), landed, -1), axis=0), rank,
+                     peer, heap_bases, error_ptr)
+    tl.debug_barrier()
+    return ok
+
+
+@triton.jit
 def barrier(flags_ptr, epoch, rank, WORLD: tl.constexpr, heap_bases, error_ptr):
     """All WORLD ranks meet at `epoch`. flags_ptr[s] in my heap is written only by rank s.
     A rank that has already given up on a peer does not announce its arrival: its peers then time
     out and report too, rather than run on as if it had reached the barrier."""
     ok = no_error(error_ptr)
     if ok:
-        for peer in range(WORLD):
-            signal_set(flags_ptr + rank, epoch, rank, peer, heap_bases)
-        for peer in range(WORLD):
-            ok = ok & signal_wait(flags_ptr + peer, epoch, rank, peer, heap_bases, error_ptr)
+        everyone = tl.arange(0, triton.next_power_of_2(WORLD))
+        signal_ranks(flags_ptr + rank, epoch, rank, everyone, everyone < WORLD, heap_bases)
+        ok = ok & signal_wait_ranks(flags_ptr, everyone, everyone < WORLD, epoch, rank, heap_bases, error_ptr)
     return ok
