@@ -462,6 +462,10 @@ def test_the_fused_ops_are_measured_at_the_engines_own_prefill_steps():
             for design in plan.designs:
                 ms = {it["M"] for it in plan.items["fused_ops"] if it["layer"] == layer and it["design"] == design}
                 assert steps <= ms and {1024, 4096, 16384} <= ms, (world, layer, design, sorted(ms))
+        # the engine's sizes of every design and layer come first (a run cut short keeps them)
+        first = len(steps) * len(plan.designs) * len(dims.layers(world))
+        assert all(it["M"] in steps for it in plan.items["fused_ops"][:first])
+        assert not any(it["M"] in steps for it in plan.items["fused_ops"][first:])
 
 
 def test_a_table_of_several_models_names_a_run_for_each():

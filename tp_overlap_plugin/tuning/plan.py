@@ -167,9 +167,14 @@ def make_plan(model: str, dims: ModelDims, world: int, device: str, quick: bool,
     if world > 1:
         items["all_reduce"] = ([{"key": f"ar/{b}", "bytes": b} for b in sizes]
                                + [{"key": f"norm/{dims.hidden}x{t}", "hidden": dims.hidden, "tokens": t} for t in tokens])
-        items["fused_ops"] = [{"key": f"{LAYER_OPS[layer]}/{m}x{k}x{n}{design_key(d)}", "layer": layer,
-                               "op": LAYER_OPS[layer], "M": m, "K": k, "N": n, "design": d}
-                              for d in designs for layer, k, n in layers for m in fused_ms]
+        fused = [{"key": f"{LAYER_OPS[layer]}/{m}x{k}x{n}{design_key(d)}", "layer": layer,
+                  "op": LAYER_OPS[layer], "M": m, "K": k, "N": n, "design": d}
+                 for d in designs for layer, k, n in layers for m in fused_ms]
+        # the engine's step sizes of every design first: a run the time budget cuts short keeps the rows the
+        # verdict's steps run on (a cut 70B run at TP=4 had measured one design whole and the other's prefill
+        # rows not at all, so its verdict ran those steps stock)
+        steps = {it["tokens"] for it in engine if it["kind"] == "prefill"}
+        items["fused_ops"] = sorted(fused, key=lambda it: it["M"] not in steps)
         # the interpreter: one row layer shows the pipeline (and eagerly the rule says stock anyway)
         row_layers = [x for x in layers if LAYER_OPS[x[0]] == "rs"][:None if gpu else 1]
         items["gemm_ar"] = [{"key": f"{m}x{k}x{n}", "shape": f"{model} {layer}", "M": m, "K": k, "N": n}
