@@ -74,7 +74,7 @@ def _many_barriers(ctx, n):
     return h._barrier_epoch.item(), h._barrier_flags.tolist()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_barrier_many_epochs(world, device):
     n = 25 if device == "cpu" else 2000
     for epoch, flags in run_ranks(_many_barriers, world, (n,), device=device, heap_size=1 << 20,
@@ -104,7 +104,7 @@ def _one_rank_absent(ctx, timeout_s, late_s):
         return time.monotonic() - t0, str(e)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_absent_rank_gives_up_after_the_time_bound(world, device):
     """The bound is wall-clock time, whatever the world size and the cost of a poll."""
     timeout = 1.5
