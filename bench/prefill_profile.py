@@ -132,17 +132,55 @@ def measure(args, payload: dict) -> None:
     res["efficiency"] = res["achieved_flops_per_s"] / roof["flops_per_s"] if roof else None
     res["gemm_efficiency"] = (flops["linear"] / (breakdown["ms_per_step"]["GEMM"] * len(profiled) / 1e3)
                               / roof["flops_per_s"] if roof and breakdown["ms_per_step"]["GEMM"] else None)
+    if on_gpu and events:
+        res["partition"] = partition(events, profiled_ms)
     if args.events and events:
-        # the profiled round's kernels in order (name, start and length in us from the first), to place
-        # each op, collective and gap of a layer against the op bench's prediction
+        # the profiled round's kernels in order (name, start and length in us from the first, stream), to
+        # place each op, collective and gap of a layer against the op bench's prediction
         t0 = min(e["ts"] for e in events)
-        res["events"] = [[e["name"][:80], round(e["ts"] - t0, 1), round(e["dur"], 1)]
+        res["events"] = [[e["name"][:80], round(e["ts"] - t0, 1), round(e["dur"], 1), _stream(e)]
                          for e in sorted(events, key=lambda e: e["ts"])]
     payload["result"] = res
     log("prefill", f"{res['steps_per_round']} steps per round, round {res['round_ms_median']:.1f} ms, "
         f"{res['achieved_flops_per_s'] / 1e12:.0f} TFLOP/s" +
         (f", host-exposed {100 * res['host_exposed_share']:.1f}%" if on_gpu else "") + (f", {res['efficiency']:.2f} of the roofline "
                                                                f"{roof['flops_per_s'] / 1e12:.0f}" if roof else ""))
+
+
+def _stream(event: dict):
+    return event.get("args", {}).get("stream", event.get("tid"))
+
+
+def partition(events: list[dict], wall_ms: float) -> dict:
+    """The profiled round's wall time cut into parts that add up to it exactly (ms): `ends`, before its
+    first kernel and after its last (the host building the first step, and the round's end); `main`, the
+    union in time of the main stream's kernels (the stream with the most kernel time: the one the steps
+    run on); `side_only`, time the main stream waits while only other streams run (the fused ops' pulls and
+    their waits); `idle`, time no stream runs anything, with its gaps counted by length."""
+    if not events:
+        return {}
+    main_id = max({_stream(e) for e in events}, key=lambda s: sum(e["dur"] for e in events if _stream(e) == s))
+
+    def union(evs):
+        out = []
+        for a, b in sorted((e["ts"], e["ts"] + e["dur"]) for e in evs):
+            if out and a <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], b)
+            else:
+                out.append([a, b])
+        return out
+    main = union([e for e in events if _stream(e) == main_id])
+    every = union(events)
+    span = every[-1][1] - every[0][0]
+    busy, main_us = sum(b - a for a, b in every), sum(b - a for a, b in main)
+    gaps = {"<5us": [0, 0.0], "5-20us": [0, 0.0], ">=20us": [0, 0.0]}
+    for (_, a), (b, _) in zip(every, every[1:]):  # where no stream runs anything
+        g = gaps["<5us" if b - a < 5 else "5-20us" if b - a < 20 else ">=20us"]
+        g[0] += 1
+        g[1] += (b - a) / 1e3
+    return {"wall_ms": wall_ms, "ends_ms": wall_ms - span / 1e3, "main_ms": main_us / 1e3,
+            "side_only_ms": (busy - main_us) / 1e3, "idle_ms": (span - busy) / 1e3, "idle_gaps": gaps,
+            "main_stream": main_id, "streams": len({_stream(e) for e in events})}
 
 
 def markdown(payload: dict) -> str:
@@ -170,6 +208,16 @@ def markdown(payload: dict) -> str:
     lines.append(md_table([*CATEGORIES, "GPU busy", "step wall", "host-exposed share (profiled round)"],
                           [[*[ms[k] for k in CATEGORIES], r["gpu_busy_ms_per_step"], r["step_ms_median"],
                             f"{100 * r['host_exposed_share']:.1f}%" if r.get("host_exposed_share") is not None else "-"]]))
+    part = r.get("partition")
+    if part:
+        g = part["idle_gaps"]
+        lines.append("\nThe profiled round's wall, cut into parts that add up to it (ms; rank 0): the round's two ends "
+                     "(host, before the first kernel and after the last), the main stream's kernels, the main stream "
+                     "waiting while only other streams run, and nothing running (its gaps by length):\n")
+        lines.append(md_table(["wall", "ends", "main stream's kernels", "only other streams", "nothing runs",
+                               "gaps < 5 us", "5-20 us", ">= 20 us"],
+                              [[part["wall_ms"], part["ends_ms"], part["main_ms"], part["side_only_ms"], part["idle_ms"],
+                                *[f"{g[k][0]} ({g[k][1]:.2f} ms)" for k in ("<5us", "5-20us", ">=20us")]]]))
     lines.append("\nOp paths in the profiled round (rank 0): " + (", ".join(f"{k} {n}" for k, n in sorted(r["op_paths"].items()))
                                                               or "none recorded") + "\n")
     lines.append("\nTop kernels:\n")
@@ -191,7 +239,7 @@ def main(argv=None):
     p.add_argument("--async-scheduling", action="store_true",
                    help="build step i+1 while step i runs, as the server does (default: synchronous steps)")
     p.add_argument("--events", action="store_true",
-                   help="keep the profiled round's kernel sequence (name, start, length) in the JSON")
+                   help="keep the profiled round's kernel sequence (name, start, length, stream) in the JSON")
     add_engine_args(p)
     args = p.parse_args(argv)
     resolve_device(args)

@@ -111,3 +111,30 @@ def test_prefill_profile_runs_on_the_cpu_and_counts_the_rounds_work(tmp_path):
     assert x["flops_per_round"]["linear"] > 0 and x["flops_per_round"]["linear"] % (2 * 48) == 0
     assert x["roofline"] is None and x["efficiency"] is None          # no GPU: no roofline
     assert sum(x["op_paths"].values()) > 0                            # the flag's layers ran and said how
+
+
+def test_the_prefill_rounds_partition_adds_up_to_its_wall():
+    """bench/prefill_profile.partition on made-up kernels of two streams (us): the main stream's kernels, the
+    time only the side stream runs, the time nothing runs (its gaps by length) and the round's two ends are
+    disjoint and add up to the wall; the main stream is the one with the most kernel time."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("prefill_profile", ROOT / "bench" / "prefill_profile.py")
+    pp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pp)
+
+    def k(ts, dur, stream):
+        return {"name": "k", "ts": 1000.0 + ts, "dur": dur, "args": {"stream": stream}}
+    events = [k(0, 100, 7), k(100, 50, 7),            # back to back
+              k(153, 40, 7),                           # a 3-us gap: nothing runs
+              k(193, 60, 13), k(263, 30, 7),           # the main stream waits 70 us: 60 under a side copy, 10 idle
+              k(280, 40, 13),                          # side beside the main kernel, then alone for 27 us
+              k(347, 100, 7), k(500, 10, 7)]           # 27 us of nothing before, 53 after
+    part = pp.partition(events, wall_ms=0.600)
+    assert part["main_stream"] == 7 and part["streams"] == 2
+    assert part["main_ms"] == pytest.approx((100 + 50 + 40 + 30 + 100 + 10) / 1e3)
+    assert part["side_only_ms"] == pytest.approx((60 + 27) / 1e3)
+    assert part["idle_gaps"] == {"<5us": [1, pytest.approx(0.003)], "5-20us": [1, pytest.approx(0.010)],
+                                 ">=20us": [2, pytest.approx(0.080)]}
+    assert part["idle_ms"] == pytest.approx(0.093)
+    assert part["ends_ms"] == pytest.approx(0.600 - 0.510)
+    assert part["ends_ms"] + part["main_ms"] + part["side_only_ms"] + part["idle_ms"] == pytest.approx(0.600)
