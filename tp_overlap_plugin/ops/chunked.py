@@ -9,11 +9,11 @@ say "ready"; the GEMM multiplies my own rows while the side stream pulls each pe
 
 `ChunkedGemmReduceScatter`: c_shard = reduce_scatter(a @ b). The GEMM computes the rows each peer
 owns into my send slot, the peer after me first, and says "ready" to that peer after each block;
-then my own rows. A side stream per peer pulls my rows of that peer's product, all at once: the
-blocks for me are ready at staggered times (rank me - 1's first), and one copy-engine copy reaches
-~270 GB/s of a link that takes more, so serial pulls left the last block landing well after the
-GEMMs (bench/notes/prefill.md, section 6). One kernel sums the W partials in rank order (fp32), so
-the result does not depend on the arrival order.
+then my own rows. A side stream per peer pulls my rows of that peer's product as soon as that peer
+says ready: pulled one after another, a peer that came late held back the blocks of the peers behind
+it in the stream. (It does not make the copies faster: what one GPU takes in by the copy engine is
+~270-315 GB/s however they are issued, bench/notes/prefill.md section 6.) One kernel sums the W
+partials in rank order (fp32), so the result does not depend on the arrival order.
 
 State lives in device memory (the call number, the flags) and the copies' addresses never change, so
 calls can be captured in CUDA graphs. A case they do not take goes to the sequential op (stock
