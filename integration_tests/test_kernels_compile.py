@@ -149,15 +149,15 @@ KERNELS = {
     "silu_mul": (silu_mul_kernel, _sig("x_ptr:*bf16 out_ptr:*bf16 stride_x:i32 stride_out:i32 n:i32", None, ["BLOCK"]),
                  {"BLOCK": 1024}),
     "barrier": (barrier_kernel, _sig("flags_ptr:*i64 epoch_ptr:*i64 rank:i32 heap_bases:*i64 error_ptr:*i64", None,
-                                     ["WORLD"]), {"WORLD": 4}),
+                                     ["WORLD", "POLL_LOAD"]), {"WORLD": 4, "POLL_LOAD": ""}),
     "clock": (clock_kernel, {"out_ptr": "*i64"}, {}),
     # the chunked fused ops' signals (kernels/chunked.py) at 4 ranks, as ops/chunked.py launches them
     # (every argument fixed per op, so integers are compiled as the first call's: dst -1, src 1), and
     # RS's sum
-    "chunked_begin": (begin_call_kernel, _sig("pulled_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM, None, ["WORLD"]),
-                      {"WORLD": 4}),
-    "chunked_begin_w8": (begin_call_kernel, _sig("pulled_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM, None, ["WORLD"]),
-                         {"WORLD": 8}),
+    "chunked_begin": (begin_call_kernel, _sig("pulled_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM, None,
+                                              ["WORLD", "POLL_LOAD"]), {"WORLD": 4, "POLL_LOAD": ""}),
+    "chunked_begin_w8": (begin_call_kernel, _sig("pulled_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM, None,
+                                                 ["WORLD", "POLL_LOAD"]), {"WORLD": 8, "POLL_LOAD": ""}),
     "chunked_signal": (signal_kernel, _sig("flags_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM + " dst:i32", None,
                                            ["WORLD"]), {"WORLD": 4}),
     # at 8 ranks: a signal to every peer is still one releasing atomic (test_signals_to_every_peer_...)
@@ -233,6 +233,8 @@ def _compiled(name, target):
         attrs = {(names.index(a),): [["tt.divisibility", d]] for a, d in _SLOTS.items() if a in signature}
         if target == "gfx942" and name in LAMPORT:  # what ops/all_reduce.py passes on ROCm
             constexprs = {**constexprs, "PEER_STORE": ".wt", "POLL_LOAD": ".cv"}
+    if target == "gfx942" and "POLL_LOAD" in constexprs:  # ops.device.cache_modifiers on ROCm
+        constexprs = {**constexprs, "POLL_LOAD": ".cv"}
     options = options[0] if options else None
     if callable(options):  # options that depend on the target (its warp size)
         options = options(TARGETS[target])
@@ -314,18 +316,24 @@ def test_a_wait_decides_once_for_all_threads(name, target):
 @pytest.mark.parametrize("target", sorted(TARGETS))
 @pytest.mark.parametrize("name", WAITING_MANY)
 def test_a_wait_for_every_rank_decides_once_for_all_threads(name, target):
-    """rma.signal_wait_ranks polls a flag per rank together: the loop's condition and the decision after
-    it are reductions (which every thread receives) of the polled values and of one acquiring atomic read
-    per flag, so all threads leave the loop at the same poll and take the same branch; no barrier and no
-    atomic inside the loop."""
+    """rma.signal_wait_ranks polls a flag per rank together. The loop carries one scalar state, a reduction
+    over the polled flags with each thread's clock and error-slot reading folded in, so every thread runs
+    the same polls (the reduction's shuffles and barriers are met by all); a scalar load or clock in the
+    condition itself would let threads leave at different polls. The decision after the loop is a
+    reduction of one acquiring atomic read per flag."""
     loops = list(_spin_loops(_compiled(name, target).asm["ttgir"]))
     assert loops, f"{name}: no spin loop found"
     for loop, after in loops:
+        head, body = loop.split("} do {", 1)
+        assert re.search(r"scf\.while \([^)]*\) : \(i32\)", head), f"{name}: the loop does not carry one scalar state"
         assert "gpu.barrier" not in loop and "tt.atomic" not in loop, f"{name}: a barrier inside the spin"
-        assert re.search(r"scf\.while \(.*\) : \(tensor<", loop.split("} do {", 1)[0]), \
-            f"{name}: the spin does not poll a block of flags"
-        assert re.search(r"\"tt\.reduce\"", loop.split("} do {", 1)[0]), f"{name}: the spin's condition is not a reduction"
-        read = re.search(r"(%\w+) = tt\.atomic_rmw add, acquire, sys, .* : \(tensor<", after)
+        # a volatile block load, or on CDNA the buffer load Triton makes of it, keeping the coherent modifier
+        assert (re.search(r"tt\.load .*isVolatile = true.* : tensor<", body)
+                or re.search(r"amdg\.buffer_load .*cache_?[mM]odifier = cv.*tensor<", body)), \
+            f"{name}: the spin does not poll a block of flags coherently"
+        assert re.search(r"\"tt\.reduce\".*?\}\) : \(tensor<[^)]*>\) -> i32", body, re.S), \
+            f"{name}: the spin's state is not a reduction"
+        read = re.search(r"tt\.atomic_rmw add, acquire, sys, .* : \(tensor<", after)
         assert read, f"{name}: no acquiring atomic read of the flags after the spin"
         assert re.search(r"\"tt\.reduce\"\(", after[read.end():]), f"{name}: the decision is not a reduction"
 

@@ -44,7 +44,8 @@ from tp_overlap_plugin.kernels import rma
 
 
 @triton.jit
-def begin_call_kernel(pulled_ptr, calls_ptr, rank, heap_bases, error_ptr, WORLD: tl.constexpr):
+def begin_call_kernel(pulled_ptr, calls_ptr, rank, heap_bases, error_ptr, WORLD: tl.constexpr,
+                      POLL_LOAD: tl.constexpr):
     """One program, first in a call: advance calls[0] to this call's number e, and wait until every
     peer has pulled what I sent in call e - 1 (my send slot is free to write)."""
     e = tl.load(calls_ptr) + 1
@@ -54,7 +55,7 @@ def begin_call_kernel(pulled_ptr, calls_ptr, rank, heap_bases, error_ptr, WORLD:
     ok = ok & rma.no_error(error_ptr)
     if ok:
         peers, is_peer = rma.peer_ranks(rank, WORLD)
-        ok = ok & rma.signal_wait_ranks(pulled_ptr, peers, is_peer, e - 1, rank, heap_bases, error_ptr)
+        ok = ok & rma.signal_wait_ranks(pulled_ptr, peers, is_peer, e - 1, rank, heap_bases, error_ptr, POLL_LOAD)
 
 
 @triton.jit

@@ -194,21 +194,34 @@ def _behind(flags, mask, expected):
 
 
 @triton.jit
-def signal_wait_ranks(flags_ptr, ranks, mask, expected, rank, heap_bases, error_ptr):
+def _flags_state(ptrs, mask, expected, error_ptr, start, timeout, POLL_LOAD: tl.constexpr):
+    """One poll of a block of flags: 0 (all at `expected`), 1 (some behind), 2-3 (past the time bound) or
+    4-7 (a wait of this rank gave up before), one value for the whole program. Each thread's clock and
+    its reading of the error slot go into the reduction with the flags, so every thread leaves the loop at
+    the same poll: the reduction's shuffles and barriers must be met by all of them."""
+    # POLL_LOAD ".cv" on CDNA: Triton makes a block load off one base a buffer load there and drops
+    # `volatile` on the way; the cache modifier survives and keeps the poll coherent (as lamport's polls)
+    seen = tl.load(ptrs, mask=mask, other=0, volatile=True, cache_modifier=POLL_LOAD)
+    failed = tl.load(error_ptr, volatile=True)
+    late = triton_compat.clock_ns() - start >= timeout
+    state = tl.where(mask & (seen < expected), 1, 0) | tl.where(late, 2, 0) | tl.where(failed != 0, 4, 0)
+    return tl.reduce(state, 0, triton_compat.elementwise_max)
+
+
+@triton.jit
+def signal_wait_ranks(flags_ptr, ranks, mask, expected, rank, heap_bases, error_ptr, POLL_LOAD: tl.constexpr):
     """signal_wait for my flags of every rank in the block `ranks` under `mask` at once (flag of rank s at
     flags_ptr + s): one poll of all of them at a time, and one acquiring atomic read per flag, each on its
     own thread, after the loop, so a wait for W - 1 peers costs one wait, not W - 1 in a chain. The loop's
-    condition comes out of a reduction every thread receives, so all threads leave it at the same poll;
-    the decision is the reduction of the acquired values. On giving up, the error slot names the lowest
+    state and the decision after it are reductions every thread receives (`_flags_state`), so all threads
+    poll the same number of times and take the same branch. On giving up, the error slot names the lowest
     rank whose flag is behind."""
     ptrs = flags_ptr + ranks
     timeout = timeout_ns(error_ptr)
     start = triton_compat.clock_ns()
-    seen = tl.load(ptrs, mask=mask, other=0, volatile=True)
-    failed = tl.load(error_ptr, volatile=True)
-    while (_behind(seen, mask, expected) != 0) & (failed == 0) & (triton_compat.clock_ns() - start < timeout):
-        seen = tl.load(ptrs, mask=mask, other=0, volatile=True)
-        failed = tl.load(error_ptr, volatile=True)
+    state = _flags_state(ptrs, mask, expected, error_ptr, start, timeout, POLL_LOAD)
+    while state == 1:
+        state = _flags_state(ptrs, mask, expected, error_ptr, start, timeout, POLL_LOAD)
     landed = tl.atomic_add(ptrs, tl.zeros(ranks.shape, tl.int64), mask=mask, sem="acquire", scope="sys")
     ok = _behind(landed, mask, expected) == 0
     if not ok:
@@ -221,7 +234,7 @@ def signal_wait_ranks(flags_ptr, ranks, mask, expected, rank, heap_bases, error_
 
 
 @triton.jit
-def barrier(flags_ptr, epoch, rank, WORLD: tl.constexpr, heap_bases, error_ptr):
+def barrier(flags_ptr, epoch, rank, WORLD: tl.constexpr, heap_bases, error_ptr, POLL_LOAD: tl.constexpr):
     """All WORLD ranks meet at `epoch`. flags_ptr[s] in my heap is written only by rank s.
     A rank that has already given up on a peer does not announce its arrival: its peers then time
     out and report too, rather than run on as if it had reached the barrier."""
@@ -229,5 +242,6 @@ def barrier(flags_ptr, epoch, rank, WORLD: tl.constexpr, heap_bases, error_ptr):
     if ok:
         everyone = tl.arange(0, triton.next_power_of_2(WORLD))
         signal_ranks(flags_ptr + rank, epoch, rank, everyone, everyone < WORLD, heap_bases)
-        ok = ok & signal_wait_ranks(flags_ptr, everyone, everyone < WORLD, epoch, rank, heap_bases, error_ptr)
+        ok = ok & signal_wait_ranks(flags_ptr, everyone, everyone < WORLD, epoch, rank, heap_bases, error_ptr,
+                                    POLL_LOAD)
     return ok

@@ -264,8 +264,9 @@ class SymmetricHeap:
     def barrier(self) -> None:
         """Device-side barrier across the heap's ranks (the same kernel graphs capture)."""
         from tp_overlap_plugin.kernels.barrier import launch_barrier
+        from tp_overlap_plugin.ops.device import cache_modifiers
         self._barrier_order.before_call(self.device)
-        launch_barrier(self, self._barrier_flags, self._barrier_epoch)
+        launch_barrier(self, self._barrier_flags, self._barrier_epoch, cache_modifiers(self.device)["POLL_LOAD"])
         self.check_if_free()
 
     def close(self) -> None:

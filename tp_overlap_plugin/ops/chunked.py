@@ -33,7 +33,7 @@ from tp_overlap_plugin.heap import SymmetricHeap
 from tp_overlap_plugin.kernels.chunked import (begin_call_kernel, reduce_rows_kernel, signal_kernel,
                                                    wait_ready_kernel)
 from tp_overlap_plugin.launch import Launcher
-from tp_overlap_plugin.ops.device import resident_programs
+from tp_overlap_plugin.ops.device import cache_modifiers, resident_programs
 from tp_overlap_plugin.ops.operands import check_operands, kernel_applies
 from tp_overlap_plugin.ops.slots import round_up
 
@@ -69,7 +69,8 @@ class _ChunkedOp:
         self.begun = torch.cuda.Event() if self.side is not None else None
         self.stream_order = runtime.StreamOrder()
         comm = dict(calls_ptr=self.calls, rank=me, heap_bases=heap.heap_bases, error_ptr=heap.error, num_warps=1)
-        self._begin = Launcher(begin_call_kernel, dev, (), pulled_ptr=self.pulled, WORLD=W, **comm)
+        self._begin = Launcher(begin_call_kernel, dev, (), pulled_ptr=self.pulled, WORLD=W,
+                               POLL_LOAD=cache_modifiers(dev)["POLL_LOAD"], **comm)
         self._signal_ready = {dst: Launcher(signal_kernel, dev, (), flags_ptr=self.ready, dst=dst, WORLD=W, **comm)
                               for dst in [ALL_PEERS] + [q for q in range(W) if q != me]}
         self._signal_pulled = Launcher(signal_kernel, dev, (), flags_ptr=self.pulled, dst=ALL_PEERS, WORLD=W, **comm)
