@@ -63,15 +63,20 @@ def categorize(name: str, cat: str) -> str:
     return "other"
 
 
+def merged(intervals: list[tuple[float, float]]) -> list[list[float]]:
+    """The union of [start, end) intervals as disjoint [start, end] pieces in order."""
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
 def union_ms(intervals: list[tuple[float, float]]) -> float:
     """Total length (ms) of the union of [start, end) intervals given in µs."""
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(intervals):
-        if e <= end:
-            continue
-        total += e - max(s, end)
-        end = e
-    return total / 1e3
+    return sum(e - s for s, e in merged(intervals)) / 1e3
 
 
 def device_events(trace_path: str) -> list[dict]:

@@ -32,17 +32,14 @@ from benchlib import (add_share_gpus_option, bench_parser, environment, md_table
 
 from tp_overlap_plugin import stats  # noqa: E402
 from tp_overlap_plugin.multirank import run_ranks  # noqa: E402
-from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm  # noqa: E402
-from tp_overlap_plugin.ops.chunked import ChunkedAllGatherGemm, ChunkedGemmReduceScatter  # noqa: E402
-from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter  # noqa: E402
 from tp_overlap_plugin.options import DESIGNS  # noqa: E402
+from tp_overlap_plugin.overlap_plan import design_ops  # noqa: E402
 
 HIDDEN, QKV = 4096, 6144      # Llama-3-8B: qkv's N and o_proj's K are divided by W
 MAX_ROWS = 1024               # per shard
 CPU_DIMS = (64, 96, 8)        # the smoke run's (HIDDEN, QKV, MAX_ROWS): a few interpreter tiles
 TOLERANCE = 2e-2              # bf16 outputs against an fp32 reference: ~4e-3 when right
 GRAPH_MS = 8
-OPS = {"kernel": (AllGatherGemm, GemmReduceScatter), "chunked": (ChunkedAllGatherGemm, ChunkedGemmReduceScatter)}
 
 
 def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -57,7 +54,7 @@ class _Op:
 
     def __init__(self, ctx, kind, dims, design):
         self.ctx, self.kind = ctx, kind
-        ag_op, rs_op = OPS[design]
+        ag_op, rs_op = design_ops(design)
         hidden, qkv, self.max_rows = dims
         W, dev = ctx.world_size, ctx.device
         self.gens = [torch.Generator(device=dev).manual_seed(77 + r) for r in range(W)]
@@ -134,8 +131,9 @@ def _stress_rank(ctx, calls, seed, dims, design):
     if not gpu:  # the CPU smoke run: no CUDA graphs
         return out
 
-    # graphs: per op, GRAPH_MS Ms (1 and the capacity among them), static input and output
-    graphs = []
+    # graphs: per op, GRAPH_MS Ms (1 and the capacity among them), static input and output; a call takes its
+    # path (and records it) when captured, not when replayed, so the graphs' fallbacks are counted from here
+    graphs, fell_back = [], _fallbacks()
     for kind, op in ops.items():
         ms = sorted({1, op.capacity(), *(draw_m(op) for _ in range(GRAPH_MS - 2))})
         for m in ms:
@@ -152,7 +150,7 @@ def _stress_rank(ctx, calls, seed, dims, design):
             graphs.append((kind, m, a, c, graph))
     torch.cuda.synchronize()
     dist.barrier(group=ctx.group)
-    t0, fell_back = time.perf_counter(), _fallbacks()
+    t0 = time.perf_counter()
     errs = []
     for _ in range(calls):
         kind, m, a, c, graph = graphs[int(torch.randint(0, len(graphs), (), generator=order))]
@@ -166,7 +164,7 @@ def _stress_rank(ctx, calls, seed, dims, design):
     ctx.heap.check()
     out["graph"] = {"calls": calls, "seconds": time.perf_counter() - t0, "graphs": len(graphs),
                     "mismatches": int((errs > TOLERANCE).sum()), "max_rel_err": float(errs.max()),
-                    "fallbacks": _fallbacks() - fell_back}  # replays record nothing: counted while captured
+                    "fallbacks": _fallbacks() - fell_back}
     return out
 
 
@@ -183,7 +181,7 @@ def main(argv=None):
     calls = 200 if args.quick else args.calls
     gpu = args.device == "cuda"
     hidden, qkv, max_rows = dims = (HIDDEN, QKV, MAX_ROWS) if gpu else CPU_DIMS
-    ag_op, rs_op = OPS[args.fused_ops]
+    ag_op, rs_op = design_ops(args.fused_ops)
     heap = (ag_op.heap_bytes(args.tp, max_rows, hidden, torch.bfloat16)
             + rs_op.heap_bytes(args.tp, max_rows, hidden, torch.bfloat16) + ((64 if gpu else 4) << 20))
     per_rank = run_ranks(_stress_rank, args.tp, (calls, args.seed, dims, args.fused_ops), device=args.device,

@@ -34,7 +34,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import environment, log, md_table, time_per_call_ms, write_results  # noqa: E402
 from decode_profile import (CATEGORIES, add_engine_args, device_events, kernel_breakdown,  # noqa: E402
-                            overlap_config, resolve_device)
+                            merged, overlap_config, resolve_device)
 
 SCHEMA = "prefill-profile/1"
 
@@ -162,13 +162,7 @@ def partition(events: list[dict], wall_ms: float) -> dict:
     main_id = max({_stream(e) for e in events}, key=lambda s: sum(e["dur"] for e in events if _stream(e) == s))
 
     def union(evs):
-        out = []
-        for a, b in sorted((e["ts"], e["ts"] + e["dur"]) for e in evs):
-            if out and a <= out[-1][1]:
-                out[-1][1] = max(out[-1][1], b)
-            else:
-                out.append([a, b])
-        return out
+        return merged([(e["ts"], e["ts"] + e["dur"]) for e in evs])
     main = union([e for e in events if _stream(e) == main_id])
     every = union(events)
     span = every[-1][1] - every[0][0]

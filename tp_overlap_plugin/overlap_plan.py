@@ -29,6 +29,17 @@ from tp_overlap_plugin.dispatch import Dispatcher
 from tp_overlap_plugin.options import TPOverlapOptions
 
 
+def design_ops(design: str) -> tuple[type, type]:
+    """(AG-GEMM class, GEMM-RS class) of a fused-op design (options.DESIGNS): the one-launch kernels
+    (ops/ag_gemm.py, ops/gemm_rs.py) or the chunked ops (ops/chunked.py). Imported when asked."""
+    if design == "chunked":
+        from tp_overlap_plugin.ops.chunked import ChunkedAllGatherGemm, ChunkedGemmReduceScatter
+        return ChunkedAllGatherGemm, ChunkedGemmReduceScatter
+    from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm
+    from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter
+    return AllGatherGemm, GemmReduceScatter
+
+
 class OverlapPlan:
     """The flag's choices for one rank. `dispatcher`: a table already in hand (tests, tune's own
     tables); without one the table this device and TP size run on is read here."""
@@ -57,20 +68,12 @@ class OverlapPlan:
     @property
     def ag_gemm(self) -> type:
         """The AG-GEMM class the sequence-parallel layout's column layers run."""
-        if self.chunked:
-            from tp_overlap_plugin.ops.chunked import ChunkedAllGatherGemm
-            return ChunkedAllGatherGemm
-        from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm
-        return AllGatherGemm
+        return design_ops(self.design)[0]
 
     @property
     def gemm_rs(self) -> type:
         """The GEMM-RS class the sequence-parallel layout's row layers run."""
-        if self.chunked:
-            from tp_overlap_plugin.ops.chunked import ChunkedGemmReduceScatter
-            return ChunkedGemmReduceScatter
-        from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter
-        return GemmReduceScatter
+        return design_ops(self.design)[1]
 
     # ---- byte limits --------------------------------------------------------------------------------
     @property

@@ -105,19 +105,21 @@ class _ChunkedOp:
         """Peer j's block on side stream j % lanes, in `srcs` order on each: wait for its ready word,
         copy its block's first `rows` rows into the landed slot (the copy engine) and record the block's
         event (AG's GEMM of that block waits for it); then, on the first side stream once every copy is
-        done, tell every peer its blocks were pulled."""
+        done, tell every peer its blocks were pulled. The first lane is queued last, so the others'
+        events it waits for are already recorded."""
         lanes = len(self.sides) if self.sides else 1
-        for j in range(len(self.srcs)):
-            with self._fork(j % lanes):
-                self._waits[j](1)
-                self.landed[j, :rows].copy_(self._theirs[j][:rows])
-                if self.events is not None:
-                    self.events[j].record()
-        with self._fork(0):
-            if self.side is not None and lanes > 1:
-                for j in range(1, len(self.srcs)):  # each other lane's copies, the last one's event among these
-                    self.side.wait_event(self.events[j])
-            self._signal_pulled(1)
+        for lane in reversed(range(lanes)):
+            with self._fork(lane):
+                for j in range(lane, len(self.srcs), lanes):
+                    self._waits[j](1)
+                    self.landed[j, :rows].copy_(self._theirs[j][:rows])
+                    if self.events is not None:
+                        self.events[j].record()
+                if lane == 0:
+                    for j in range(len(self.srcs)):
+                        if j % lanes:  # the other lanes' copies
+                            self.side.wait_event(self.events[j])
+                    self._signal_pulled(1)
 
     def _join(self) -> None:
         """The caller's stream waits for the first side stream (which waited for the others): a graph capture

@@ -139,6 +139,7 @@ def make_plan(model: str, dims: ModelDims, world: int, device: str, quick: bool,
     gpu = device == "cuda"
     layers = dims.layers(world)
     engine = engine_check.plan_items(model, world, device, step_budget)
+    steps = {it["tokens"] for it in engine if it["kind"] == "prefill"}  # the engine's prefill step sizes
     if gpu:
         rows = gemv.decode_rows(quick)
         sizes = [8 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20] if quick else \
@@ -149,7 +150,7 @@ def make_plan(model: str, dims: ModelDims, world: int, device: str, quick: bool,
         # step of the budget measured only at its neighbours ran qkv and o_proj sequential at 8192 tokens
         # on H200x4 while both won there (bench/notes/prefill.md, section 6)
         fused_ms = sorted({world * m for m in ((2, 64, 512) if quick else (1, 16, 64, 256))} | {1024, 4096, 16384}
-                          | {it["tokens"] for it in engine if it["kind"] == "prefill"})
+                          | steps)
         ar_rows = [1, 16, 64] if quick else list(gemm_ar.ROWS)
         # gate_up with its SiLU-mul fused: where the layer's matmul is a plain GEMM (the replicated
         # layout past the GEMV's rows, the sequential AG path's gathered rows), up to the prefill sizes
@@ -173,7 +174,6 @@ def make_plan(model: str, dims: ModelDims, world: int, device: str, quick: bool,
         # the engine's step sizes of every design first: a run the time budget cuts short keeps the rows the
         # verdict's steps run on (a cut 70B run at TP=4 had measured one design whole and the other's prefill
         # rows not at all, so its verdict ran those steps stock)
-        steps = {it["tokens"] for it in engine if it["kind"] == "prefill"}
         items["fused_ops"] = sorted(fused, key=lambda it: it["M"] not in steps)
         # the interpreter: one row layer shows the pipeline (and eagerly the rule says stock anyway)
         row_layers = [x for x in layers if LAYER_OPS[x[0]] == "rs"][:None if gpu else 1]
@@ -206,9 +206,7 @@ def heap_bytes(plan: Plan) -> int:
     import torch
 
     from tp_overlap_plugin.ops.all_reduce import HeapAllReduce
-    from tp_overlap_plugin.ops.ag_gemm import AllGatherGemm
-    from tp_overlap_plugin.ops.chunked import ChunkedAllGatherGemm, ChunkedGemmReduceScatter
-    from tp_overlap_plugin.ops.gemm_rs import GemmReduceScatter
+    from tp_overlap_plugin.overlap_plan import design_ops
     from tp_overlap_plugin.tuning import all_reduce, gemm_ar
     if plan.world == 1:
         return 1 << 20
@@ -223,8 +221,7 @@ def heap_bytes(plan: Plan) -> int:
     fused = 0
     for it in plan.items.get("fused_ops", []):  # one op's buffers at a time (a heap scope per shape)
         rows = -(-it["M"] // W)
-        ag, rs = ((ChunkedAllGatherGemm, ChunkedGemmReduceScatter) if it["design"] == "chunked"
-                  else (AllGatherGemm, GemmReduceScatter))
+        ag, rs = design_ops(it["design"])
         need = (ag.heap_bytes(W, rows, it["K"], torch.bfloat16) if it["op"] == "ag"
                 else rs.heap_bytes(W, rows, it["N"], torch.bfloat16)) + (1 << 20)
         fused = max(fused, need)
