@@ -95,18 +95,14 @@ def _build(ctx):
 _last_out = {}  # the ops' latest outputs
 
 
-def _all_poisoned(ctx, name, first: bool = False) -> bool:
-    """Whether every element the op could not produce without the dead peer is NaN. The chunked AG's
-    first failing call pulls every peer's block separately, so the live peers' blocks pulled before
-    the wait that gave up are a true result; the dead rank's rows must be NaN (and every peer's in
-    later calls)."""
+def _all_poisoned(ctx, name) -> bool:
+    """Whether every element the op could not produce without the dead peer is NaN: for the AGs, every
+    peer's rows (a chunked AG that gave up NaNs them all after its GEMMs, the rows it pulled before
+    the give-up too: a live peer's slot it pulls after a give-up may hold any call's data)."""
     y = _last_out[name]
     if name in ("ag_gemm", "chunked_ag"):
         rows = y.shape[0] // ctx.world_size
-        if name == "chunked_ag" and first:
-            y = y[DEAD * rows:(DEAD + 1) * rows]
-        else:
-            y = torch.cat([y[:ctx.rank * rows], y[(ctx.rank + 1) * rows:]])
+        y = torch.cat([y[:ctx.rank * rows], y[(ctx.rank + 1) * rows:]])
     return bool(torch.isnan(y).all().item())
 
 
@@ -142,7 +138,7 @@ def _one_rank_dies(ctx, doomed):
         _last_out.pop(name, None)
     checked = POISONED[dev.type]
     first = _attempt(ctx, ops[doomed])
-    written_first = doomed in checked and not _all_poisoned(ctx, doomed, first=True)
+    written_first = doomed in checked and not _all_poisoned(ctx, doomed)
     # A long bound for the later calls: one that spun through a wait would take LATER_BOUND_S, far
     # beyond what a call takes on a loaded machine (comparing with the first call's time was not).
     h.timeout_s = LATER_BOUND_S

@@ -20,8 +20,8 @@ from tp_overlap_plugin.kernels.ag_gemm import ag_gemm_kernel
 from tp_overlap_plugin.kernels.gemm_ar import gemm_all_reduce_kernel
 from tp_overlap_plugin.kernels.gemm_rs import gemm_rs_kernel
 from tp_overlap_plugin.kernels.gemv import gemv_kernel
-from tp_overlap_plugin.kernels.chunked import (begin_call_kernel, reduce_rows_kernel, signal_kernel,
-                                                   wait_ready_kernel)
+from tp_overlap_plugin.kernels.chunked import (begin_call_kernel, nan_if_failed_kernel, reduce_rows_kernel,
+                                                   signal_kernel, wait_ready_kernel)
 from tp_overlap_plugin.kernels.layer_ops import rmsnorm_kernel, rope_cache_kernel, silu_mul_kernel
 from tp_overlap_plugin.ops.all_reduce_norm import NORM_THREADS, norm_num_warps
 from tp_overlap_plugin.ops.ag_gemm import AG_SEGMENTS
@@ -163,8 +163,9 @@ KERNELS = {
     # at 8 ranks: a signal to every peer is still one releasing atomic (test_signals_to_every_peer_...)
     "chunked_signal_w8": (signal_kernel, _sig("flags_ptr:*i64 calls_ptr:*i64 " + _FUSED_COMM + " dst:i32", None,
                                               ["WORLD"]), {"WORLD": 8}),
-    "chunked_wait": (wait_ready_kernel, _sig("ready_ptr:*i64 calls_ptr:*i64 src:i32 slot_ptr:*bf16 slot_numel:i32 "
-                                             + _FUSED_COMM, None, ["BLOCK"]), {"BLOCK": 1024}),
+    "chunked_wait": (wait_ready_kernel, _sig("ready_ptr:*i64 calls_ptr:*i64 src:i32 " + _FUSED_COMM, None, []), {}),
+    "chunked_nan_if_failed": (nan_if_failed_kernel, _sig("out_ptr:*bf16 numel:i32 keep_start:i32 keep_end:i32 "
+                                                         "error_ptr:*i64", None, ["BLOCK"]), {"BLOCK": 1024}),
     "chunked_reduce": (reduce_rows_kernel, _sig("own_ptr:*bf16 landed_ptr:*bf16 out_ptr:*bf16 rows:i32 N:i32 "
                                                 "slot_stride:i32 rank:i32 error_ptr:*i64", None,
                                                 ["WORLD", "BLOCK_M", "BLOCK_N"]),

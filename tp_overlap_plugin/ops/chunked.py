@@ -18,7 +18,7 @@ partials in rank order (fp32), so the result does not depend on the arrival orde
 State lives in device memory (the call number, the flags) and the copies' addresses never change, so
 calls can be captured in CUDA graphs. A case they do not take goes to the sequential op (stock
 collective + matmul), as the one-launch ops do. Host work per call: W GEMMs, W - 1 copies and W - 1
-waits (one per peer's block: that is the chunking), and three or W + 1 one-program kernels; the waits
+waits (one per peer's block: that is the chunking), and four (AG) or W + 1 (RS) one-program kernels; the waits
 and signals launch directly (launch.Launcher), their arguments fixed per op."""
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from tp_overlap_plugin import runtime, stats
 from tp_overlap_plugin.heap import SymmetricHeap
-from tp_overlap_plugin.kernels.chunked import (begin_call_kernel, reduce_rows_kernel, signal_kernel,
-                                                   wait_ready_kernel)
+from tp_overlap_plugin.kernels.chunked import (begin_call_kernel, nan_if_failed_kernel, reduce_rows_kernel,
+                                                   signal_kernel, wait_ready_kernel)
 from tp_overlap_plugin.launch import Launcher
 from tp_overlap_plugin.ops.device import cache_modifiers, resident_programs
 from tp_overlap_plugin.ops.operands import check_operands, kernel_applies
@@ -81,11 +81,10 @@ class _ChunkedOp:
         es = torch.empty((), dtype=dtype).element_size()
         return round_up(blocks * max_rows * cols * es, 256) + 2 * round_up(world * 8, 256)
 
-    def _wait_launcher(self, src: int, slot: torch.Tensor) -> Launcher:
-        """The wait for `src`'s ready word; on giving up, NaN over src's copy of `slot` (what I pull next)."""
+    def _wait_launcher(self, src: int) -> Launcher:
+        """The wait for `src`'s ready word."""
         return Launcher(wait_ready_kernel, self.heap.device, (), ready_ptr=self.ready, calls_ptr=self.calls, src=src,
-                        slot_ptr=slot, slot_numel=slot.numel(), rank=self.heap.rank, heap_bases=self.heap.heap_bases,
-                        error_ptr=self.heap.error, BLOCK=NAN_BLOCK, num_warps=1)
+                        rank=self.heap.rank, heap_bases=self.heap.heap_bases, error_ptr=self.heap.error, num_warps=1)
 
     def _mark_begun(self) -> None:
         """Record where the side stream may start: after this call's begin and the last call's reads of
@@ -137,7 +136,10 @@ class ChunkedAllGatherGemm(_ChunkedOp):
         super().__init__(heap, max_rows, k, dtype, device_group, 1, "chunked_ag")
         W, me = heap.world_size, heap.rank
         self.srcs = [(me + 1 + j) % W for j in range(W - 1)]  # pull order: each step a permutation of ranks
-        self._waits = [self._wait_launcher(src, self.send[0]) for src in self.srcs]
+        self._waits = [self._wait_launcher(src) for src in self.srcs]
+        # after a give-up, NaN over the peers' rows of c (kernels/chunked.py: in my memory, after the GEMMs)
+        self._nan_if_failed = Launcher(nan_if_failed_kernel, heap.device, ("out_ptr", "numel", "keep_start", "keep_end"),
+                                       error_ptr=heap.error, BLOCK=NAN_BLOCK, num_warps=4)
         # what the copy engine reads: each src's send slot, as a tensor of this process
         self._theirs = [heap.peer_view(self.send[0], src) for src in self.srcs]
 
@@ -169,6 +171,7 @@ class ChunkedAllGatherGemm(_ChunkedOp):
                 cur.wait_event(self.events[j])
             torch.mm(self.landed[j, :rows], b, out=c[src * rows:(src + 1) * rows])
         self._join()
+        self._nan_if_failed(1, c, c.numel(), me * rows * n, (me + 1) * rows * n)
         h.check_if_free()
         return c
 
@@ -187,7 +190,7 @@ class ChunkedGemmReduceScatter(_ChunkedOp):
         # mine as its block (me - src - 1) mod W, and I pull from me - 1 first
         self.dsts = [(me + 1 + j) % W for j in range(W - 1)]
         self.srcs = [(me - 1 - j) % W for j in range(W - 1)]
-        self._waits = [self._wait_launcher(src, self.send[j]) for j, src in enumerate(self.srcs)]
+        self._waits = [self._wait_launcher(src) for src in self.srcs]
         # what the copy engine reads: src's block for me, as a tensor of this process
         self._theirs = [heap.peer_view(self.send[j], src) for j, src in enumerate(self.srcs)]
         self._reduce = Launcher(reduce_rows_kernel, heap.device, ("own_ptr", "out_ptr", "rows"), landed_ptr=self.landed,
