@@ -120,6 +120,13 @@ class _ChunkedOp:
                             self.side.wait_event(self.events[j])
                     self._signal_pulled(1)
 
+    def _await_landed(self) -> None:
+        """The caller's stream waits for every block's copy (not for what the pull streams run after them)."""
+        if self.events is not None:
+            cur = torch.cuda.current_stream(self.heap.device)
+            for ev in self.events:
+                cur.wait_event(ev)
+
     def _join(self) -> None:
         """The caller's stream waits for the first side stream (which waited for the others): a graph capture
         must end on the stream it began on, every stream it forked joined."""
@@ -225,10 +232,13 @@ class ChunkedGemmReduceScatter(_ChunkedOp):
             self._signal_ready[dst](1)
         own = torch.mm(a[me * rows:(me + 1) * rows], b)
         self._pull(rows)
-        self._join()
+        # the sum waits for the copies alone; the "pulled" signal after them runs beside it, joined after
+        # (it had sat between the last copy and the sum: ~12 us a call, bench/notes/prefill.md section 9)
+        self._await_landed()
         c = torch.empty((rows, n), dtype=a.dtype, device=h.device)
         # no waits in the sum: a program per tile (the interpreter's few programs walk them all)
         tiles = -(-rows // REDUCE_TILE[0]) * -(-n // REDUCE_TILE[1])
         self._reduce(tiles if h.device.type == "cuda" else min(tiles, resident_programs(h.device)), own, c, rows)
+        self._join()
         h.check_if_free()
         return c
