@@ -151,19 +151,24 @@ def _stream(event: dict):
     return event.get("args", {}).get("stream", event.get("tid"))
 
 
+# what the fused ops' pull streams run: the copy engine's peer copies and the waits for a peer's ready word
+PULL_KERNELS = ("Memcpy PtoP", "wait_ready_kernel")
+
+
 def partition(events: list[dict], wall_ms: float) -> dict:
     """The profiled round's wall time cut into parts that add up to it exactly (ms): `ends`, before its
     first kernel and after its last (the host building the first step, and the round's end); `main`, the
-    union in time of the main stream's kernels (the stream with the most kernel time: the one the steps
-    run on); `side_only`, time the main stream waits while only other streams run (the fused ops' pulls and
-    their waits); `idle`, time no stream runs anything, with its gaps counted by length."""
+    union in time of the step's own kernels (every kernel but the pulls and their waits, PULL_KERNELS);
+    `side_only`, time only the pulls or their waits run (the step waits for them); `idle`, time nothing
+    runs, with its gaps counted by length. By kind, not by stream: a CUDA graph's replay runs its
+    branches on streams of the executor's own (258 stream ids in one round, H200x4 2026-11-28), so
+    the stream a kernel was captured on is not in the trace."""
     if not events:
         return {}
-    main_id = max({_stream(e) for e in events}, key=lambda s: sum(e["dur"] for e in events if _stream(e) == s))
 
     def union(evs):
         return merged([(e["ts"], e["ts"] + e["dur"]) for e in evs])
-    main = union([e for e in events if _stream(e) == main_id])
+    main = union([e for e in events if not e["name"].startswith(PULL_KERNELS)])
     every = union(events)
     span = every[-1][1] - every[0][0]
     busy, main_us = sum(b - a for a, b in every), sum(b - a for a, b in main)
@@ -174,7 +179,7 @@ def partition(events: list[dict], wall_ms: float) -> dict:
         g[1] += (b - a) / 1e3
     return {"wall_ms": wall_ms, "ends_ms": wall_ms - span / 1e3, "main_ms": main_us / 1e3,
             "side_only_ms": (busy - main_us) / 1e3, "idle_ms": (span - busy) / 1e3, "idle_gaps": gaps,
-            "main_stream": main_id, "streams": len({_stream(e) for e in events})}
+            "streams": len({_stream(e) for e in events})}
 
 
 def markdown(payload: dict) -> str:
@@ -206,9 +211,9 @@ def markdown(payload: dict) -> str:
     if part:
         g = part["idle_gaps"]
         lines.append("\nThe profiled round's wall, cut into parts that add up to it (ms; rank 0): the round's two ends "
-                     "(host, before the first kernel and after the last), the main stream's kernels, the main stream "
-                     "waiting while only other streams run, and nothing running (its gaps by length):\n")
-        lines.append(md_table(["wall", "ends", "main stream's kernels", "only other streams", "nothing runs",
+                     "(host, before the first kernel and after the last), the step's own kernels, only the fused ops' "
+                     "pulls or their waits running, and nothing running (its gaps by length):\n")
+        lines.append(md_table(["wall", "ends", "the step's kernels", "only pulls and their waits", "nothing runs",
                                "gaps < 5 us", "5-20 us", ">= 20 us"],
                               [[part["wall_ms"], part["ends_ms"], part["main_ms"], part["side_only_ms"], part["idle_ms"],
                                 *[f"{g[k][0]} ({g[k][1]:.2f} ms)" for k in ("<5us", "5-20us", ">=20us")]]]))

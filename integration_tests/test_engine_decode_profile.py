@@ -114,23 +114,26 @@ def test_prefill_profile_runs_on_the_cpu_and_counts_the_rounds_work(tmp_path):
 
 
 def test_the_prefill_rounds_partition_adds_up_to_its_wall():
-    """bench/prefill_profile.partition on made-up kernels of two streams (us): the main stream's kernels, the
-    time only the side stream runs, the time nothing runs (its gaps by length) and the round's two ends are
-    disjoint and add up to the wall; the main stream is the one with the most kernel time."""
+    """bench/prefill_profile.partition on made-up kernels (us): the step's own kernels, the time only the
+    pulls or their waits run, the time nothing runs (its gaps by length) and the round's two ends are
+    disjoint and add up to the wall. Told apart by kind, not stream: a graph replay scatters one stream's
+    kernels over stream ids of its own (here the GEMMs come on 7 and 9)."""
     sys.path.insert(0, str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("prefill_profile", ROOT / "bench" / "prefill_profile.py")
     pp = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pp)
 
-    def k(ts, dur, stream):
-        return {"name": "k", "ts": 1000.0 + ts, "dur": dur, "args": {"stream": stream}}
-    events = [k(0, 100, 7), k(100, 50, 7),            # back to back
-              k(153, 40, 7),                           # a 3-us gap: nothing runs
-              k(193, 60, 13), k(263, 30, 7),           # the main stream waits 70 us: 60 under a side copy, 10 idle
-              k(280, 40, 13),                          # side beside the main kernel, then alone for 27 us
-              k(347, 100, 7), k(500, 10, 7)]           # 27 us of nothing before, 53 after
+    def k(ts, dur, stream, name="nvjet_gemm"):
+        return {"name": name, "ts": 1000.0 + ts, "dur": dur, "args": {"stream": stream}}
+    copy, wait = "Memcpy PtoP (Device -> Device)", "wait_ready_kernel"
+    events = [k(0, 100, 7), k(100, 50, 9),                      # back to back
+              k(153, 40, 7),                                     # a 3-us gap: nothing runs
+              k(193, 45, 13, copy), k(238, 15, 13, wait),        # the step waits 70 us: 60 under a pull, 10 idle
+              k(263, 30, 9),
+              k(280, 40, 13, copy),                              # a pull beside a kernel, then alone for 27 us
+              k(347, 100, 7), k(500, 10, 9, "signal_kernel")]    # 27 us of nothing before, 53 after
     part = pp.partition(events, wall_ms=0.600)
-    assert part["main_stream"] == 7 and part["streams"] == 2
+    assert part["streams"] == 3
     assert part["main_ms"] == pytest.approx((100 + 50 + 40 + 30 + 100 + 10) / 1e3)
     assert part["side_only_ms"] == pytest.approx((60 + 27) / 1e3)
     assert part["idle_gaps"] == {"<5us": [1, pytest.approx(0.003)], "5-20us": [1, pytest.approx(0.010)],
