@@ -22,7 +22,7 @@ RESULTS = ROOT / "bench" / "results"
 # the shipped dispatch tables `tp-overlap tune` made, and its store of each run (every phase's rows,
 # bench/results/tune-store-*): the table is what tune's rules make of them
 TUNE_MADE = {"h200-tp1.json": "tune-store-llama-3-8b-tp1-h200-2026-11-28.json",
-             "h200-tp4.json": "tune-store-llama-3-8b-70b-tp4-h200x4-2026-11-28.json",
+             "h200-tp4.json": "tune-store-llama-3-8b-70b-tp4-h200x4-2026-11-28-s20.json",
              "h200-tp2.json": "tune-store-llama-3-8b-tp2-h200x2-2026-11-28.json"}
 
 
