@@ -64,3 +64,16 @@ def test_chunked_ops_match_float64(world, device):
                 ref = full[r * rows_rs:(r + 1) * rows_rs]
                 assert c_rs.shape == ref.shape and _rel_err(c_rs, ref) < 1e-2, ("rs", r, m, rk, rn, rep)
         assert counts["chunked_ag.kernel"] == 2 * len(RS_CASES) and counts["chunked_rs.kernel"] == 2 * len(RS_CASES)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_the_ag_pulls_every_peer_at_once_where_each_peer_is_a_link_of_its_own(world, monkeypatch):
+    """ops.device.pull_lanes: on CDNA (a link per peer) one pull stream per peer, so the AG does not take
+    one link's bandwidth of W - 1; behind NVSwitch one stream, peer after peer."""
+    from tp_overlap_plugin.ops import device as dev
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert dev.pull_lanes(gpu, world) == 1
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    assert dev.pull_lanes(gpu, world) == world - 1
+    assert dev.pull_lanes(torch.device("cpu"), world) == 1   # the interpreter has no streams

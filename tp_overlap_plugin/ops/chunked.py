@@ -5,7 +5,8 @@ work). No SM moves data: the GEMMs keep the whole chip.
 
 `ChunkedAllGatherGemm`: c = all_gather(a_shard) @ b. My shard goes into my heap's send slot and I
 say "ready"; the GEMM multiplies my own rows while the side stream pulls each peer's shard in turn
-(rank me + 1 first), and each pulled block's GEMM follows its copy.
+(rank me + 1 first; on CDNA, where each peer is a link of its own, a stream per peer pulls them all
+at once: ops.device.pull_lanes), and each pulled block's GEMM follows its copy.
 
 `ChunkedGemmReduceScatter`: c_shard = reduce_scatter(a @ b). The GEMM computes the rows each peer
 owns into my send slot, the peer after me first, and says "ready" to that peer after each block;
@@ -33,7 +34,7 @@ from tp_overlap_plugin.heap import SymmetricHeap
 from tp_overlap_plugin.kernels.chunked import (begin_call_kernel, nan_if_failed_kernel, reduce_rows_kernel,
                                                    signal_kernel, wait_ready_kernel)
 from tp_overlap_plugin.launch import Launcher
-from tp_overlap_plugin.ops.device import cache_modifiers, resident_programs
+from tp_overlap_plugin.ops.device import cache_modifiers, pull_lanes, resident_programs
 from tp_overlap_plugin.ops.operands import check_operands, kernel_applies
 from tp_overlap_plugin.ops.slots import round_up
 
@@ -140,7 +141,8 @@ class ChunkedAllGatherGemm(_ChunkedOp):
 
     def __init__(self, heap: SymmetricHeap, max_rows: int, k: int, dtype: torch.dtype = torch.bfloat16,
                  device_group: dist.ProcessGroup | None = None):
-        super().__init__(heap, max_rows, k, dtype, device_group, 1, "chunked_ag")
+        super().__init__(heap, max_rows, k, dtype, device_group, 1, "chunked_ag",
+                         lanes=pull_lanes(heap.device, heap.world_size))
         W, me = heap.world_size, heap.rank
         self.srcs = [(me + 1 + j) % W for j in range(W - 1)]  # pull order: each step a permutation of ranks
         self._waits = [self._wait_launcher(src) for src in self.srcs]

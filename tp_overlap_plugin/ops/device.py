@@ -36,3 +36,14 @@ def cache_modifiers(device: torch.device) -> dict:
     need a cache modifier to stay coherent (kernels/all_reduce.py: _wait_landed)."""
     cdna = device.type == "cuda" and torch.version.hip is not None
     return {"PEER_STORE": ".wt" if cdna else "", "POLL_LOAD": ".cv" if cdna else ""}
+
+
+def pull_lanes(device: torch.device, world: int) -> int:
+    """How many peers' blocks the chunked AG pulls at once (ops/chunked.py; its RS pulls every peer at
+    once everywhere). On CDNA (MI300X) each peer is a link of its own, ~48 GB/s a direction of the
+    seven: pulled one at a time, a block would take 1/(W - 1) of what the GPU can take in, so one
+    stream per peer. Behind NVIDIA's NVSwitch one peer's copy takes the whole ingress (H200x4: 259
+    GB/s one at a time against 270 at once, bench/notes/prefill.md section 6), and one at a time lets
+    the first block's GEMM start soonest: one stream. bench/notes/prefill.md section 10."""
+    cdna = device.type == "cuda" and torch.version.hip is not None
+    return max(world - 1, 1) if cdna else 1
