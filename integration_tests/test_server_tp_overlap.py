@@ -20,10 +20,10 @@ PROMPTS = ["The tensor-parallel engine says:", "Hi"]
 
 def _texts(url):
     with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
-        done = [c.completions.create(model="demo", prompt=p, max_tokens=4, temperature=0,
+        done = [c.completions.create(model="demo", prompt=p, max_tokens=2, temperature=0,
                                      extra_body={"ignore_eos": True}) for p in PROMPTS]
         chat = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": "tensors?"}],
-                                         max_tokens=3, temperature=0)
+                                         max_tokens=2, temperature=0)
     return [d.choices[0].text for d in done] + [chat.choices[0].message.content]
 
 

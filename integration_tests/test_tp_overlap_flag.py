@@ -33,7 +33,7 @@ def _run(model_dir: str, flag, table_path: str) -> dict:
     cfg = EngineConfig(model=model_dir, tensor_parallel_size=2, dtype="float16", block_size=4, max_model_len=64,
                        max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64, show_progress=False,
                        dist_timeout_s=120, tp_overlap=flag)
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logits=True)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logits=True)
     with LLM(cfg) as llm:
         outs = llm.generate(PROMPTS, params)
     return {"tokens": [o.outputs[0].token_ids for o in outs],
