@@ -31,19 +31,18 @@ def pytest_cmdline_main(config):
         opt.numprocesses, opt.dist = 2, "loadfile"
 
 
-# The files that take longest on 2 cores, longest first. xdist's loadfile hands each idle worker the next file
-# in collection order, so these go first: collected alphabetically, several of them came last, and one worker
-# ran the tail alone while the other idled. By the per-file sums of `pytest --durations=0` on a clean clone,
-# 2026-11-28 (twentieth session, bench/notes/ci.md); test_kernels_compile.py is cheap with a warm Triton
-# cache but ~190 s with CI's cold one.
-LONGEST_FIRST = ("test_bench_scripts.py", "test_tune.py", "test_kernels_compile.py", "test_dead_peer.py",
-                 "test_server_processes.py", "test_gemm_core.py", "test_tp_overlap_startup.py", "test_server_openai.py",
-                 "test_engine_triton_attention.py", "test_overlap.py", "test_tp_overlap_flag.py", "test_server_errors.py",
-                 "test_server_tp_overlap.py", "test_allreduce.py", "test_engine_async.py",
-                 "test_server_vllm_extensions.py", "test_server_load.py", "test_chunked_ops.py", "test_engine_api.py",
-                 "test_rma.py", "test_server_vllm_compat.py", "test_engine_hf_parity.py", "test_world8.py",
-                 "test_engine_decode_profile.py", "test_overlap_layers.py", "test_server_responses.py", "test_gemv.py",
-                 "test_server_tools.py", "test_readme.py", "test_engine_scheduler.py")
+# The files that take longest on 2 cores (CI's "slowest" lists, bench/notes/ci.md), longest first. xdist's
+# loadfile hands each idle worker the next file in collection order, so these go first: collected
+# alphabetically, several of them came last, and one worker ran the tail alone while the other idled.
+# By the per-file times of 2026-11-28 (bench/notes/ci.md); test_kernels_compile.py is cheap with a warm
+# Triton cache but ~190 s with CI's cold one.
+LONGEST_FIRST = ("test_bench_scripts.py", "test_tune.py", "test_dead_peer.py", "test_engine_api.py",
+                 "test_tp_overlap_flag.py", "test_kernels_compile.py", "test_server_openai.py",
+                 "test_server_tp_overlap.py", "test_engine_decode_profile.py", "test_gemv.py", "test_allreduce.py",
+                 "test_server_processes.py", "test_server_responses.py", "test_server_errors.py", "test_overlap.py",
+                 "test_tp_overlap_startup.py", "test_engine_async.py", "test_overlap_layers.py",
+                 "test_engine_hf_parity.py", "test_gemm_core.py", "test_readme.py", "test_world8.py",
+                 "test_engine_triton_attention.py")
 
 
 def pytest_collection_modifyitems(config, items):
