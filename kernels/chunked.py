@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from tp_overlap_plugin.kernels import rma
+from tp_overlap_plugin.kernels.all_reduce import poison
 
 
 @triton.jit
@@ -95,7 +96,7 @@ def nan_if_failed_kernel(out_ptr, numel, keep_start, keep_end, error_ptr, BLOCK:
         offs = tl.arange(0, BLOCK)
         for i in range(0, numel, BLOCK):
             o = i + offs
-            tl.store(out_ptr + o, float("nan"), mask=(o < numel) & ((o < keep_start) | (o >= keep_end)))
+            poison(out_ptr, o, (o < numel) & ((o < keep_start) | (o >= keep_end)))
 
 
 @triton.jit
