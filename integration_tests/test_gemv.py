@@ -2,7 +2,8 @@
 the operands swapped) against a float64 reference: both paths, every M from 1 to 64, N and K that
 are not multiples of the tiles, K shorter than one tile, bias, fp16 and bf16, poisoned outputs, and
 strided x and out; the same bits from two calls; replays from CUDA graphs; inputs it does not take
-are refused with the limit named. The dispatcher's gemv question on a made-up table."""
+are refused with the limit named. The dispatcher's gemv question on a made-up table. gate_up with its
+SiLU-mul in the FMA path's epilogue (gemv_silu_mul) against silu(gate) * up in float64, the same way."""
 
 import os
 
@@ -11,7 +12,7 @@ import torch
 
 from tp_overlap_plugin.decode_config import DecodeConfig
 from tp_overlap_plugin.dispatch import Dispatcher
-from tp_overlap_plugin.ops.gemv import GEMV_MAX_ROWS, gemv, gemv_applies
+from tp_overlap_plugin.ops.gemv import GEMV_MAX_ROWS, gemv, gemv_applies, gemv_silu_mul, gemv_silu_mul_applies
 
 # both paths at explicit configs, whatever the device's table says; the interpreter's tiles are small
 # so that a tiny shape has several tiles, K blocks, K slices (split-K) and a K tail
@@ -73,6 +74,30 @@ def _every_m(device, configs, n, k, rows=range(1, GEMV_MAX_ROWS + 1)):
     return bad
 
 
+def _silu_mul(device, configs, shapes, rows=(1, 2, 3, 5, 8)):
+    """gemv_silu_mul against float64 silu(x gate^T) * (x up^T), into poisoned outputs, with and without
+    dependent launch (the same bits). One rounding of the fp32 result: 2^-7 relative (the interpreter
+    truncates), plus the fp32 sums' error carried through the activation (|gate| + |up| terms)."""
+    gen = torch.Generator().manual_seed(2)
+    bad = []
+    for n, k in shapes:  # n: output columns; the weight is [2n, K]
+        w = (torch.randn(2 * n, k, generator=gen) / k ** 0.5).to(torch.bfloat16).to(device)
+        for cfg in configs:
+            for m in rows:
+                x = torch.randn(m, k + 8, generator=gen).to(torch.bfloat16).to(device)[:, :k]
+                gate, up = (x.double().cpu() @ w.double().cpu().t()).split(n, dim=1)
+                ref = torch.nn.functional.silu(gate) * up
+                first = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
+                again = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
+                gemv_silu_mul(x, w, out=first, config=cfg)
+                gemv_silu_mul(x, w, out=again, config=cfg, dependent_launch=True)
+                err = (first.double().cpu() - ref).abs()
+                tol = 2.0 ** -7 * (ref.abs() + 1e-2) + 1e-4 * (gate.abs() + up.abs() + 1)
+                if not (err <= tol).all() or not torch.equal(first, again):
+                    bad.append((cfg.label(), n, k, m, err.max().item(), torch.equal(first, again)))
+    return bad
+
+
 def main():
     for dtype in (torch.bfloat16, torch.float16):
         bad = _check(torch.device("cpu"), SHAPES, dtype)
@@ -81,6 +106,10 @@ def main():
     bad = _every_m(torch.device("cpu"), CPU_CONFIGS[:2], 19, 37)
     bad += _every_m(torch.device("cpu"), CPU_CONFIGS[2:], 19, 37, rows=(1, 16, 17, 33, 64))
     bad += _every_m(torch.device("cpu"), CPU_CONFIGS[:1], 19, 20, rows=(1, 3))  # K shorter than one tile
+    assert not bad, bad
+    # odd output widths, a K tail, K shorter than a tile, and programs of 1 and 8 output columns
+    bad = _silu_mul(torch.device("cpu"), [CPU_CONFIGS[0], DecodeConfig("fma", 2, 32, 4, 1)],
+                    [(9, 37), (16, 64), (3, 20)], rows=(1, 3, 4))
     assert not bad, bad
     _tp1_layers_take_the_decode_matmul()
     print("gemv ok")
@@ -173,6 +202,35 @@ def test_gemv_replays_in_a_cuda_graph(cfg, m, pdl):
         assert torch.equal(eager, out), "a replay and an eager call differ"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="runs real kernels")
+def test_gemv_silu_mul_matches_float64_on_gpu():
+    """The FMA configs tune measures (decode_configs), on gate_up's TP=4 and TP=8 shard of Llama-3-8B and an
+    odd shape, in a CUDA graph as well as eager."""
+    from tp_overlap_plugin.tuning.decode_configs import candidates
+    fma = [c for c in candidates("cuda") if c.path == "fma"]
+    bad = _silu_mul(torch.device("cuda"), fma, [(3584, 4096), (1792, 4096), (1031, 4104)], rows=(1, 2, 5, 8, 16))
+    assert not bad, bad
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2 * 1792, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    out = torch.empty(1, 1792, device="cuda", dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        gemv_silu_mul(x, w, out=out, dependent_launch=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=s):
+        gemv_silu_mul(x, w, out=out, dependent_launch=True)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        x.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, gemv_silu_mul(x, w)), "a replay and an eager call differ"
+
+
 def test_gemv_refuses_what_it_does_not_take():
     w = torch.zeros(4, 16, dtype=torch.bfloat16)
     for x, what in ((torch.zeros(GEMV_MAX_ROWS + 1, 16, dtype=torch.bfloat16), "1 <= M <= 64"),
@@ -185,6 +243,16 @@ def test_gemv_refuses_what_it_does_not_take():
         gemv(torch.zeros(1, 16, dtype=torch.bfloat16), w, torch.zeros(5, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="does not take 17 rows"):
         gemv(torch.zeros(17, 16, dtype=torch.bfloat16), w, config=DecodeConfig("fma", 16, 32))
+    one = torch.zeros(1, 16, dtype=torch.bfloat16)
+    assert gemv_silu_mul_applies(one, w) and not gemv_silu_mul_applies(one, w[:3])
+    assert not gemv_silu_mul_applies(torch.zeros(5, 16, dtype=torch.bfloat16), w)  # the table's MMA path on the CPU
+    for x, wt, what in ((one, w[:3], "even number of rows"), (torch.zeros(17, 16, dtype=torch.bfloat16), w, "M <= 16")):
+        with pytest.raises(ValueError, match=what):
+            gemv_silu_mul(x, wt)
+    with pytest.raises(ValueError, match="FMA path only"):
+        gemv_silu_mul(one, w, config=DecodeConfig("mma", 16, 32))
+    with pytest.raises(ValueError, match=r"out must be \[1, 2\]"):
+        gemv_silu_mul(one, w, out=torch.zeros(1, 4, dtype=torch.bfloat16))
 
 
 def test_gemv_rule():

@@ -118,17 +118,27 @@ KERNELS = {
     # decode GEMV at one row (the JIT makes M == 1 a constant) with a bias and a K tail, as the layers launch it
     "gemv": (gemv_kernel, _sig("x_ptr:*bf16 w_ptr:*bf16 bias_ptr:*bf16 y_ptr:*bf16 M:i32 N:i32 K:i32 stride_xm:i32 "
                                "stride_wn:i32 stride_ym:i32", None,
-                               ["M", "M_PAD", "BLOCK_N", "BLOCK_K", "NUM_STAGES", "EVEN_K", "HAS_BIAS", "PDL"]),
+                               ["M", "M_PAD", "BLOCK_N", "BLOCK_K", "NUM_STAGES", "EVEN_K", "HAS_BIAS", "PDL",
+                                "SILU_MUL"]),
              {"M": 1, "M_PAD": 1, "BLOCK_N": 16, "BLOCK_K": 256, "NUM_STAGES": 4, "EVEN_K": False, "HAS_BIAS": True,
-              "PDL": False},
+              "PDL": False, "SILU_MUL": False},
              {"num_warps": 4, "num_stages": 4}),
     # with dependent launch, K a multiple of the tile (as every shipped model's): the first weight tile
     # before the wait (ops.gemv: dependent_launch)
     "gemv_pdl": (gemv_kernel, _sig("x_ptr:*bf16 w_ptr:*bf16 bias_ptr:*bf16 y_ptr:*bf16 M:i32 N:i32 K:i32 "
                                    "stride_xm:i32 stride_wn:i32 stride_ym:i32", None,
-                                   ["M", "M_PAD", "BLOCK_N", "BLOCK_K", "NUM_STAGES", "EVEN_K", "HAS_BIAS", "PDL"]),
+                                   ["M", "M_PAD", "BLOCK_N", "BLOCK_K", "NUM_STAGES", "EVEN_K", "HAS_BIAS", "PDL",
+                                    "SILU_MUL"]),
                  {"M": 1, "M_PAD": 1, "BLOCK_N": 16, "BLOCK_K": 256, "NUM_STAGES": 4, "EVEN_K": True,
-                  "HAS_BIAS": True, "PDL": True}, {"num_warps": 4, "num_stages": 4}),
+                  "HAS_BIAS": True, "PDL": True, "SILU_MUL": False}, {"num_warps": 4, "num_stages": 4}),
+    # gate_up at one row with its SiLU-mul in the epilogue (ops.gemv.gemv_silu_mul: half the table's block_n
+    # in output columns, each program's gate and up rows interleaved)
+    "gemv_silu_mul": (gemv_kernel, _sig("x_ptr:*bf16 w_ptr:*bf16 bias_ptr:*bf16 y_ptr:*bf16 M:i32 N:i32 K:i32 "
+                                        "stride_xm:i32 stride_wn:i32 stride_ym:i32", None,
+                                        ["M", "M_PAD", "BLOCK_N", "BLOCK_K", "NUM_STAGES", "EVEN_K", "HAS_BIAS",
+                                         "PDL", "SILU_MUL"]),
+                      {"M": 1, "M_PAD": 1, "BLOCK_N": 8, "BLOCK_K": 256, "NUM_STAGES": 4, "EVEN_K": True,
+                       "HAS_BIAS": False, "PDL": False, "SILU_MUL": True}, {"num_warps": 4, "num_stages": 4}),
     # the decode matmul's tensor-core path: the core with the operands swapped (A = the weight, 64 rows a
     # tile; B = x^T, 16 columns, x's row count N == 1 made a constant by the JIT; C = y^T, unit row
     # stride), split-K, through descriptors and through pointers

@@ -27,6 +27,12 @@ Program p owns BLOCK_N consecutive output columns, i.e. BLOCK_N whole rows of W,
   program loads its first weight tile, which no kernel writes, then waits for the kernel ahead
   (triton_compat.wait_for_previous) before it reads x; the first tile's product is peeled off the loop.
   So the weight stream starts while the all-reduce before the matmul waits for its peers.
+- `SILU_MUL` (gate_up_proj at decode): W is [2N, K], gate rows then up rows, and y [M, N] is
+  silu(x @ gate^T) * (x @ up^T). Program p takes BLOCK_N output columns and streams their gate and up
+  rows as one 2 * BLOCK_N-row tile, interleaved (row 2j: gate of column j, 2j + 1: its up), so the
+  loop is the plain kernel's, and the pair is split apart after the reduction. The activation is
+  applied to the fp32 sums and rounded once, as the GEMM core's SILU_MUL epilogue does: one launch
+  instead of the matmul and the SiLU-mul kernel, and the [M, 2N] product is never written.
 No split of K: at these shapes the column blocks alone give 192-4000 programs, and a measured
 split-K variant (deterministic: the last slice to arrive sums them) gained at most 2% at M <= 4.
 """
@@ -72,37 +78,47 @@ def _tile(ptrs, k0, ks, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _product(xt, wt, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _product(xt, wt, M_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """x's tile times W's, [M_PAD, BLOCK_N, BLOCK_K // VEC, VEC], widened before the product: exact, and
     the interpreter has no bf16 arithmetic."""
     x4 = tl.reshape(xt.to(tl.float32), [M_PAD, 1, BLOCK_K // VEC, VEC])
-    w4 = tl.reshape(wt.to(tl.float32), [1, BLOCK_N, BLOCK_K // VEC, VEC])
+    w4 = tl.reshape(wt.to(tl.float32), [1, ROWS, BLOCK_K // VEC, VEC])
     return w4 * x4
 
 
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False):
+                EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False,
+                SILU_MUL: tl.constexpr = False):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_rows = tl.minimum(cols, N - 1)
+    tl.static_assert(not (SILU_MUL and HAS_BIAS), "gemv_kernel: SILU_MUL takes no bias")
+    ROWS: tl.constexpr = BLOCK_N * 2 if SILU_MUL else BLOCK_N  # weight rows a program streams
+    if SILU_MUL:  # gate and up of each column, side by side (module docstring)
+        pair = tl.arange(0, ROWS)
+        w_rows = tl.minimum(tl.program_id(0) * BLOCK_N + pair // 2, N - 1) + (pair % 2) * N
+    else:
+        w_rows = tl.minimum(cols, N - 1)
     x_rows = tl.minimum(tl.arange(0, M_PAD), M - 1)
     ks = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + w_rows.to(tl.int64)[:, None] * stride_wn + ks[None, :]
     x_ptrs = x_ptr + x_rows[:, None] * stride_xm + ks[None, :]
-    acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+    acc = tl.zeros([M_PAD, ROWS, BLOCK_K // VEC], dtype=tl.float32)
     first = 0
     if PDL:  # the first weight tile before the wait, x after it (see the module's docstring)
         wt = _tile(w_ptrs, 0, ks, K, EVEN_K)
         triton_compat.wait_for_previous()
         triton_compat.release_dependents()
-        acc = _add_vector(acc, _product(_tile(x_ptrs, 0, ks, K, EVEN_K), wt, M_PAD, BLOCK_N, BLOCK_K))
+        acc = _add_vector(acc, _product(_tile(x_ptrs, 0, ks, K, EVEN_K), wt, M_PAD, ROWS, BLOCK_K))
         first = BLOCK_K
     for k0 in tl.range(first, K, BLOCK_K, num_stages=NUM_STAGES):
         xt = _tile(x_ptrs, k0, ks, K, EVEN_K)
         wt = _tile(w_ptrs, k0, ks, K, EVEN_K)
-        acc = _add_vector(acc, _product(xt, wt, M_PAD, BLOCK_N, BLOCK_K))
+        acc = _add_vector(acc, _product(xt, wt, M_PAD, ROWS, BLOCK_K))
     y = tl.sum(acc, axis=2)
+    if SILU_MUL:
+        gate, up = tl.split(tl.reshape(y, [M_PAD, BLOCK_N, 2]))
+        y = gate / (1.0 + tl.exp(-gate)) * up
     if HAS_BIAS:
         y += tl.load(bias_ptr + w_rows).to(tl.float32)[None, :]
     rows = tl.arange(0, M_PAD)

@@ -268,9 +268,10 @@ class Dispatcher:
     @_remembered
     def gemm_silu_mul(self, m: int, k: int, n: int) -> bool:
         """True: gate_up_proj ([m, k] input, n = gate | up local columns) and its SiLU-mul run as one
-        launch of our GEMM with the activation in the epilogue (ops.gemm.gemm_silu_mul); False: the
-        layer's matmul (cuBLAS) and then the SiLU-mul kernel. The table's rows compare the two as
-        measured by `tp-overlap tune` (phase silu_mul). Unmeasured: False."""
+        launch with the activation in the epilogue (ops.gemv.gemv_silu_mul at decode-sized m where the
+        decode matmul takes its FMA path, else ops.gemm.gemm_silu_mul); False: the layer's matmul and
+        then the SiLU-mul kernel. The table's rows compare the two as measured by `tp-overlap tune`
+        (phase silu_mul, tuning/silu_mul.py). Unmeasured: False."""
         if self.mode != "table":
             return self.mode == "overlap"
         rows = [r for r in self.silu_mul_rows if r["K"] == k and r["N"] == n]

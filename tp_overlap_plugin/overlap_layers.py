@@ -38,7 +38,7 @@ from tp_overlap_plugin.layers import (ColumnParallelLinear, ParallelLMHead, Pend
                                       TPGroup, TPLayers, VocabParallelEmbedding, activate_silu_mul)
 from tp_overlap_plugin.ops.gemm import gemm_silu_mul, gemm_silu_mul_applies
 from tp_overlap_plugin.ops.gemm_ar import GemmAllReduce
-from tp_overlap_plugin.ops.gemv import gemv, gemv_applies
+from tp_overlap_plugin.ops.gemv import gemv, gemv_applies, gemv_silu_mul, gemv_silu_mul_applies
 from tp_overlap_plugin.ops.operands import KERNEL_DTYPES
 from tp_overlap_plugin.overlap_plan import OverlapPlan
 
@@ -246,28 +246,33 @@ class OverlapColumn(ColumnParallelLinear):
         return runtime.all_gather(x, self.tp.group)[:self.layers.tokens]
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """gate_up_proj and its SiLU-mul. Where the layer's matmul is a plain GEMM (the replicated
-        layout, TP=1 included, or the sequential AG path's GEMM on the gathered rows) and the table
-        measured our GEMM with the activation in its epilogue faster than cuBLAS + the SiLU-mul
-        kernel at this M: one launch, and the [T, 2I] product never reaches memory. AG-GEMM and the
-        decode GEMV keep their plain stores: the matmul, then the kernel."""
+        """gate_up_proj and its SiLU-mul, as one launch where the table measured that faster at this M
+        than the matmul and then the SiLU-mul kernel (tune's phase silu_mul): the decode matmul's FMA
+        path with the activation in its epilogue (ops.gemv.gemv_silu_mul) where the layer's x is
+        decode-sized and the table picks that path; our GEMM with it in its epilogue (ops.gemm.gemm_silu_mul)
+        where the layer's matmul is a plain GEMM (the replicated layout, TP=1 included, or the
+        sequential AG path's gathered rows). Either way the [T, 2I] product never reaches memory.
+        AG-GEMM and the decode matmul's tensor-core path keep their plain stores: the matmul, then the kernel."""
         L = self.layers
         w = self.weight.t()
         if self.bias is not None or len(self.local_sizes) != 2 or self.local_sizes[0] != self.local_sizes[1]:
             return super().silu_mul(x)  # (which refuses a layer that is not [gate; up])
         if L.sequence_parallel and not self._ag_gemm(w):
             x = self._gathered(x)
-            return gemm_silu_mul(x, w) if self._fuses(x, w) else activate_silu_mul(x @ w)
-        if not L.sequence_parallel and not L.takes_gemv(x, self.weight) and self._fuses(x, w):
-            return gemm_silu_mul(x, w)
+            return self._gemm_silu_mul(x, w) if self._fuses(x, gemm_silu_mul_applies(x, w)) else activate_silu_mul(x @ w)
+        if not L.sequence_parallel and gemv_silu_mul_applies(x, self.weight):
+            return gemv_silu_mul(x, self.weight) if self._fuses(x, True) else super().silu_mul(x)
+        if not L.sequence_parallel and not L.takes_gemv(x, self.weight) and self._fuses(x, gemm_silu_mul_applies(x, w)):
+            return self._gemm_silu_mul(x, w)
         return super().silu_mul(x)
 
-    def _fuses(self, x: torch.Tensor, w: torch.Tensor) -> bool:
-        if (gemm_silu_mul_applies(x, w)
-                and self.layers.step_dispatcher.gemm_silu_mul(x.shape[0], self.input_size, w.shape[1])):
-            stats.record("gemm_silu_mul.kernel")
-            return True
-        return False
+    def _fuses(self, x: torch.Tensor, applies: bool) -> bool:
+        return applies and self.layers.step_dispatcher.gemm_silu_mul(x.shape[0], self.input_size, self.weight.shape[0])
+
+    @staticmethod
+    def _gemm_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        stats.record("gemm_silu_mul.kernel")
+        return gemm_silu_mul(x, w)
 
 
 class OverlapRow(RowParallelLinear):

@@ -7,7 +7,7 @@ are command lines over these modules.
   gemm_configs  the GEMM core's tile configs against cuBLAS -> the GEMM config table
   decode_configs  the decode matmul's configs against F.linear -> the decode config table
   gemv          decode-sized matmuls: our GEMV against F.linear
-  silu_mul      gate_up with SiLU-mul in our GEMM's epilogue against cuBLAS + the SiLU-mul kernel
+  silu_mul      gate_up with SiLU-mul in our decode matmul's or GEMM's epilogue against the matmul + the kernel
   all_reduce    our all-reduce (one-shot, two-shot) and fused all-reduce + norm against NCCL/RCCL
   fused_ops     AG-GEMM / GEMM-RS against the sequential collective + GEMM
   gemm_ar       GEMM + all-reduce in one kernel against F.linear + an all-reduce

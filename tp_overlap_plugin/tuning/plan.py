@@ -152,11 +152,13 @@ def make_plan(model: str, dims: ModelDims, world: int, device: str, quick: bool,
         fused_ms = sorted({world * m for m in ((2, 64, 512) if quick else (1, 16, 64, 256))} | {1024, 4096, 16384}
                           | steps)
         ar_rows = [1, 16, 64] if quick else list(gemm_ar.ROWS)
-        # gate_up with its SiLU-mul fused: where the layer's matmul is a plain GEMM (the replicated
-        # layout past the GEMV's rows, the sequential AG path's gathered rows), up to the prefill sizes
-        silu_ms = (64, 1024, 8192) if quick else (16, 64, 256, 1024, 2048, 4096, 8192)
-    else:  # the interpreter: the pipeline, at sizes it runs in seconds (both decode-matmul paths at 4 rows)
-        rows, sizes, tokens, fused_ms, ar_rows, silu_ms = [1], [8 << 10], [1], [2 * world], [1], (16,)
+        # gate_up with its SiLU-mul fused: in the decode matmul's FMA path (its candidates' rows, 1-8), and
+        # where the layer's matmul is a plain GEMM (the replicated layout past the GEMV's rows, the
+        # sequential AG path's gathered rows), up to the prefill sizes
+        silu_ms = (1, 64, 1024, 8192) if quick else (1, 4, 8, 16, 64, 256, 1024, 2048, 4096, 8192)
+    else:  # the interpreter: the pipeline, at sizes it runs in seconds (both decode-matmul paths at 4 rows;
+        # gate_up fused in the decode matmul at 1 row)
+        rows, sizes, tokens, fused_ms, ar_rows, silu_ms = [1], [8 << 10], [1], [2 * world], [1], (1,)
     gate_up = [x for x in layers if x[0] == "gate_up"]
     items = {
         **_config_items({model: (dims, (world,))}, gpu, quick),

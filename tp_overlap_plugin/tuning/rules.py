@@ -135,8 +135,9 @@ def gemv_rows(measured: dict, margin: float = MARGIN) -> list[dict]:
 
 
 def gemm_silu_mul_rows(measured: dict, margin: float = MARGIN) -> list[dict]:
-    """Per measured (M, K, N = gate | up): gate_up with SiLU-mul in our GEMM's epilogue against cuBLAS
-    and the SiLU-mul kernel, in CUDA graphs on one GPU (tuning/silu_mul.py). A row whose fused output
+    """Per measured (M, K, N = gate | up): gate_up with SiLU-mul in the epilogue of the launch the layer
+    runs at M (our decode matmul's or our GEMM's) against its unfused path and the SiLU-mul kernel, in
+    CUDA graphs on one GPU (tuning/silu_mul.py). A row whose fused output
     failed its float64 check is left out: unmeasured, so stock."""
     return _two_way_rows({k: r for k, r in measured.items() if r.get("ok", True)}, "stock_ms", "fused_ms", "fused",
                          margin)
