@@ -259,7 +259,8 @@ class OverlapColumn(ColumnParallelLinear):
             return super().silu_mul(x)  # (which refuses a layer that is not [gate; up])
         if L.sequence_parallel and not self._ag_gemm(w):
             x = self._gathered(x)
-            return self._gemm_silu_mul(x, w) if self._fuses(x, gemm_silu_mul_applies(x, w)) else activate_silu_mul(x @ w)
+            fuses = self._fuses(x, gemm_silu_mul_applies(x, w))
+            return self._gemm_silu_mul(x, w) if fuses else activate_silu_mul(x @ w)
         if not L.sequence_parallel and gemv_silu_mul_applies(x, self.weight):
             return gemv_silu_mul(x, self.weight) if self._fuses(x, True) else super().silu_mul(x)
         if not L.sequence_parallel and not L.takes_gemv(x, self.weight) and self._fuses(x, gemm_silu_mul_applies(x, w)):

@@ -67,12 +67,9 @@ def measure_row(shape: str, m: int, k: int, n2: int, dev, *, repeats: int, sampl
     if gemv_applies(x, w) and tuple(names) == TABLE_OPS:
         names = DECODE_OPS
     ops = {name: every[name] for name in names}
-    if decode_fused:
-        cfg = pick_decode_config(m, n2, k, dev)
-        row = {"shape": shape, "M": m, "K": k, "N": n2, "config": cfg.label(), "fused_runs": "gemv_silu_mul"}
-    else:
-        cfg = pick_config(m, n2, k, dev)
-        row = {"shape": shape, "M": m, "K": k, "N": n2, "config": cfg.label(), "fused_runs": silu_mul_config(cfg).label()}
+    cfg = pick_decode_config(m, n2, k, dev) if decode_fused else pick_config(m, n2, k, dev)
+    row = {"shape": shape, "M": m, "K": k, "N": n2, "config": cfg.label(),
+           "fused_runs": "gemv_silu_mul" if decode_fused else silu_mul_config(cfg).label()}
     y.fill_(float("nan"))
     every["fused"]()
     idx, ref = reference(x, w, 64)
@@ -87,7 +84,8 @@ def measure_row(shape: str, m: int, k: int, n2: int, dev, *, repeats: int, sampl
         row[f"{name}_ms_repeats"] = [us / 1e3 for us in t]
         row[f"{name}_ms"] = statistics.median(row[f"{name}_ms_repeats"])
     if "gemv_silu" in times and "cublas_silu" in times:  # the layer's unfused path: the faster pair, per repeat
-        row["stock_ms_repeats"] = [min(a, b) for a, b in zip(row["cublas_silu_ms_repeats"], row["gemv_silu_ms_repeats"])]
+        pairs = zip(row["cublas_silu_ms_repeats"], row["gemv_silu_ms_repeats"])
+        row["stock_ms_repeats"] = [min(a, b) for a, b in pairs]
         row["stock_ms"] = statistics.median(row["stock_ms_repeats"])
     if gpu:
         torch.cuda.empty_cache()
