@@ -153,6 +153,19 @@ def test_gemv_matches_float64_under_interpreter():
     run_under_interpreter(__file__, "gemv ok", timeout=290)
 
 
+def _captured(call) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of `call`, run once eagerly first (compiled) on the capture's side stream."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=s):
+        call()
+    return graph
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="runs real kernels")
@@ -183,14 +196,7 @@ def test_gemv_replays_in_a_cuda_graph(cfg, m, pdl):
     x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(3072, 4096, device="cuda", dtype=torch.bfloat16) / 64
     out = torch.empty(m, 3072, device="cuda", dtype=torch.bfloat16)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        gemv(x, w, out=out, config=cfg, dependent_launch=pdl)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=s):
-        gemv(x, w, out=out, config=cfg, dependent_launch=pdl)
+    graph = _captured(lambda: gemv(x, w, out=out, config=cfg, dependent_launch=pdl))
     for _ in range(3):
         out.fill_(float("nan"))
         x.normal_()
@@ -215,14 +221,7 @@ def test_gemv_silu_mul_matches_float64_on_gpu():
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2 * 1792, 4096, device="cuda", dtype=torch.bfloat16) / 64
     out = torch.empty(1, 1792, device="cuda", dtype=torch.bfloat16)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        gemv_silu_mul(x, w, out=out, dependent_launch=True)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=s):
-        gemv_silu_mul(x, w, out=out, dependent_launch=True)
+    graph = _captured(lambda: gemv_silu_mul(x, w, out=out, dependent_launch=True))
     for _ in range(3):
         out.fill_(float("nan"))
         x.normal_()

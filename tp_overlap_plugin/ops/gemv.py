@@ -56,11 +56,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     n = weight.shape[0]
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or not bias.is_contiguous()):
         raise ValueError(f"gemv: bias must be a contiguous [{n}] {x.dtype} tensor, got {tuple(bias.shape)} {bias.dtype}")
-    if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
-        raise ValueError(f"gemv: out must be [{m}, {n}] {x.dtype} with unit column stride, got "
-                         f"{tuple(out.shape)} {out.dtype}")
+    out = _output(out, m, n, x, "gemv")
     if n == 0:
         return out
     cfg = config or pick_decode_config(m, n, k, x.device)
@@ -101,11 +97,7 @@ def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
                          f"{weight.dtype}")
     m, k = x.shape
     n = weight.shape[0] // 2
-    if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
-        raise ValueError(f"gemv_silu_mul: out must be [{m}, {n}] {x.dtype} with unit column stride, got "
-                         f"{tuple(out.shape)} {out.dtype}")
+    out = _output(out, m, n, x, "gemv_silu_mul")
     if n == 0:
         return out
     cfg = config or pick_decode_config(m, 2 * n, k, x.device)
@@ -115,6 +107,16 @@ def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
     stats.record("gemv_silu_mul.kernel")
     _launch_fma(x, weight, None, out, dataclasses.replace(cfg, block_n=max(1, cfg.block_n // 2)),
                 dependent_launch, silu_mul=True)
+    return out
+
+
+def _output(out: torch.Tensor | None, m: int, n: int, x: torch.Tensor, op: str) -> torch.Tensor:
+    """`out`, checked, or a new [m, n] tensor of x's dtype on x's device."""
+    if out is None:
+        return torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"{op}: out must be [{m}, {n}] {x.dtype} with unit column stride, got "
+                         f"{tuple(out.shape)} {out.dtype}")
     return out
 
 
