@@ -1,7 +1,7 @@
 """The host ops, one module per op (kernels/ has the kernel of each under the same name):
 
     gemm.py             gemm, gemm_silu_mul: the GEMM core (every matmul below runs its tiles)
-    gemv.py             gemv: the decode matmul, 1..64 rows
+    gemv.py             gemv, gemv_silu_mul: the decode matmul, 1..64 rows (gate_up with its activation, 1..16)
     ag_gemm.py          AllGatherGemm: all_gather(a) @ b, the gather pushed from inside the GEMM
     gemm_rs.py          GemmReduceScatter: reduce_scatter(a @ b), partials stored into their owners
     gemm_ar.py          GemmAllReduce: all_reduce(x @ w.T) for decode rows, pushed from the epilogue
