@@ -424,7 +424,8 @@ def markdown(t: dict, layer_ops=None, layer_name: str = "Llama-3-8B") -> str:
         md += ("\n## Rows that failed (they run stock; the next `tp-overlap tune` measures them again)\n\n"
                + md_table(["phase", "row", "why"], [[f["phase"], f["key"], f["why"]] for f in t["failed"]]))
     if t.get("gemm_silu_mul"):
-        md += f"\n## gate_up + SiLU-mul: cuBLAS + the SiLU-mul kernel against the fused kernel (ms, {timed})\n\n"
+        md += (f"\n## gate_up + SiLU-mul: the matmul + the SiLU-mul kernel against the fused launch (ms, {timed}; "
+               "stock: cuBLAS, or where faster at decode rows our decode matmul)\n\n")
         md += md_table(["layer", "M", "K", "N", "stock", "fused", "stock/fused", "chosen"],
                        [[r["shape"], r["M"], r["K"], r["N"], r["stock_ms"], r["fused_ms"],
                          _ratio(r, "ratio", r["stock_ms"] / r["fused_ms"]), r["winner"]] for r in t["gemm_silu_mul"]])
