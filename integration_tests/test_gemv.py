@@ -74,21 +74,21 @@ def _every_m(device, configs, n, k, rows=range(1, GEMV_MAX_ROWS + 1)):
     return bad
 
 
-def _silu_mul(device, configs, shapes, rows=(1, 2, 3, 5, 8)):
+def _silu_mul(device, configs, shapes, rows=(1, 2, 3, 5, 8), dtype=torch.bfloat16):
     """gemv_silu_mul against float64 silu(x gate^T) * (x up^T), into poisoned outputs, with and without
     dependent launch (the same bits). One rounding of the fp32 result: 2^-7 relative (the interpreter
     truncates), plus the fp32 sums' error carried through the activation (|gate| + |up| terms)."""
     gen = torch.Generator().manual_seed(2)
     bad = []
     for n, k in shapes:  # n: output columns; the weight is [2n, K]
-        w = (torch.randn(2 * n, k, generator=gen) / k ** 0.5).to(torch.bfloat16).to(device)
+        w = (torch.randn(2 * n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
         for cfg in configs:
             for m in rows:
-                x = torch.randn(m, k + 8, generator=gen).to(torch.bfloat16).to(device)[:, :k]
+                x = torch.randn(m, k + 8, generator=gen).to(dtype).to(device)[:, :k]
                 gate, up = (x.double().cpu() @ w.double().cpu().t()).split(n, dim=1)
                 ref = torch.nn.functional.silu(gate) * up
-                first = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
-                again = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
+                first = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+                again = torch.full((m, n), float("nan"), dtype=dtype, device=device)
                 gemv_silu_mul(x, w, out=first, config=cfg)
                 gemv_silu_mul(x, w, out=again, config=cfg, dependent_launch=True)
                 err = (first.double().cpu() - ref).abs()
@@ -110,6 +110,7 @@ def main():
     # odd output widths, a K tail, K shorter than a tile, and programs of 1 and 8 output columns
     bad = _silu_mul(torch.device("cpu"), [CPU_CONFIGS[0], DecodeConfig("fma", 2, 32, 4, 1)],
                     [(9, 37), (16, 64), (3, 20)], rows=(1, 3, 4))
+    bad += _silu_mul(torch.device("cpu"), CPU_CONFIGS[:1], [(9, 37)], rows=(2,), dtype=torch.float16)
     assert not bad, bad
     _tp1_layers_take_the_decode_matmul()
     print("gemv ok")
