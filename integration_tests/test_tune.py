@@ -467,6 +467,8 @@ def test_the_fused_ops_are_measured_at_the_engines_own_prefill_steps():
         first = len(steps) * len(plan.designs) * len(dims.layers(world))
         assert all(it["M"] in steps for it in plan.items["fused_ops"][:first])
         assert not any(it["M"] in steps for it in plan.items["fused_ops"][first:])
+        # gate_up fused at the GEMV's rows that have FMA candidates (1-8), then at the GEMM's sizes
+        assert [it["M"] for it in plan.items["silu_mul"]] == [1, 2, 4, 8, 16, 64, 256, 1024, 2048, 4096, 8192]
 
 
 def test_a_table_of_several_models_names_a_run_for_each():

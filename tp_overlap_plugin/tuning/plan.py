@@ -131,7 +131,7 @@ def make_plan(model: str, dims: ModelDims, world: int, device: str, quick: bool,
     engine_check.DEFAULT_BUDGET). `fused_ops`: the AG-GEMM / GEMM-RS designs measured ("auto": all of
     options.DESIGNS; or one); each design's rows are stored apart (a key suffix)."""
     from tp_overlap_plugin.options import DESIGNS
-    from tp_overlap_plugin.tuning import engine_check, gemm_ar, gemv
+    from tp_overlap_plugin.tuning import decode_configs, engine_check, gemm_ar, gemv
     dims.check_tp(world)
     if fused_ops != "auto" and fused_ops not in DESIGNS:
         raise ValueError(f"fused_ops must be 'auto' or one of {DESIGNS}, got {fused_ops!r}")
@@ -152,10 +152,11 @@ def make_plan(model: str, dims: ModelDims, world: int, device: str, quick: bool,
         fused_ms = sorted({world * m for m in ((2, 64, 512) if quick else (1, 16, 64, 256))} | {1024, 4096, 16384}
                           | steps)
         ar_rows = [1, 16, 64] if quick else list(gemm_ar.ROWS)
-        # gate_up with its SiLU-mul fused: in the decode matmul's FMA path (its candidates' rows, 1-8), and
-        # where the layer's matmul is a plain GEMM (the replicated layout past the GEMV's rows, the
-        # sequential AG path's gathered rows), up to the prefill sizes
-        silu_ms = (1, 64, 1024, 8192) if quick else (1, 4, 8, 16, 64, 256, 1024, 2048, 4096, 8192)
+        # gate_up with its SiLU-mul fused: in the decode matmul's FMA path (the GEMV's rows that have FMA
+        # candidates), and where the layer's matmul is a plain GEMM (the replicated layout past the GEMV's
+        # rows, the sequential AG path's gathered rows), up to the prefill sizes
+        silu_ms = tuple(m for m in rows if m <= decode_configs.FMA_UPTO) + \
+            ((64, 1024, 8192) if quick else (16, 64, 256, 1024, 2048, 4096, 8192))
     else:  # the interpreter: the pipeline, at sizes it runs in seconds (both decode-matmul paths at 4 rows;
         # gate_up fused in the decode matmul at 1 row)
         rows, sizes, tokens, fused_ms, ar_rows, silu_ms = [1], [8 << 10], [1], [2 * world], [1], (1,)
