@@ -13,6 +13,7 @@ import torch
 from tp_overlap_plugin.decode_config import DecodeConfig
 from tp_overlap_plugin.dispatch import Dispatcher
 from tp_overlap_plugin.ops.gemv import GEMV_MAX_ROWS, gemv, gemv_applies, gemv_silu_mul, gemv_silu_mul_applies
+from tp_overlap_plugin.tuning.timing import capture_graph
 
 # both paths at explicit configs, whatever the device's table says; the interpreter's tiles are small
 # so that a tiny shape has several tiles, K blocks, K slices (split-K) and a K tail
@@ -154,19 +155,6 @@ def test_gemv_matches_float64_under_interpreter():
     run_under_interpreter(__file__, "gemv ok", timeout=290)
 
 
-def _captured(call) -> "torch.cuda.CUDAGraph":
-    """A CUDA graph of `call`, run once eagerly first (compiled) on the capture's side stream."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=s):
-        call()
-    return graph
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="runs real kernels")
@@ -197,12 +185,12 @@ def test_gemv_replays_in_a_cuda_graph(cfg, m, pdl):
     x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(3072, 4096, device="cuda", dtype=torch.bfloat16) / 64
     out = torch.empty(m, 3072, device="cuda", dtype=torch.bfloat16)
-    graph = _captured(lambda: gemv(x, w, out=out, config=cfg, dependent_launch=pdl))
+    replay = capture_graph(lambda: gemv(x, w, out=out, config=cfg, dependent_launch=pdl), 1)
     for _ in range(3):
         out.fill_(float("nan"))
         x.normal_()
         ref = x.double() @ w.double().t()
-        graph.replay()
+        replay()
         torch.cuda.synchronize()
         assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
         eager = gemv(x, w, config=cfg)
@@ -222,11 +210,11 @@ def test_gemv_silu_mul_matches_float64_on_gpu():
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2 * 1792, 4096, device="cuda", dtype=torch.bfloat16) / 64
     out = torch.empty(1, 1792, device="cuda", dtype=torch.bfloat16)
-    graph = _captured(lambda: gemv_silu_mul(x, w, out=out, dependent_launch=True))
+    replay = capture_graph(lambda: gemv_silu_mul(x, w, out=out, dependent_launch=True), 1)
     for _ in range(3):
         out.fill_(float("nan"))
         x.normal_()
-        graph.replay()
+        replay()
         torch.cuda.synchronize()
         assert torch.equal(out, gemv_silu_mul(x, w)), "a replay and an eager call differ"
 
